@@ -1,0 +1,131 @@
+//! Compiles the C++ shim in `csrc/` against the libtorch that torch-sys found.
+//!
+//! libtorch is located exactly as torch-sys locates it (`LIBTORCH`, or
+//! `LIBTORCH_USE_PYTORCH=1` with a Python that has torch 2.11.0); torch-sys hands us
+//! its lib directory as `DEP_TCH_LIBTORCH_LIB`. The NCCL backend is compiled when that
+//! libtorch has CUDA and the CUDA runtime and NCCL headers are found (see
+//! `cuda_include_dirs`). The lib directory is passed on to crates that depend on this
+//! one as `DEP_TCH_DISTRIBUTED_LIBTORCH_LIB`, so they can add it to their rpath.
+
+use std::env;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Reads an environment variable and asks cargo to rerun when it changes.
+fn env_var(name: &str) -> Option<String> {
+    println!("cargo:rerun-if-env-changed={name}");
+    env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+fn python() -> String {
+    if env::var_os("VIRTUAL_ENV").is_some() { "python" } else { "python3" }.to_string()
+}
+
+/// `_GLIBCXX_USE_CXX11_ABI` as the libtorch in use was built with.
+fn cxx11_abi() -> String {
+    if let Some(abi) = env_var("LIBTORCH_CXX11_ABI") {
+        return abi;
+    }
+    if env_var("LIBTORCH_USE_PYTORCH").is_some() {
+        let out = Command::new(python())
+            .args(["-c", "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))"])
+            .output();
+        if let Ok(out) = out {
+            let abi = String::from_utf8_lossy(&out.stdout).trim().to_string();
+            if abi == "0" || abi == "1" {
+                return abi;
+            }
+        }
+        panic!("could not ask python for torch._C._GLIBCXX_USE_CXX11_ABI; set LIBTORCH_CXX11_ABI=0|1");
+    }
+    "1".to_string()
+}
+
+/// Include directories holding `cuda_runtime.h`, `crt/host_config.h` and `nccl.h`.
+/// `TCH_DISTRIBUTED_CUDA_INCLUDE` (colon-separated) wins; otherwise the pip packages
+/// next to torch (`nvidia/cu13/include`, `nvidia/nccl/include`) and `$CUDA_HOME/include`.
+fn cuda_include_dirs(lib_dir: &Path) -> Option<Vec<PathBuf>> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(dirs) = env_var("TCH_DISTRIBUTED_CUDA_INCLUDE") {
+        candidates.extend(env::split_paths(&dirs));
+    } else {
+        if let Some(site) = lib_dir.parent().and_then(Path::parent) {
+            for sub in ["nvidia/cu13/include", "nvidia/cuda_runtime/include", "nvidia/nccl/include"] {
+                candidates.push(site.join(sub));
+            }
+        }
+        for var in ["CUDA_HOME", "CUDA_PATH"] {
+            if let Some(home) = env_var(var) {
+                candidates.push(PathBuf::from(home).join("include"));
+            }
+        }
+        candidates.push(PathBuf::from("/usr/local/cuda/include"));
+    }
+    let has = |file: &str| candidates.iter().any(|d| d.join(file).exists());
+    let needed = ["cuda_runtime.h", "crt/host_config.h", "nccl.h"];
+    if needed.iter().all(|f| has(f)) {
+        Some(candidates.into_iter().filter(|d| d.exists()).collect())
+    } else {
+        let missing: Vec<_> = needed.iter().filter(|f| !has(f)).collect();
+        println!(
+            "cargo:warning=tch-distributed: NCCL backend not built: headers {missing:?} not found \
+             (pip install 'cuda-toolkit[nvcc,cccl]==13.0.2' next to torch, or set TCH_DISTRIBUTED_CUDA_INCLUDE)"
+        );
+        None
+    }
+}
+
+fn main() {
+    let lib_dir = PathBuf::from(env::var("DEP_TCH_LIBTORCH_LIB").expect(
+        "torch-sys did not report its libtorch directory; set LIBTORCH, or LIBTORCH_USE_PYTORCH=1 \
+         with the project's .venv first on PATH",
+    ));
+    let torch_root = lib_dir.parent().expect("libtorch lib dir has a parent").to_path_buf();
+    let include = torch_root.join("include");
+    let abi = cxx11_abi();
+
+    // Real Gloo headers when this libtorch ships them, else declaration-only stand-ins.
+    let gloo_include = if include.join("gloo/context.h").exists() {
+        include.clone()
+    } else {
+        PathBuf::from("csrc/gloo_stubs")
+    };
+
+    let mut build = cc::Build::new();
+    build
+        .cpp(true)
+        .pic(true)
+        .warnings(false)
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"))
+        .include(&gloo_include)
+        .flag("-std=c++17")
+        .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
+        .flag("-DGLOG_USE_GLOG_EXPORT")
+        .flag("-DUSE_C10D_GLOO")
+        .file("csrc/shim.cpp")
+        .file("csrc/nccl.cpp");
+
+    let has_cuda = lib_dir.join("libtorch_cuda.so").exists();
+    let nccl = if has_cuda { cuda_include_dirs(&lib_dir) } else { None };
+    if let Some(dirs) = &nccl {
+        build.includes(dirs).define("TDC_WITH_NCCL", None).define("USE_C10D_NCCL", None).define("USE_CUDA", None);
+        println!("cargo:rustc-cfg=tdc_nccl");
+        println!("cargo:rustc-link-lib=torch_cuda");
+        println!("cargo:rustc-link-lib=c10_cuda");
+    } else if !has_cuda {
+        println!("cargo:warning=tch-distributed: libtorch has no CUDA; building Gloo (CPU) only");
+    }
+    println!("cargo:rustc-check-cfg=cfg(tdc_nccl)");
+    build.compile("tdc_shim");
+
+    println!("cargo:rustc-link-search=native={}", lib_dir.display());
+    // Our own binaries (tchrun, unit tests) find libtorch without LD_LIBRARY_PATH;
+    // dependents get the directory through the `links` metadata.
+    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib_dir.display());
+    println!("cargo:libtorch_lib={}", lib_dir.display());
+    for f in ["shim.cpp", "shim.h", "internal.hpp", "nccl.cpp"] {
+        println!("cargo:rerun-if-changed=csrc/{f}");
+    }
+    println!("cargo:rerun-if-changed=csrc/gloo_stubs");
+}

@@ -1,0 +1,3 @@
+// Declaration-only stand-in, see ../../README.md. ProcessGroupGloo.hpp includes this
+// header but uses none of its names.
+#pragma once

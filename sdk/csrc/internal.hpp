@@ -1,0 +1,37 @@
+// Shared between the shim's translation units (shim.cpp and nccl.cpp).
+#pragma once
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <string>
+
+#include "shim.h"
+
+struct tdc_store {
+  c10::intrusive_ptr<c10d::Store> store;
+};
+
+namespace tdc {
+// Stores `message` as this thread's last error.
+void set_last_error(const std::string& message);
+
+// Creates the NCCL backend (nccl.cpp); throws when NCCL was not compiled in.
+c10::intrusive_ptr<c10d::Backend> make_nccl_backend(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout, int cuda_device);
+bool nccl_compiled();
+} // namespace tdc
+
+// Wraps a function body: any C++ exception becomes this thread's last error and
+// the function returns `fail`.
+#define TDC_PROTECT(fail, ...)                   \
+  try {                                          \
+    __VA_ARGS__                                  \
+  } catch (const std::exception& e) {            \
+    tdc::set_last_error(e.what());               \
+    return fail;                                 \
+  } catch (...) {                                \
+    tdc::set_last_error("unknown C++ exception"); \
+    return fail;                                 \
+  }

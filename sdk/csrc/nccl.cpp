@@ -1,0 +1,37 @@
+// The NCCL backend. Compiled with -DTDC_WITH_NCCL (plus USE_C10D_NCCL, USE_CUDA and
+// the CUDA/NCCL include paths) only when libtorch has CUDA and the headers were
+// found; otherwise asking for NCCL fails with a message saying how to get it.
+#include "internal.hpp"
+
+#ifdef TDC_WITH_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+namespace tdc {
+
+bool nccl_compiled() {
+#ifdef TDC_WITH_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+c10::intrusive_ptr<c10d::Backend> make_nccl_backend(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout, int cuda_device) {
+#ifdef TDC_WITH_NCCL
+  auto options = c10d::ProcessGroupNCCL::Options::create();
+  options->timeout = timeout;
+  (void)cuda_device; // bound on the ProcessGroup by the caller
+  return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+#else
+  (void)store, (void)rank, (void)size, (void)timeout, (void)cuda_device;
+  throw std::runtime_error(
+      "the NCCL backend was not compiled into tch-distributed: build against a "
+      "libtorch with CUDA and install the CUDA headers (pip install "
+      "'cuda-toolkit[nvcc,cccl]==13.0.2'), or use backend gloo");
+#endif
+}
+
+} // namespace tdc

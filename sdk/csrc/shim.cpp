@@ -1,0 +1,351 @@
+// extern "C" functions over libtorch's c10d: stores, process groups, collectives and
+// the Reducer. See shim.h for the error convention.
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+
+#include "internal.hpp"
+
+struct tdc_pg {
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+};
+
+struct tdc_reducer {
+  std::unique_ptr<c10d::Reducer> reducer;
+};
+
+namespace {
+thread_local std::string last_error;
+thread_local bool has_last_error = false;
+
+std::chrono::milliseconds ms(int64_t v) {
+  return std::chrono::milliseconds(v);
+}
+
+at::Tensor& tensor(tdc_tensor t) {
+  return *static_cast<at::Tensor*>(t);
+}
+
+std::vector<at::Tensor> tensors(tdc_tensor* ts, int n) {
+  std::vector<at::Tensor> out;
+  out.reserve(n);
+  for (int i = 0; i < n; i++) out.push_back(tensor(ts[i]));
+  return out;
+}
+
+// Waits for `work`; a failure or timeout surfaces as an exception.
+void wait(const c10::intrusive_ptr<c10d::Work>& work, int64_t timeout_ms) {
+  if (!work->wait(ms(timeout_ms))) {
+    throw std::runtime_error("operation did not complete");
+  }
+}
+
+c10d::ReduceOp reduce_op(int op) {
+  switch (op) {
+    case 0: return c10d::ReduceOp::SUM;
+    case 1: return c10d::ReduceOp::AVG;
+    case 2: return c10d::ReduceOp::PRODUCT;
+    case 3: return c10d::ReduceOp::MIN;
+    case 4: return c10d::ReduceOp::MAX;
+  }
+  throw std::invalid_argument("unknown reduce op " + std::to_string(op));
+}
+
+bool is_gloo(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const at::Tensor& t) {
+  return pg->getBackend(t.device().type())->getBackendName() == "gloo";
+}
+} // namespace
+
+void tdc::set_last_error(const std::string& message) {
+  last_error = message;
+  has_last_error = true;
+}
+
+extern "C" {
+
+char* tdc_last_error(void) {
+  if (!has_last_error) return nullptr;
+  has_last_error = false;
+  return strdup(last_error.c_str());
+}
+
+int tdc_nccl_compiled(void) {
+  return tdc::nccl_compiled() ? 1 : 0;
+}
+
+tdc_store* tdc_tcp_store_new(
+    const char* host, int port, int world_size, int is_server,
+    int64_t timeout_ms) {
+  TDC_PROTECT(nullptr, {
+    c10d::TCPStoreOptions opts;
+    opts.port = static_cast<std::uint16_t>(port);
+    opts.isServer = is_server != 0;
+    opts.numWorkers = world_size;
+    // The process group's own rendezvous waits for every rank, with its timeout.
+    opts.waitWorkers = false;
+    opts.timeout = ms(timeout_ms);
+    return new tdc_store{c10::make_intrusive<c10d::TCPStore>(host, opts)};
+  })
+}
+
+tdc_store* tdc_hash_store_new(void) {
+  TDC_PROTECT(nullptr, { return new tdc_store{c10::make_intrusive<c10d::HashStore>()}; })
+}
+
+tdc_store* tdc_prefix_store_new(const char* prefix, tdc_store* base) {
+  TDC_PROTECT(nullptr, {
+    return new tdc_store{c10::make_intrusive<c10d::PrefixStore>(prefix, base->store)};
+  })
+}
+
+void tdc_store_free(tdc_store* store) {
+  delete store;
+}
+
+int tdc_store_port(tdc_store* store) {
+  TDC_PROTECT(-1, {
+    auto* tcp = dynamic_cast<c10d::TCPStore*>(store->store.get());
+    return tcp == nullptr ? -1 : static_cast<int>(tcp->getPort());
+  })
+}
+
+int tdc_store_set(tdc_store* store, const char* key, const uint8_t* data, size_t len) {
+  TDC_PROTECT(1, {
+    store->store->set(key, std::vector<uint8_t>(data, data + len));
+    return 0;
+  })
+}
+
+int tdc_store_get(tdc_store* store, const char* key, uint8_t** data, size_t* len) {
+  TDC_PROTECT(1, {
+    auto value = store->store->get(key);
+    *len = value.size();
+    *data = static_cast<uint8_t*>(malloc(value.size() == 0 ? 1 : value.size()));
+    if (!value.empty()) memcpy(*data, value.data(), value.size());
+    return 0;
+  })
+}
+
+int tdc_store_add(tdc_store* store, const char* key, int64_t delta, int64_t* result) {
+  TDC_PROTECT(1, {
+    *result = store->store->add(key, delta);
+    return 0;
+  })
+}
+
+tdc_pg* tdc_pg_new(
+    tdc_store* store, int rank, int size, int64_t timeout_ms, int gloo, int nccl,
+    int cuda_device) {
+  TDC_PROTECT(nullptr, {
+    auto pg = c10::make_intrusive<c10d::ProcessGroup>(store->store, rank, size);
+    if (nccl && cuda_device >= 0) {
+      // As `init_process_group(device_id=…)`: the group is bound to this rank's GPU.
+      pg->setBoundDeviceId(at::Device(at::DeviceType::CUDA, cuda_device));
+    }
+    // Each backend gets its own key space, as torch.distributed does.
+    if (gloo) {
+      auto options = c10d::ProcessGroupGloo::Options::create(ms(timeout_ms));
+      const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+      if (ifname != nullptr && *ifname != '\0') {
+        options->devices.push_back(
+            c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+      } else {
+        options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+      }
+      auto prefixed = c10::make_intrusive<c10d::PrefixStore>("cpu/", store->store);
+      auto backend = c10::make_intrusive<c10d::ProcessGroupGloo>(
+          prefixed, rank, size, options);
+      pg->setBackend(at::DeviceType::CPU, c10d::ProcessGroup::GLOO, backend);
+      pg->setDefaultBackend(c10d::ProcessGroup::GLOO);
+    }
+    if (nccl) {
+      auto prefixed = c10::make_intrusive<c10d::PrefixStore>("cuda/", store->store);
+      auto backend = tdc::make_nccl_backend(prefixed, rank, size, ms(timeout_ms), cuda_device);
+      pg->setBackend(at::DeviceType::CUDA, c10d::ProcessGroup::NCCL, backend);
+      pg->setDefaultBackend(c10d::ProcessGroup::NCCL);
+    }
+    return new tdc_pg{pg};
+  })
+}
+
+void tdc_pg_free(tdc_pg* pg) {
+  try {
+    delete pg;
+  } catch (...) {
+  }
+}
+
+int tdc_all_reduce(tdc_pg* pg, tdc_tensor t, int op, int64_t timeout_ms) {
+  TDC_PROTECT(1, {
+    auto& x = tensor(t);
+    std::vector<at::Tensor> ts{x};
+    c10d::AllreduceOptions opts;
+    opts.timeout = ms(timeout_ms);
+    // Gloo has no AVG: sum, then divide, as DDP's own Gloo path does.
+    bool divide = op == 1 && is_gloo(pg->pg, x);
+    opts.reduceOp = divide ? c10d::ReduceOp(c10d::ReduceOp::SUM) : reduce_op(op);
+    wait(pg->pg->allreduce(ts, opts), timeout_ms);
+    if (divide) {
+      at::NoGradGuard no_grad;
+      x.div_(pg->pg->getSize());
+    }
+    return 0;
+  })
+}
+
+int tdc_broadcast(tdc_pg* pg, tdc_tensor t, int root, int64_t timeout_ms) {
+  TDC_PROTECT(1, {
+    std::vector<at::Tensor> ts{tensor(t)};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = root;
+    opts.timeout = ms(timeout_ms);
+    wait(pg->pg->broadcast(ts, opts), timeout_ms);
+    return 0;
+  })
+}
+
+int tdc_all_gather(
+    tdc_pg* pg, tdc_tensor* outputs, int n, tdc_tensor input, int64_t timeout_ms) {
+  TDC_PROTECT(1, {
+    std::vector<std::vector<at::Tensor>> out{tensors(outputs, n)};
+    std::vector<at::Tensor> in{tensor(input)};
+    c10d::AllgatherOptions opts;
+    opts.timeout = ms(timeout_ms);
+    wait(pg->pg->allgather(out, in, opts), timeout_ms);
+    return 0;
+  })
+}
+
+int tdc_reduce_scatter(
+    tdc_pg* pg, tdc_tensor output, tdc_tensor* inputs, int n, int op,
+    int64_t timeout_ms) {
+  TDC_PROTECT(1, {
+    auto& x = tensor(output);
+    std::vector<at::Tensor> out{x};
+    std::vector<std::vector<at::Tensor>> in{tensors(inputs, n)};
+    c10d::ReduceScatterOptions opts;
+    opts.timeout = ms(timeout_ms);
+    bool divide = op == 1 && is_gloo(pg->pg, x);
+    opts.reduceOp = divide ? c10d::ReduceOp(c10d::ReduceOp::SUM) : reduce_op(op);
+    wait(pg->pg->reduce_scatter(out, in, opts), timeout_ms);
+    if (divide) {
+      at::NoGradGuard no_grad;
+      x.div_(pg->pg->getSize());
+    }
+    return 0;
+  })
+}
+
+int tdc_barrier(tdc_pg* pg, int64_t timeout_ms) {
+  TDC_PROTECT(1, {
+    c10d::BarrierOptions opts;
+    opts.timeout = ms(timeout_ms);
+    wait(pg->pg->barrier(opts), timeout_ms);
+    return 0;
+  })
+}
+
+int tdc_broadcast_coalesced(
+    tdc_pg* pg, tdc_tensor* ts, int n, size_t buffer_bytes, int root) {
+  TDC_PROTECT(1, {
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> detached;
+    detached.reserve(n);
+    for (int i = 0; i < n; i++) detached.push_back(tensor(ts[i]).detach());
+    c10d::broadcast_coalesced(pg->pg, detached, buffer_bytes, root);
+    return 0;
+  })
+}
+
+int tdc_verify_params(tdc_pg* pg, tdc_tensor* params, int n) {
+  TDC_PROTECT(1, {
+    c10d::verify_params_across_processes(pg->pg, tensors(params, n), std::nullopt);
+    return 0;
+  })
+}
+
+tdc_reducer* tdc_reducer_new(
+    tdc_pg* pg, tdc_tensor* params, const char** names, int n,
+    int64_t bucket_bytes_cap, int64_t first_bucket_bytes_cap,
+    int find_unused_parameters, int gradient_as_bucket_view) {
+  TDC_PROTECT(nullptr, {
+    auto ps = tensors(params, n);
+    std::unordered_map<size_t, std::string> param_names;
+    for (int i = 0; i < n; i++) param_names[i] = names[i];
+    // As DistributedDataParallel in torch 2.11: without unused-parameter search the
+    // first iteration uses one bucket, and the Reducer rebuilds buckets of
+    // (first_bucket_bytes_cap, bucket_bytes_cap) from the order gradients became
+    // ready; with it, the size-based buckets are used from the start. Buckets are
+    // reversed because gradients become ready roughly back to front.
+    std::vector<size_t> limits;
+    if (find_unused_parameters) {
+      limits = {static_cast<size_t>(first_bucket_bytes_cap),
+                static_cast<size_t>(bucket_bytes_cap)};
+    } else {
+      limits = {std::numeric_limits<size_t>::max()};
+    }
+    std::vector<bool> sparse(n, false);
+    auto [indices, per_bucket_limits] =
+        c10d::compute_bucket_assignment_by_size(ps, limits, sparse);
+    std::reverse(indices.begin(), indices.end());
+    auto reducer = std::make_unique<c10d::Reducer>(
+        ps, std::move(indices), pg->pg, sparse, bucket_bytes_cap,
+        find_unused_parameters != 0, gradient_as_bucket_view != 0,
+        std::move(param_names), first_bucket_bytes_cap,
+        /*skip_all_reduce_unused_params=*/false,
+        /*use_python_reducer=*/false,
+        /*bucket_bytes_cap_list=*/std::vector<int64_t>{});
+    return new tdc_reducer{std::move(reducer)};
+  })
+}
+
+void tdc_reducer_free(tdc_reducer* reducer) {
+  try {
+    delete reducer;
+  } catch (...) {
+  }
+}
+
+int tdc_reducer_prepare_for_forward(tdc_reducer* reducer) {
+  TDC_PROTECT(1, {
+    reducer->reducer->prepare_for_forward();
+    return 0;
+  })
+}
+
+int tdc_reducer_rebuild_buckets(tdc_reducer* reducer, int* rebuilt) {
+  TDC_PROTECT(1, {
+    *rebuilt = reducer->reducer->rebuild_buckets() ? 1 : 0;
+    return 0;
+  })
+}
+
+int tdc_reducer_prepare_for_backward(tdc_reducer* reducer, tdc_tensor* outputs, int n) {
+  TDC_PROTECT(1, {
+    reducer->reducer->prepare_for_backward(tensors(outputs, n));
+    return 0;
+  })
+}
+
+int tdc_reducer_buckets(tdc_reducer* reducer, int64_t* sizes, int cap, int* count) {
+  TDC_PROTECT(1, {
+    auto buckets = reducer->reducer->get_grad_buckets(/*return_zero_tensors=*/false);
+    *count = static_cast<int>(buckets.size());
+    for (int i = 0; i < *count && i < cap; i++) {
+      sizes[i] = static_cast<int64_t>(buckets[i].getParameters().size());
+    }
+    return 0;
+  })
+}
+
+} // extern "C"

@@ -1,0 +1,85 @@
+// The C interface between Rust and libtorch's c10d.
+//
+// One error convention, as torch-sys does: every function catches every C++
+// exception, stores its message in a thread-local and returns a failure value
+// (NULL for constructors, non-zero for the rest). `tdc_last_error` hands the
+// message to Rust, which frees it with `free`. No C++ exception crosses into Rust.
+//
+// Tensors cross as tch's `C_tensor*`, which is a `torch::Tensor*`.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tdc_store tdc_store;
+typedef struct tdc_pg tdc_pg;
+typedef struct tdc_reducer tdc_reducer;
+typedef void* tdc_tensor;
+
+// The last error message of this thread (malloc'ed, or NULL when none); resets it.
+char* tdc_last_error(void);
+
+// 1 when the NCCL backend was compiled into this build.
+int tdc_nccl_compiled(void);
+
+// ---- stores ----
+tdc_store* tdc_tcp_store_new(
+    const char* host, int port, int world_size, int is_server,
+    int64_t timeout_ms);
+// An in-process store, for a world of one process (no network).
+tdc_store* tdc_hash_store_new(void);
+tdc_store* tdc_prefix_store_new(const char* prefix, tdc_store* base);
+void tdc_store_free(tdc_store* store);
+// The port the store listens on or connects to (useful after port 0), or -1.
+int tdc_store_port(tdc_store* store);
+int tdc_store_set(tdc_store* store, const char* key, const uint8_t* data, size_t len);
+// *data is malloc'ed; the caller frees it.
+int tdc_store_get(tdc_store* store, const char* key, uint8_t** data, size_t* len);
+int tdc_store_add(tdc_store* store, const char* key, int64_t delta, int64_t* result);
+
+// ---- process group ----
+// Builds a ProcessGroup over `store`: Gloo for CPU tensors when `gloo` is set, NCCL
+// for CUDA tensors on `cuda_device` when `nccl` is set. `default_nccl` picks the
+// backend used for barriers.
+tdc_pg* tdc_pg_new(
+    tdc_store* store, int rank, int size, int64_t timeout_ms, int gloo,
+    int nccl, int cuda_device);
+void tdc_pg_free(tdc_pg* pg);
+
+// Collectives. Each blocks until done or until `timeout_ms` has passed.
+// op: 0 sum, 1 average, 2 product, 3 min, 4 max (c10d::ReduceOp's numbering).
+int tdc_all_reduce(tdc_pg* pg, tdc_tensor t, int op, int64_t timeout_ms);
+int tdc_broadcast(tdc_pg* pg, tdc_tensor t, int root, int64_t timeout_ms);
+int tdc_all_gather(
+    tdc_pg* pg, tdc_tensor* outputs, int n, tdc_tensor input, int64_t timeout_ms);
+int tdc_reduce_scatter(
+    tdc_pg* pg, tdc_tensor output, tdc_tensor* inputs, int n, int op,
+    int64_t timeout_ms);
+int tdc_barrier(tdc_pg* pg, int64_t timeout_ms);
+// c10d::broadcast_coalesced: broadcasts tensors from `root` in flattened buffers of
+// at most `buffer_bytes` bytes, without recording autograd history.
+int tdc_broadcast_coalesced(
+    tdc_pg* pg, tdc_tensor* tensors, int n, size_t buffer_bytes, int root);
+// c10d::verify_params_across_processes: same count, shapes and dtypes as rank 0.
+int tdc_verify_params(tdc_pg* pg, tdc_tensor* params, int n);
+
+// ---- reducer (the engine of DistributedDataParallel) ----
+tdc_reducer* tdc_reducer_new(
+    tdc_pg* pg, tdc_tensor* params, const char** names, int n,
+    int64_t bucket_bytes_cap, int64_t first_bucket_bytes_cap,
+    int find_unused_parameters, int gradient_as_bucket_view);
+void tdc_reducer_free(tdc_reducer* reducer);
+int tdc_reducer_prepare_for_forward(tdc_reducer* reducer);
+// *rebuilt is set to 1 when the buckets were rebuilt by this call.
+int tdc_reducer_rebuild_buckets(tdc_reducer* reducer, int* rebuilt);
+int tdc_reducer_prepare_for_backward(tdc_reducer* reducer, tdc_tensor* outputs, int n);
+// Number of buckets and the number of parameters in each (written to `sizes`,
+// which holds `cap` entries).
+int tdc_reducer_buckets(tdc_reducer* reducer, int64_t* sizes, int cap, int* count);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,294 @@
+//! `DistributedDataParallel` for a `tch::nn::VarStore`, over libtorch's
+//! `c10d::Reducer` — the same C++ engine as PyTorch's DDP.
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::ffi::CString;
+
+use tch::nn::{Optimizer, VarStore};
+use tch::Tensor;
+
+use crate::error::{Error, Result};
+use crate::ffi;
+use crate::process_group::ProcessGroup;
+
+const MIB: f64 = 1024.0 * 1024.0;
+/// Bucket size of the parameter and buffer broadcasts, as PyTorch's DDP (250 MiB).
+const BROADCAST_BUCKET_BYTES: usize = 250 * 1024 * 1024;
+
+/// Options of [`DistributedDataParallel`]; the defaults are PyTorch's.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DdpOptions {
+    /// Gradient bucket size in MiB (PyTorch's `bucket_cap_mb`, default 25).
+    pub bucket_cap_mb: f64,
+    /// Size of the first bucket in MiB (PyTorch's `_DEFAULT_FIRST_BUCKET_BYTES`,
+    /// default 1), so the last layers' gradients start their all-reduce early.
+    pub first_bucket_cap_mb: f64,
+    /// Traverse the autograd graph from the loss before each backward to find
+    /// parameters that got no gradient, so their buckets do not wait forever
+    /// (PyTorch's `find_unused_parameters`, default false; it costs a graph walk).
+    pub find_unused_parameters: bool,
+    /// Broadcast buffers (variables that are not trainable, such as batch-norm
+    /// statistics) from rank 0 at every synchronized backward (default true).
+    pub broadcast_buffers: bool,
+}
+
+impl Default for DdpOptions {
+    fn default() -> Self {
+        DdpOptions { bucket_cap_mb: 25.0, first_bucket_cap_mb: 1.0, find_unused_parameters: false, broadcast_buffers: true }
+    }
+}
+
+/// Counters of what DDP did, for tests and benchmarks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DdpStats {
+    /// Backward passes whose gradients were all-reduced.
+    pub synced_backward_passes: u64,
+    /// Backward passes run under [`DistributedDataParallel::no_sync`] (local only).
+    pub local_backward_passes: u64,
+    /// Times the Reducer rebuilt its buckets from the observed gradient order.
+    pub bucket_rebuilds: u64,
+}
+
+struct Reducer(*mut ffi::Reducer);
+impl Drop for Reducer {
+    fn drop(&mut self) {
+        unsafe { ffi::tdc_reducer_free(self.0) }
+    }
+}
+// The Reducer is used from one thread at a time (DistributedDataParallel is !Sync);
+// its autograd hooks run on autograd's threads, which c10d's Reducer locks for.
+unsafe impl Send for Reducer {}
+
+/// Data-parallel training of the trainable variables of a `VarStore`, as PyTorch's
+/// `torch.nn.parallel.DistributedDataParallel`.
+///
+/// On construction it checks that every rank has the same variables (count, shapes,
+/// dtypes), broadcasts all variables from rank 0, and registers a `c10d::Reducer`
+/// over the trainable ones. Then each [`backward`](Self::backward) all-reduces
+/// gradients bucket by bucket while backward is still running, and leaves every
+/// rank with the gradient averaged over ranks. With a world of one process the
+/// Reducer is skipped and `backward` is plain `loss.backward()`.
+///
+/// ```no_run
+/// # fn main() -> tch_distributed::Result<()> {
+/// use tch::nn::{self, Module, OptimizerConfig};
+/// let ctx = tch_distributed::init()?;
+/// let vs = nn::VarStore::new(ctx.device());
+/// let net = nn::linear(vs.root(), 4, 1, Default::default());
+/// let mut opt = nn::Sgd::default().build(&vs, 0.1)?;
+/// let ddp = tch_distributed::DistributedDataParallel::new(&vs, ctx.process_group(), Default::default())?;
+/// let xs = tch::Tensor::randn([8, 4], (tch::Kind::Float, ctx.device()));
+/// let loss = net.forward(&xs).square().mean(None);
+/// ddp.backward_step(&mut opt, &loss)?; // instead of opt.backward_step(&loss)
+/// # Ok(()) }
+/// ```
+pub struct DistributedDataParallel {
+    reducer: Option<Reducer>,
+    group: ProcessGroup,
+    buffers: Vec<Tensor>,
+    options: DdpOptions,
+    require_grad_sync: Cell<bool>,
+    stats: Cell<DdpStats>,
+}
+
+impl DistributedDataParallel {
+    /// Wraps the variables of `vs` for data-parallel training over `group`. Every
+    /// rank must call it with a store holding the same variables.
+    ///
+    /// Errors: [`Error::Config`] for non-positive bucket sizes or a store with no
+    /// trainable variable; [`Error::Collective`] when the ranks' variables differ
+    /// (the message names the first mismatch) or a rank does not take part.
+    pub fn new(vs: &VarStore, group: &ProcessGroup, options: DdpOptions) -> Result<Self> {
+        for (name, mb) in [("bucket_cap_mb", options.bucket_cap_mb), ("first_bucket_cap_mb", options.first_bucket_cap_mb)] {
+            if !(mb.is_finite() && mb > 0.0) {
+                return Err(Error::Config(format!("{name} must be a positive number of MiB, got {mb}")));
+            }
+        }
+        let named = vs.variables();
+        let name_of: HashMap<usize, &String> = named.iter().map(|(n, t)| (t.data_ptr() as usize, n)).collect();
+        // Registration order, the order PyTorch's DDP sees `module.parameters()` in.
+        let params: Vec<Tensor> = vs.trainable_variables().into_iter().filter(|t| t.requires_grad()).collect();
+        if params.is_empty() {
+            return Err(Error::Config(
+                "the VarStore has no trainable variable: build the model on it before wrapping it in \
+                 DistributedDataParallel"
+                    .into(),
+            ));
+        }
+        // A name order that every rank agrees on (HashMap order differs per process).
+        let mut all: Vec<(&String, &Tensor)> = named.iter().collect();
+        all.sort_by(|a, b| a.0.cmp(b.0));
+        let trainable: std::collections::HashSet<usize> = params.iter().map(|t| t.data_ptr() as usize).collect();
+        let buffers: Vec<Tensor> = all
+            .iter()
+            .filter(|(_, t)| !trainable.contains(&(t.data_ptr() as usize)))
+            .map(|(_, t)| t.shallow_clone())
+            .collect();
+        let all: Vec<Tensor> = all.iter().map(|(_, t)| t.shallow_clone()).collect();
+
+        group.verify_same_shapes(&all)?;
+        group.broadcast_coalesced(&all, BROADCAST_BUCKET_BYTES, 0)?;
+
+        let reducer = if group.world_size() > 1 {
+            let names: Vec<CString> = params
+                .iter()
+                .map(|t| {
+                    let name = name_of.get(&(t.data_ptr() as usize)).map(|s| s.as_str()).unwrap_or("?");
+                    CString::new(name).unwrap_or_default()
+                })
+                .collect();
+            let name_ptrs: Vec<_> = names.iter().map(|n| n.as_ptr()).collect();
+            let ptrs = ffi::tensors(&params);
+            let raw = unsafe {
+                ffi::tdc_reducer_new(
+                    group.raw(),
+                    ptrs.as_ptr(),
+                    name_ptrs.as_ptr(),
+                    ptrs.len() as i32,
+                    (options.bucket_cap_mb * MIB) as i64,
+                    (options.first_bucket_cap_mb * MIB) as i64,
+                    options.find_unused_parameters as i32,
+                    // `true` would make gradients views, which tch's zero_grad cannot detach.
+                    0,
+                )
+            };
+            Some(Reducer(ffi::check_ptr(raw).map_err(Error::Torch)?))
+        } else {
+            None
+        };
+        Ok(DistributedDataParallel {
+            reducer,
+            group: group.clone(),
+            buffers,
+            options,
+            require_grad_sync: Cell::new(true),
+            stats: Cell::new(DdpStats::default()),
+        })
+    }
+
+    /// The process group gradients are averaged over.
+    pub fn process_group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    /// The options this DDP was built with.
+    pub fn options(&self) -> &DdpOptions {
+        &self.options
+    }
+
+    /// What DDP has done so far.
+    pub fn stats(&self) -> DdpStats {
+        self.stats.get()
+    }
+
+    /// Runs `loss.backward()` and, unless inside [`no_sync`](Self::no_sync), averages
+    /// the gradients over all ranks while backward runs. `loss` is a scalar tensor;
+    /// every rank must call this the same number of times.
+    ///
+    /// Errors: [`Error::Torch`] when backward fails (including a Reducer error such as
+    /// unused parameters without `find_unused_parameters`), [`Error::Collective`] when
+    /// broadcasting buffers fails.
+    pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        let mut stats = self.stats.get();
+        match &self.reducer {
+            Some(reducer) if self.require_grad_sync.get() => {
+                let r = reducer.0;
+                reducer_call(unsafe { ffi::tdc_reducer_prepare_for_forward(r) })?;
+                let mut rebuilt = 0;
+                reducer_call(unsafe { ffi::tdc_reducer_rebuild_buckets(r, &mut rebuilt) })?;
+                stats.bucket_rebuilds += rebuilt as u64;
+                if self.options.broadcast_buffers && !self.buffers.is_empty() {
+                    self.group.broadcast_coalesced(&self.buffers, BROADCAST_BUCKET_BYTES, 0)?;
+                }
+                let outputs = if self.options.find_unused_parameters { vec![ffi::tensor(loss)] } else { vec![] };
+                reducer_call(unsafe { ffi::tdc_reducer_prepare_for_backward(r, outputs.as_ptr(), outputs.len() as i32) })?;
+                stats.synced_backward_passes += 1;
+            }
+            Some(_) => stats.local_backward_passes += 1,
+            None => stats.synced_backward_passes += 1,
+        }
+        self.stats.set(stats);
+        loss.f_backward().map_err(|e| reducer_error(e.to_string()))
+    }
+
+    /// `opt.backward_step(loss)` with gradients averaged over ranks: zero the
+    /// gradients, [`backward`](Self::backward), step.
+    pub fn backward_step(&self, opt: &mut Optimizer, loss: &Tensor) -> Result<()> {
+        opt.zero_grad();
+        self.backward(loss)?;
+        opt.step();
+        Ok(())
+    }
+
+    /// `opt.backward_step_clip(loss, max)`: as [`backward_step`](Self::backward_step),
+    /// clamping each averaged gradient element to `[-max, max]` before the step.
+    pub fn backward_step_clip(&self, opt: &mut Optimizer, loss: &Tensor, max: f64) -> Result<()> {
+        opt.zero_grad();
+        self.backward(loss)?;
+        opt.clip_grad_value(max);
+        opt.step();
+        Ok(())
+    }
+
+    /// `opt.backward_step_clip_norm(loss, max)`: as [`backward_step`](Self::backward_step),
+    /// scaling the averaged gradients so their global L2 norm is at most `max`. Every
+    /// rank clips by the same norm, since every rank holds the same averaged gradients.
+    pub fn backward_step_clip_norm(&self, opt: &mut Optimizer, loss: &Tensor, max: f64) -> Result<()> {
+        opt.zero_grad();
+        self.backward(loss)?;
+        opt.clip_grad_norm(max);
+        opt.step();
+        Ok(())
+    }
+
+    /// Skips the all-reduce of the backward passes run while the returned guard
+    /// lives, so gradients accumulate locally; the next backward outside it averages
+    /// the accumulated gradients. As PyTorch's `DistributedDataParallel.no_sync()`,
+    /// the way to accumulate gradients over micro-batches.
+    pub fn no_sync(&self) -> NoSync<'_> {
+        let previous = self.require_grad_sync.replace(false);
+        NoSync { ddp: self, previous }
+    }
+
+    /// The number of parameters in each gradient bucket, in the Reducer's order
+    /// (empty with a world of one process). Before the first backward all parameters
+    /// share one bucket; the buckets are rebuilt by size at the second backward, as
+    /// PyTorch's DDP does.
+    pub fn bucket_sizes(&self) -> Result<Vec<usize>> {
+        let Some(reducer) = &self.reducer else { return Ok(vec![]) };
+        let mut count = 0;
+        reducer_call(unsafe { ffi::tdc_reducer_buckets(reducer.0, std::ptr::null_mut(), 0, &mut count) })?;
+        let mut sizes = vec![0i64; count as usize];
+        reducer_call(unsafe { ffi::tdc_reducer_buckets(reducer.0, sizes.as_mut_ptr(), count, &mut count) })?;
+        Ok(sizes.into_iter().map(|s| s as usize).collect())
+    }
+}
+
+/// Guard returned by [`DistributedDataParallel::no_sync`]; restores synchronization
+/// when dropped.
+pub struct NoSync<'a> {
+    ddp: &'a DistributedDataParallel,
+    previous: bool,
+}
+
+impl Drop for NoSync<'_> {
+    fn drop(&mut self) {
+        self.ddp.require_grad_sync.set(self.previous);
+    }
+}
+
+fn reducer_call(status: i32) -> Result<()> {
+    ffi::check(status).map_err(reducer_error)
+}
+
+fn reducer_error(message: String) -> Error {
+    if message.contains("find_unused_parameters") {
+        Error::Torch(format!(
+            "{message}\nhint: in tch-distributed this is DdpOptions::find_unused_parameters \
+             (#[distributed(find_unused_parameters = true)])"
+        ))
+    } else {
+        Error::Torch(message)
+    }
+}

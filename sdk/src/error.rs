@@ -1,0 +1,58 @@
+//! The crate's error type.
+
+use std::time::Duration;
+
+/// Everything that can go wrong in `tch-distributed`. Each message names the problem
+/// and, where there is one, the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Bad configuration (environment variables, options, launcher flags); the message
+    /// says what to fix.
+    #[error("{0}")]
+    Config(String),
+
+    /// An I/O operation failed; `context` names the operation and path.
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A launched rank failed (reported by the launcher).
+    #[error("{0}")]
+    RankFailed(String),
+
+    /// The rendezvous port is taken by another process.
+    #[error(
+        "port {port} on {addr} is already in use, so rank 0 cannot host the rendezvous store: \
+         stop the process using it, or pick another port (tchrun --master-port P, or \
+         MASTER_PORT=P; tchrun's default of 0 picks a free one)"
+    )]
+    PortInUse { addr: String, port: u16 },
+
+    /// Joining the rendezvous (store or process group) failed.
+    #[error("rendezvous at {addr}:{port} failed (rank {rank} of {world_size}): {message}")]
+    Rendezvous { addr: String, port: u16, rank: usize, world_size: usize, message: String },
+
+    /// A collective failed or timed out.
+    #[error("{op} failed{}: {message}", if *timed_out { format!(" after waiting {:.1} s (the process group's timeout): a rank did not reach the same collective; check that every rank runs the same number of steps, or raise the timeout", timeout.as_secs_f64()) } else { String::new() })]
+    Collective { op: &'static str, timeout: Duration, timed_out: bool, message: String },
+
+    /// The NCCL backend was asked for but is not available.
+    #[error("{0}")]
+    BackendUnavailable(String),
+
+    /// An error reported by libtorch (through the shim or through `tch`).
+    #[error("libtorch: {0}")]
+    Torch(String),
+}
+
+impl From<tch::TchError> for Error {
+    fn from(e: tch::TchError) -> Self {
+        Error::Torch(e.to_string())
+    }
+}
+
+/// `Result` with [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;

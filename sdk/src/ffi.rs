@@ -1,0 +1,121 @@
+//! Declarations of the C shim in `csrc/shim.h`, and the one helper that turns its
+//! thread-local error into [`Error`](crate::Error).
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+
+pub type Tensor = *mut c_void;
+
+#[repr(C)]
+pub struct Store {
+    _private: [u8; 0],
+}
+#[repr(C)]
+pub struct Pg {
+    _private: [u8; 0],
+}
+#[repr(C)]
+pub struct Reducer {
+    _private: [u8; 0],
+}
+
+extern "C" {
+    pub fn tdc_last_error() -> *mut c_char;
+    pub fn tdc_nccl_compiled() -> c_int;
+
+    pub fn tdc_tcp_store_new(
+        host: *const c_char,
+        port: c_int,
+        world_size: c_int,
+        is_server: c_int,
+        timeout_ms: i64,
+    ) -> *mut Store;
+    pub fn tdc_hash_store_new() -> *mut Store;
+    pub fn tdc_prefix_store_new(prefix: *const c_char, base: *mut Store) -> *mut Store;
+    pub fn tdc_store_free(store: *mut Store);
+    pub fn tdc_store_port(store: *mut Store) -> c_int;
+    pub fn tdc_store_set(store: *mut Store, key: *const c_char, data: *const u8, len: usize) -> c_int;
+    pub fn tdc_store_get(store: *mut Store, key: *const c_char, data: *mut *mut u8, len: *mut usize) -> c_int;
+    pub fn tdc_store_add(store: *mut Store, key: *const c_char, delta: i64, result: *mut i64) -> c_int;
+
+    pub fn tdc_pg_new(
+        store: *mut Store,
+        rank: c_int,
+        size: c_int,
+        timeout_ms: i64,
+        gloo: c_int,
+        nccl: c_int,
+        cuda_device: c_int,
+    ) -> *mut Pg;
+    pub fn tdc_pg_free(pg: *mut Pg);
+    pub fn tdc_all_reduce(pg: *mut Pg, t: Tensor, op: c_int, timeout_ms: i64) -> c_int;
+    pub fn tdc_broadcast(pg: *mut Pg, t: Tensor, root: c_int, timeout_ms: i64) -> c_int;
+    pub fn tdc_all_gather(pg: *mut Pg, outputs: *const Tensor, n: c_int, input: Tensor, timeout_ms: i64) -> c_int;
+    pub fn tdc_reduce_scatter(
+        pg: *mut Pg,
+        output: Tensor,
+        inputs: *const Tensor,
+        n: c_int,
+        op: c_int,
+        timeout_ms: i64,
+    ) -> c_int;
+    pub fn tdc_barrier(pg: *mut Pg, timeout_ms: i64) -> c_int;
+    pub fn tdc_broadcast_coalesced(pg: *mut Pg, ts: *const Tensor, n: c_int, buffer_bytes: usize, root: c_int) -> c_int;
+    pub fn tdc_verify_params(pg: *mut Pg, ts: *const Tensor, n: c_int) -> c_int;
+
+    pub fn tdc_reducer_new(
+        pg: *mut Pg,
+        params: *const Tensor,
+        names: *const *const c_char,
+        n: c_int,
+        bucket_bytes_cap: i64,
+        first_bucket_bytes_cap: i64,
+        find_unused_parameters: c_int,
+        gradient_as_bucket_view: c_int,
+    ) -> *mut Reducer;
+    pub fn tdc_reducer_free(r: *mut Reducer);
+    pub fn tdc_reducer_prepare_for_forward(r: *mut Reducer) -> c_int;
+    pub fn tdc_reducer_rebuild_buckets(r: *mut Reducer, rebuilt: *mut c_int) -> c_int;
+    pub fn tdc_reducer_prepare_for_backward(r: *mut Reducer, outputs: *const Tensor, n: c_int) -> c_int;
+    pub fn tdc_reducer_buckets(r: *mut Reducer, sizes: *mut i64, cap: c_int, count: *mut c_int) -> c_int;
+}
+
+/// Takes this thread's last shim error (or a placeholder when none was recorded).
+pub fn last_error() -> String {
+    unsafe {
+        let ptr = tdc_last_error();
+        if ptr.is_null() {
+            return "unknown error in the c10d shim".to_string();
+        }
+        let msg = CStr::from_ptr(ptr).to_string_lossy().into_owned();
+        libc::free(ptr as *mut c_void);
+        msg
+    }
+}
+
+/// Turns a shim status (0 = success) into a `Result`, with the shim's message.
+pub fn check(status: c_int) -> std::result::Result<(), String> {
+    if status == 0 {
+        Ok(())
+    } else {
+        Err(last_error())
+    }
+}
+
+/// Turns a shim constructor's result (NULL = failure) into a `Result`.
+pub fn check_ptr<T>(ptr: *mut T) -> std::result::Result<*mut T, String> {
+    if ptr.is_null() {
+        Err(last_error())
+    } else {
+        Ok(ptr)
+    }
+}
+
+/// The raw `torch::Tensor*` behind a `tch::Tensor`.
+pub fn tensor(t: &tch::Tensor) -> Tensor {
+    t.as_ptr() as Tensor
+}
+
+/// The raw pointers of several tensors, for array arguments.
+pub fn tensors(ts: &[tch::Tensor]) -> Vec<Tensor> {
+    ts.iter().map(tensor).collect()
+}

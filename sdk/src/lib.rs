@@ -1,0 +1,34 @@
+//! Data-parallel training for [`tch`] over libtorch's own distributed engine, c10d
+//! (`TCPStore`, `ProcessGroupGloo`, `ProcessGroupNCCL` and `c10d::Reducer`, the C++
+//! core of PyTorch's `DistributedDataParallel`).
+//!
+//! ```no_run
+//! # fn main() -> tch_distributed::Result<()> {
+//! let ctx = tch_distributed::init()?; // reads RANK, WORLD_SIZE, MASTER_ADDR, … (or runs alone)
+//! if ctx.is_main_process() {
+//!     println!("{}", ctx.banner());
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! Start several ranks with `tchrun --nproc-per-node N PROGRAM` or
+//! `torchrun --nproc-per-node N --no-python PROGRAM`.
+
+mod ddp;
+mod env;
+mod error;
+mod ffi;
+mod init;
+pub mod launch;
+mod process_group;
+mod store;
+
+pub use ddp::{DdpOptions, DdpStats, DistributedDataParallel, NoSync};
+pub use env::LaunchEnv;
+pub use error::{Error, Result};
+pub use init::{current, init, init_with, Context, InitOptions, DEFAULT_TIMEOUT};
+pub use process_group::{Backend, ProcessGroup, ReduceOp};
+pub use store::Store;
+
+#[doc(inline)]
+pub use tch_distributed_macros::distributed;

@@ -1,0 +1,296 @@
+//! Process groups and collectives over libtorch's `c10d::ProcessGroup` (Gloo for CPU
+//! tensors, NCCL for CUDA tensors).
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tch::{Device, Tensor};
+
+use crate::error::{Error, Result};
+use crate::ffi;
+use crate::store::{millis, Store};
+
+/// A communication backend, as `torch.distributed`'s `backend` argument.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// Gloo: collectives on CPU tensors (and on CUDA tensors through host copies).
+    Gloo,
+    /// NCCL: collectives on CUDA tensors; CPU tensors still go through Gloo.
+    Nccl,
+}
+
+impl Backend {
+    /// Whether the NCCL backend was compiled into this build (libtorch with CUDA and
+    /// the CUDA/NCCL headers found by `build.rs`).
+    pub fn nccl_available() -> bool {
+        unsafe { ffi::tdc_nccl_compiled() != 0 }
+    }
+
+    /// Parses `"gloo"` or `"nccl"` (case-insensitive).
+    ///
+    /// Errors: [`Error::Config`] for any other name, listing the valid ones.
+    pub fn parse(name: &str) -> Result<Backend> {
+        match name.to_ascii_lowercase().as_str() {
+            "gloo" => Ok(Backend::Gloo),
+            "nccl" => Ok(Backend::Nccl),
+            other => Err(Error::Config(format!("unknown backend {other:?}: use \"gloo\" or \"nccl\""))),
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Backend::Gloo => "gloo",
+            Backend::Nccl => "nccl",
+        })
+    }
+}
+
+/// A reduction for [`ProcessGroup::all_reduce`] and [`ProcessGroup::reduce_scatter`],
+/// as `torch.distributed.ReduceOp`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    /// The mean over ranks. Floating-point tensors only. Gloo has no native average:
+    /// it sums and divides by the world size.
+    Avg,
+    Product,
+    Min,
+    Max,
+}
+
+impl ReduceOp {
+    fn code(self) -> i32 {
+        // c10d::ReduceOp::RedOpType numbering.
+        match self {
+            ReduceOp::Sum => 0,
+            ReduceOp::Avg => 1,
+            ReduceOp::Product => 2,
+            ReduceOp::Min => 3,
+            ReduceOp::Max => 4,
+        }
+    }
+}
+
+struct Raw(*mut ffi::Pg);
+// c10d process groups are thread-safe; collectives are queued by the backends.
+unsafe impl Send for Raw {}
+unsafe impl Sync for Raw {}
+impl Drop for Raw {
+    fn drop(&mut self) {
+        unsafe { ffi::tdc_pg_free(self.0) }
+    }
+}
+
+/// A group of `world_size` processes that run collectives together, as
+/// `torch.distributed.ProcessGroup`. Clones share the same group.
+///
+/// Every collective blocks until it completes and must be called by every rank in
+/// the same order; one that does not complete within the group's timeout returns
+/// [`Error::Collective`] naming the operation and the time waited.
+#[derive(Clone)]
+pub struct ProcessGroup {
+    raw: Arc<Raw>,
+    rank: usize,
+    world_size: usize,
+    backend: Backend,
+    timeout: Duration,
+}
+
+impl ProcessGroup {
+    /// Joins the group through `store`: every rank must call this with the same
+    /// `world_size`, `backend` and store. Gloo always serves CPU tensors; with
+    /// [`Backend::Nccl`] NCCL also serves CUDA tensors on `device` (`Device::Cuda(i)`).
+    ///
+    /// Errors: [`Error::BackendUnavailable`] when NCCL is asked for and was not built
+    /// or `device` is not CUDA; [`Error::Rendezvous`] when the other ranks do not join
+    /// within `timeout`.
+    pub fn new(
+        store: &Store,
+        rank: usize,
+        world_size: usize,
+        backend: Backend,
+        device: Device,
+        timeout: Duration,
+    ) -> Result<ProcessGroup> {
+        if rank >= world_size {
+            return Err(Error::Config(format!("rank {rank} is not below the world size {world_size}")));
+        }
+        let cuda_device = match (backend, device) {
+            (Backend::Nccl, _) if !Backend::nccl_available() => {
+                return Err(Error::BackendUnavailable(
+                    "the NCCL backend was not compiled into tch-distributed: build against a libtorch with CUDA \
+                     with the CUDA headers installed (the README's setup does this), or use the gloo backend"
+                        .into(),
+                ))
+            }
+            (Backend::Nccl, Device::Cuda(i)) => i as i32,
+            (Backend::Nccl, other) => {
+                return Err(Error::BackendUnavailable(format!(
+                    "the NCCL backend needs a CUDA device, got {other:?}: use the gloo backend on CPU"
+                )))
+            }
+            (Backend::Gloo, _) => -1,
+        };
+        let nccl = backend == Backend::Nccl;
+        let raw = unsafe {
+            ffi::tdc_pg_new(store.raw(), rank as i32, world_size as i32, millis(timeout), 1, nccl as i32, cuda_device)
+        };
+        let raw = ffi::check_ptr(raw).map_err(|message| Error::Rendezvous {
+            addr: "(store)".into(),
+            port: store.port().unwrap_or(0),
+            rank,
+            world_size,
+            message,
+        })?;
+        Ok(ProcessGroup { raw: Arc::new(Raw(raw)), rank, world_size, backend, timeout })
+    }
+
+    /// This process's rank, in `0..world_size`.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of processes in the group.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// The backend serving this group's accelerator tensors.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// How long a collective may wait for the other ranks.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    pub(crate) fn raw(&self) -> *mut ffi::Pg {
+        self.raw.0
+    }
+
+    fn run(&self, op: &'static str, status: i32) -> Result<()> {
+        ffi::check(status).map_err(|message| {
+            let lower = message.to_ascii_lowercase();
+            let timed_out = lower.contains("timed out") || lower.contains("timeout");
+            Error::Collective { op, timeout: self.timeout, timed_out, message }
+        })
+    }
+
+    /// Reduces `tensor` across all ranks in place with `op`; every rank ends with the
+    /// result, as `torch.distributed.all_reduce`. Any shape and dtype (`Avg` needs a
+    /// floating-point dtype).
+    pub fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<()> {
+        if op == ReduceOp::Avg && !tensor.is_floating_point() {
+            return Err(Error::Config(format!(
+                "ReduceOp::Avg needs a floating-point tensor, got {:?}: use ReduceOp::Sum and divide",
+                tensor.kind()
+            )));
+        }
+        let status = unsafe { ffi::tdc_all_reduce(self.raw(), ffi::tensor(tensor), op.code(), millis(self.timeout)) };
+        self.run("all_reduce", status)
+    }
+
+    /// Copies `tensor` from rank `root` to every other rank, in place, as
+    /// `torch.distributed.broadcast`.
+    pub fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<()> {
+        self.check_root(root)?;
+        let status = unsafe { ffi::tdc_broadcast(self.raw(), ffi::tensor(tensor), root as i32, millis(self.timeout)) };
+        self.run("broadcast", status)
+    }
+
+    /// Gathers `tensor` from every rank; element `r` of the result is rank `r`'s
+    /// tensor (same shape and dtype on every rank), as `torch.distributed.all_gather`.
+    pub fn all_gather(&self, tensor: &Tensor) -> Result<Vec<Tensor>> {
+        let input = tensor.contiguous();
+        let outputs: Vec<Tensor> = (0..self.world_size).map(|_| input.empty_like()).collect();
+        let ptrs = ffi::tensors(&outputs);
+        let status = unsafe {
+            ffi::tdc_all_gather(self.raw(), ptrs.as_ptr(), ptrs.len() as i32, ffi::tensor(&input), millis(self.timeout))
+        };
+        self.run("all_gather", status)?;
+        Ok(outputs)
+    }
+
+    /// Reduces `inputs[r]` across ranks with `op` and leaves the result on rank `r`,
+    /// as `torch.distributed.reduce_scatter`. `inputs` holds one tensor per rank, all
+    /// of one shape; the result has that shape.
+    ///
+    /// Errors: [`Error::Config`] when `inputs.len() != world_size`; an error from the
+    /// backend where it has no reduce-scatter.
+    pub fn reduce_scatter(&self, inputs: &[Tensor], op: ReduceOp) -> Result<Tensor> {
+        if inputs.len() != self.world_size {
+            return Err(Error::Config(format!(
+                "reduce_scatter needs one input per rank: got {}, world size {}",
+                inputs.len(),
+                self.world_size
+            )));
+        }
+        if op == ReduceOp::Avg && !inputs[0].is_floating_point() {
+            return Err(Error::Config("ReduceOp::Avg needs a floating-point tensor: use ReduceOp::Sum and divide".into()));
+        }
+        let inputs: Vec<Tensor> = inputs.iter().map(|t| t.contiguous()).collect();
+        let output = inputs[0].empty_like();
+        let ptrs = ffi::tensors(&inputs);
+        let status = unsafe {
+            ffi::tdc_reduce_scatter(
+                self.raw(),
+                ffi::tensor(&output),
+                ptrs.as_ptr(),
+                ptrs.len() as i32,
+                op.code(),
+                millis(self.timeout),
+            )
+        };
+        self.run("reduce_scatter", status)?;
+        Ok(output)
+    }
+
+    /// Blocks until every rank has reached this barrier, as `torch.distributed.barrier`.
+    pub fn barrier(&self) -> Result<()> {
+        let status = unsafe { ffi::tdc_barrier(self.raw(), millis(self.timeout)) };
+        self.run("barrier", status)
+    }
+
+    /// Broadcasts `tensors` from `root` in flattened buffers of at most
+    /// `buffer_bytes` bytes, without recording autograd history
+    /// (`c10d::broadcast_coalesced`, as DDP uses for parameters and buffers).
+    pub fn broadcast_coalesced(&self, tensors: &[Tensor], buffer_bytes: usize, root: usize) -> Result<()> {
+        self.check_root(root)?;
+        let ptrs = ffi::tensors(tensors);
+        let status =
+            unsafe { ffi::tdc_broadcast_coalesced(self.raw(), ptrs.as_ptr(), ptrs.len() as i32, buffer_bytes, root as i32) };
+        self.run("broadcast_coalesced", status)
+    }
+
+    /// Checks that every rank has the same number of tensors as rank 0, with the same
+    /// shapes, dtypes and layouts (`c10d::verify_params_across_processes`).
+    ///
+    /// Errors: [`Error::Collective`] whose message names the first mismatch.
+    pub fn verify_same_shapes(&self, tensors: &[Tensor]) -> Result<()> {
+        let ptrs = ffi::tensors(tensors);
+        let status = unsafe { ffi::tdc_verify_params(self.raw(), ptrs.as_ptr(), ptrs.len() as i32) };
+        self.run("verify_params_across_processes", status)
+    }
+
+    fn check_root(&self, root: usize) -> Result<()> {
+        if root >= self.world_size {
+            return Err(Error::Config(format!("root rank {root} is not below the world size {}", self.world_size)));
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("backend", &self.backend)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}

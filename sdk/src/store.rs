@@ -1,0 +1,115 @@
+//! Key-value stores for rendezvous: libtorch's `c10d::TCPStore`, `HashStore` and
+//! `PrefixStore`.
+
+use std::ffi::CString;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::ffi;
+
+/// A c10d key-value store shared by all ranks; the process group rendezvous through
+/// it. Cheap to share: the C++ object is reference counted.
+pub struct Store {
+    raw: *mut ffi::Store,
+}
+
+// c10d stores are thread-safe (they serve the process group's own threads).
+unsafe impl Send for Store {}
+unsafe impl Sync for Store {}
+
+fn cstring(s: &str, what: &str) -> Result<CString> {
+    CString::new(s).map_err(|_| Error::Config(format!("{what} {s:?} contains a NUL byte")))
+}
+
+impl Store {
+    /// Connects to (or, with `is_server`, hosts) a `c10d::TCPStore` at `host:port`,
+    /// as `torch.distributed.TCPStore`.
+    ///
+    /// Connecting retries until `timeout`. Errors: [`Error::PortInUse`] when the server
+    /// cannot bind `port` (returned at once), [`Error::Rendezvous`] when the store cannot
+    /// be reached within `timeout`.
+    pub fn tcp(host: &str, port: u16, world_size: usize, is_server: bool, timeout: Duration) -> Result<Store> {
+        let chost = cstring(host, "host")?;
+        let raw = unsafe {
+            ffi::tdc_tcp_store_new(chost.as_ptr(), port.into(), world_size as i32, is_server as i32, millis(timeout))
+        };
+        ffi::check_ptr(raw).map(|raw| Store { raw }).map_err(|message| {
+            if message.contains("EADDRINUSE") || message.contains("address already in use") {
+                Error::PortInUse { addr: host.to_string(), port }
+            } else {
+                Error::Rendezvous {
+                    addr: host.to_string(),
+                    port,
+                    rank: usize::MAX,
+                    world_size,
+                    message: format!(
+                        "{message}\n(is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every rank?)"
+                    ),
+                }
+            }
+        })
+    }
+
+    /// An in-process `c10d::HashStore`, for a world of one process: no network.
+    pub fn in_process() -> Result<Store> {
+        let raw = unsafe { ffi::tdc_hash_store_new() };
+        ffi::check_ptr(raw).map(|raw| Store { raw }).map_err(Error::Torch)
+    }
+
+    /// A view of this store where every key is prefixed with `prefix`
+    /// (`c10d::PrefixStore`).
+    pub fn with_prefix(&self, prefix: &str) -> Result<Store> {
+        let cprefix = cstring(prefix, "prefix")?;
+        let raw = unsafe { ffi::tdc_prefix_store_new(cprefix.as_ptr(), self.raw) };
+        ffi::check_ptr(raw).map(|raw| Store { raw }).map_err(Error::Torch)
+    }
+
+    /// The TCP port of a TCP store (the bound one when it was created with port 0);
+    /// `None` for other stores.
+    pub fn port(&self) -> Option<u16> {
+        let port = unsafe { ffi::tdc_store_port(self.raw) };
+        u16::try_from(port).ok()
+    }
+
+    /// Sets `key` to `value`.
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        let ckey = cstring(key, "key")?;
+        ffi::check(unsafe { ffi::tdc_store_set(self.raw, ckey.as_ptr(), value.as_ptr(), value.len()) })
+            .map_err(Error::Torch)
+    }
+
+    /// Gets `key`, waiting for it up to the store's timeout.
+    pub fn get(&self, key: &str) -> Result<Vec<u8>> {
+        let ckey = cstring(key, "key")?;
+        let mut data = std::ptr::null_mut();
+        let mut len = 0usize;
+        ffi::check(unsafe { ffi::tdc_store_get(self.raw, ckey.as_ptr(), &mut data, &mut len) })
+            .map_err(Error::Torch)?;
+        let value = unsafe { std::slice::from_raw_parts(data, len).to_vec() };
+        unsafe { libc::free(data as *mut libc::c_void) };
+        Ok(value)
+    }
+
+    /// Atomically adds `delta` to the integer at `key` (0 when absent); returns the new value.
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        let ckey = cstring(key, "key")?;
+        let mut result = 0;
+        ffi::check(unsafe { ffi::tdc_store_add(self.raw, ckey.as_ptr(), delta, &mut result) })
+            .map_err(Error::Torch)?;
+        Ok(result)
+    }
+
+    pub(crate) fn raw(&self) -> *mut ffi::Store {
+        self.raw
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        unsafe { ffi::tdc_store_free(self.raw) }
+    }
+}
+
+pub(crate) fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
