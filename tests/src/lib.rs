@@ -1,1 +1,128 @@
+//! Harness for the integration tests: runs real multi-process jobs with a timeout,
+//! and kills the whole process tree when one hangs, so a hang fails fast.
 
+use std::fs;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// The `tchrun` binary built next to the test executables (`target/<profile>/tchrun`).
+///
+/// Panics, saying how to build it, when it is missing: `cargo test` builds only this
+/// package's binaries, so the README's test command builds the workspace's first.
+pub fn tchrun() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    // target/<profile>/deps/<test> -> target/<profile>/tchrun
+    let path = exe.parent().and_then(Path::parent).expect("target dir").join("tchrun");
+    assert!(path.exists(), "{} is missing: run `cargo build --workspace --bins` first", path.display());
+    path
+}
+
+/// The venv's `torchrun`, when the project's `.venv` exists.
+pub fn torchrun() -> Option<PathBuf> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/torchrun");
+    path.exists().then_some(path)
+}
+
+/// A fresh, empty scratch directory for one test.
+pub fn scratch_dir(name: &str) -> PathBuf {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "tchd-test-{}-{}-{name}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The outcome of one run.
+#[derive(Debug)]
+pub struct Run {
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+    pub elapsed: Duration,
+}
+
+impl Run {
+    /// Panics with the run's output unless it exited 0.
+    pub fn assert_success(&self) -> &Self {
+        assert!(self.status.success(), "exit {:?}\nstdout:\n{}\nstderr:\n{}", self.status, self.stdout, self.stderr);
+        self
+    }
+}
+
+/// Runs `cmd` in its own process group with `D=dir` in its environment and
+/// `OMP_NUM_THREADS=1`, calls `while_running(pid, dir)` once it has started, and
+/// kills the whole group if it runs longer than `timeout` (then panics with its
+/// output). Output goes to files in `dir`, so stray grandchildren cannot block the
+/// test on a pipe.
+pub fn run_with(
+    mut cmd: Command,
+    dir: &Path,
+    timeout: Duration,
+    while_running: impl FnOnce(u32, &Path),
+) -> Run {
+    let out_path = dir.join("run.stdout");
+    let err_path = dir.join("run.stderr");
+    let start = Instant::now();
+    let mut child = cmd
+        .env("D", dir)
+        .env("OMP_NUM_THREADS", "1")
+        .stdin(Stdio::null())
+        .stdout(fs::File::create(&out_path).unwrap())
+        .stderr(fs::File::create(&err_path).unwrap())
+        .process_group(0)
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
+    let pid = child.id();
+    while_running(pid, dir);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > timeout {
+            unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+            child.wait().unwrap();
+            panic!(
+                "{cmd:?} did not exit within {timeout:?}\nstdout:\n{}\nstderr:\n{}",
+                fs::read_to_string(&out_path).unwrap_or_default(),
+                fs::read_to_string(&err_path).unwrap_or_default()
+            );
+        }
+        thread::sleep(Duration::from_millis(20));
+    };
+    // Reap anything the run left behind in its group.
+    unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+    Run {
+        status,
+        stdout: fs::read_to_string(&out_path).unwrap(),
+        stderr: fs::read_to_string(&err_path).unwrap(),
+        elapsed: start.elapsed(),
+    }
+}
+
+/// `run_with` for `tchrun args…`.
+pub fn run_tchrun(dir: &Path, args: &[&str], timeout: Duration, while_running: impl FnOnce(u32, &Path)) -> Run {
+    let mut cmd = Command::new(tchrun());
+    cmd.args(args);
+    run_with(cmd, dir, timeout, while_running)
+}
+
+/// Waits up to `timeout` until `file` exists and contains `needle`; returns its text.
+pub fn wait_for_text(file: &Path, needle: &str, timeout: Duration) -> String {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let text = fs::read_to_string(file).unwrap_or_default();
+        if text.contains(needle) {
+            return text;
+        }
+        assert!(Instant::now() < deadline, "{} did not show {needle:?} within {timeout:?}:\n{text}", file.display());
+        thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -1,0 +1,60 @@
+//! DistributedDataParallel over c10d::Reducer, as real 2- and 3-rank runs.
+
+use std::time::Duration;
+
+use tch_distributed_tests::{run_tchrun, scratch_dir, Run};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_ddp_worker");
+const TIMEOUT: Duration = Duration::from_secs(90);
+
+fn ddp(ranks: usize, args: &[&str]) -> Run {
+    let dir = scratch_dir("ddp");
+    let n = ranks.to_string();
+    let mut all = vec!["--nproc-per-node", &n, WORKER];
+    all.extend_from_slice(args);
+    let run = run_tchrun(&dir, &all, TIMEOUT, |_, _| {});
+    run.assert_success();
+    run
+}
+
+fn count(run: &Run, line: &str) -> usize {
+    run.stdout.lines().filter(|l| l.starts_with(line)).count()
+}
+
+#[test]
+fn averaged_gradient_equals_single_process_gradient_and_parameters_come_from_rank_0() {
+    for ranks in [2, 3] {
+        let run = ddp(ranks, &["grad"]);
+        assert_eq!(count(&run, "ok broadcast from rank 0"), ranks, "{}", run.stdout);
+        assert_eq!(count(&run, "ok averaged gradient"), ranks, "{}", run.stdout);
+    }
+}
+
+#[test]
+fn ranks_hold_identical_parameters_after_20_steps_for_every_step_kind() {
+    for kind in ["plain", "clip", "clip_norm", "manual"] {
+        let run = ddp(2, &["train", "--steps", "20", "--step-kind", kind]);
+        assert_eq!(count(&run, "ok identical after 20 steps"), 2, "{kind}: {}", run.stdout);
+    }
+}
+
+#[test]
+fn buckets_are_rebuilt_by_size_after_the_first_step() {
+    let run = ddp(2, &["train", "--steps", "3"]);
+    let line = run.stdout.lines().find(|l| l.starts_with("buckets")).unwrap();
+    // 1 KiB-ish caps split the MLP's 4 parameters into more than one bucket.
+    assert!(line.starts_with("buckets [3, 1]"), "{line}");
+    assert!(line.contains("bucket_rebuilds: 1"), "{line}");
+}
+
+#[test]
+fn no_sync_accumulates_locally_then_averages_once() {
+    let run = ddp(2, &["accumulate"]);
+    assert_eq!(count(&run, "ok accumulate with no_sync"), 2, "{}", run.stdout);
+}
+
+#[test]
+fn find_unused_parameters_trains_a_model_with_an_unused_layer() {
+    let run = ddp(2, &["unused"]);
+    assert_eq!(count(&run, "ok find_unused_parameters"), 2, "{}", run.stdout);
+}

@@ -1,0 +1,308 @@
+//! End-to-end tests of the `tchrun` binary, using `sh` scripts as ranks.
+
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use tch_distributed_tests::{run_tchrun, scratch_dir};
+
+/// Waits until `n` files named `ready.*` exist in `dir`.
+fn wait_ready(dir: &Path, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let ready = fs::read_dir(dir)
+            .unwrap()
+            .filter(|e| {
+                let name = e.as_ref().unwrap().file_name();
+                name.to_string_lossy().starts_with("ready.")
+            })
+            .count();
+        if ready >= n {
+            return;
+        }
+        assert!(Instant::now() < deadline, "ranks did not become ready");
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn send_signal(pid: u32, signal: &str) {
+    let ok = Command::new("kill")
+        .args([&format!("-{signal}"), &pid.to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -{signal} {pid} failed");
+}
+
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+#[test]
+fn ranks_get_torchrun_environment() {
+    let dir = scratch_dir("env");
+    let script = "echo \"$RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $MASTER_ADDR \
+                  $MASTER_PORT $TCHRUN $TORCHELASTIC_RESTART_COUNT args=$*\"";
+    let run = run_tchrun(
+        &dir,
+        &[
+            "--nproc-per-node",
+            "3",
+            "--",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            "-x",
+            "--y",
+        ],
+        TIMEOUT,
+        |_, _| {},
+    );
+    assert!(run.status.success(), "stderr: {}", run.stderr);
+    let mut lines: Vec<Vec<&str>> = run.stdout.lines().map(|l| l.split(' ').collect()).collect();
+    lines.sort();
+    assert_eq!(lines.len(), 3, "stdout: {}", run.stdout);
+    let port = lines[0][5];
+    assert_ne!(port.parse::<u16>().unwrap(), 0);
+    for (rank, fields) in lines.iter().enumerate() {
+        let rank = rank.to_string();
+        let expected = [
+            &rank,
+            &rank,
+            "3",
+            "3",
+            "127.0.0.1",
+            port,
+            "1",
+            "0",
+            "args=-x",
+            "--y",
+        ];
+        assert_eq!(fields[..], expected[..], "stdout: {}", run.stdout);
+    }
+}
+
+#[test]
+fn multi_node_ranks_and_explicit_port() {
+    let dir = scratch_dir("multinode");
+    let run = run_tchrun(
+        &dir,
+        &[
+            "--nproc-per-node",
+            "2",
+            "--nnodes",
+            "3",
+            "--node-rank",
+            "2",
+            "--master-port",
+            "29555",
+            "sh",
+            "-c",
+            "echo \"$RANK $LOCAL_RANK $WORLD_SIZE $GROUP_RANK $MASTER_PORT\"",
+        ],
+        TIMEOUT,
+        |_, _| {},
+    );
+    assert!(run.status.success(), "stderr: {}", run.stderr);
+    let mut lines: Vec<&str> = run.stdout.lines().collect();
+    lines.sort();
+    assert_eq!(lines, ["4 0 6 2 29555", "5 1 6 2 29555"]);
+}
+
+#[test]
+fn failing_rank_stops_the_others() {
+    let dir = scratch_dir("exit3");
+    let run = run_tchrun(
+        &dir,
+        &[
+            "--nproc-per-node",
+            "3",
+            "sh",
+            "-c",
+            "if [ \"$RANK\" = 1 ]; then sleep 0.2; exit 3; fi; exec sleep 60",
+        ],
+        TIMEOUT,
+        |_, _| {},
+    );
+    assert_eq!(run.status.code(), Some(1), "stderr: {}", run.stderr);
+    assert!(
+        run.elapsed < Duration::from_secs(10),
+        "took {:?}",
+        run.elapsed
+    );
+    assert!(
+        run.stderr.contains("rank 1 (local rank 1, pid ")
+            && run.stderr.contains("failed with exit code 3"),
+        "stderr: {}",
+        run.stderr
+    );
+    // Ranks 0 and 2 were stopped by tchrun, not failures of their own.
+    assert!(!run.stderr.contains("rank 0 ("), "stderr: {}", run.stderr);
+    assert!(!run.stderr.contains("rank 2 ("), "stderr: {}", run.stderr);
+}
+
+#[test]
+fn rank_killed_by_signal_is_reported() {
+    let dir = scratch_dir("kill9");
+    let run = run_tchrun(
+        &dir,
+        &[
+            "--nproc-per-node",
+            "2",
+            "sh",
+            "-c",
+            "if [ \"$RANK\" = 1 ]; then kill -9 $$; fi; exec sleep 60",
+        ],
+        TIMEOUT,
+        |_, _| {},
+    );
+    assert_eq!(run.status.code(), Some(1), "stderr: {}", run.stderr);
+    assert!(
+        run.elapsed < Duration::from_secs(10),
+        "took {:?}",
+        run.elapsed
+    );
+    assert!(
+        run.stderr.contains("rank 1 (local rank 1, pid ")
+            && run.stderr.contains("was killed by signal SIGKILL (9)"),
+        "stderr: {}",
+        run.stderr
+    );
+}
+
+#[test]
+fn rank_ignoring_sigterm_is_killed_after_grace() {
+    let dir = scratch_dir("grace");
+    // Rank 1 fails once rank 0 ignores SIGTERM.
+    let script = "if [ \"$RANK\" = 1 ]; then \
+                      while [ ! -e \"$D/ready.0\" ]; do sleep 0.05; done; exit 2; \
+                  fi; \
+                  trap '' TERM; touch \"$D/ready.$RANK\"; while :; do sleep 0.1; done";
+    let run = run_tchrun(
+        &dir,
+        &[
+            "--nproc-per-node",
+            "2",
+            "--stop-grace-seconds",
+            "1",
+            "sh",
+            "-c",
+            script,
+        ],
+        TIMEOUT,
+        |_, _| {},
+    );
+    assert_eq!(run.status.code(), Some(1), "stderr: {}", run.stderr);
+    assert!(
+        run.elapsed < Duration::from_secs(10),
+        "took {:?}",
+        run.elapsed
+    );
+    assert!(
+        run.stderr.contains("failed with exit code 2"),
+        "stderr: {}",
+        run.stderr
+    );
+    assert!(
+        run.stderr.contains("sending SIGKILL"),
+        "stderr: {}",
+        run.stderr
+    );
+}
+
+/// Ranks that record the signal they get, then exit.
+const TRAP_SCRIPT: &str = "trap 'echo TERM > \"$D/got.$RANK\"; kill $pid; exit 0' TERM; \
+                           trap 'echo INT > \"$D/got.$RANK\"; kill $pid; exit 0' INT; \
+                           sleep 60 & pid=$!; touch \"$D/ready.$RANK\"; wait";
+
+fn check_forwarded(signal: &str, expected_code: i32) {
+    let dir = scratch_dir(signal);
+    let run = run_tchrun(
+        &dir,
+        &["--nproc-per-node", "3", "sh", "-c", TRAP_SCRIPT],
+        TIMEOUT,
+        |pid, dir| {
+            wait_ready(dir, 3);
+            send_signal(pid, signal);
+        },
+    );
+    assert_eq!(
+        run.status.code(),
+        Some(expected_code),
+        "stderr: {}",
+        run.stderr
+    );
+    assert!(
+        run.elapsed < Duration::from_secs(10),
+        "took {:?}",
+        run.elapsed
+    );
+    for rank in 0..3 {
+        let got = fs::read_to_string(dir.join(format!("got.{rank}")))
+            .unwrap_or_else(|_| panic!("rank {rank} did not get {signal}"));
+        assert_eq!(got.trim(), signal);
+    }
+}
+
+#[test]
+fn sigterm_is_forwarded_and_exit_code_is_143() {
+    check_forwarded("TERM", 143);
+}
+
+#[test]
+fn sigint_is_forwarded_and_exit_code_is_130() {
+    check_forwarded("INT", 130);
+}
+
+#[test]
+fn missing_program_is_a_clear_error() {
+    let dir = scratch_dir("missing");
+    let run = run_tchrun(
+        &dir,
+        &["--nproc-per-node", "2", "--", "tchrun-no-such-program"],
+        TIMEOUT,
+        |_, _| {},
+    );
+    assert!(!run.status.success());
+    assert!(
+        run.stderr.contains("tchrun-no-such-program")
+            && run.stderr.contains("No such file or directory"),
+        "stderr: {}",
+        run.stderr
+    );
+}
+
+#[test]
+fn configuration_errors() {
+    let dir = scratch_dir("config");
+    let cases: &[(&[&str], &str)] = &[
+        (&["--nproc-per-node", "2"], "no program given"),
+        (&["--nproc-per-node", "0", "true"], "--nproc-per-node"),
+        (
+            &["--nnodes", "2", "--node-rank", "1", "true"],
+            "--master-port",
+        ),
+        (
+            &[
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "2",
+                "--master-port",
+                "1234",
+                "true",
+            ],
+            "--node-rank",
+        ),
+    ];
+    for (args, message) in cases {
+        let run = run_tchrun(&dir, args, TIMEOUT, |_, _| {});
+        assert!(!run.status.success(), "{args:?} succeeded");
+        assert!(
+            run.stderr.contains(message),
+            "{args:?}: stderr: {}",
+            run.stderr
+        );
+    }
+}
