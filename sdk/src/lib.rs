@@ -14,6 +14,7 @@
 //! Start several ranks with `tchrun --nproc-per-node N PROGRAM` or
 //! `torchrun --nproc-per-node N --no-python PROGRAM`.
 
+mod checkpoint;
 mod ddp;
 mod env;
 mod error;
@@ -23,6 +24,7 @@ pub mod launch;
 mod process_group;
 mod store;
 
+pub use checkpoint::{load_var_store, save_var_store};
 pub use ddp::{DdpOptions, DdpStats, DistributedDataParallel, NoSync};
 pub use env::LaunchEnv;
 pub use error::{Error, Result};

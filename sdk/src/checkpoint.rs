@@ -1,0 +1,63 @@
+//! Writing a `VarStore` to disk from a data-parallel job: rank 0 writes, atomically,
+//! between barriers.
+
+use std::fs::{self, File};
+use std::path::{Path, PathBuf};
+
+use tch::nn::VarStore;
+
+use crate::error::{Error, Result};
+use crate::init::Context;
+
+/// Saves `vs` to `path` the way a data-parallel job must: after a barrier (every
+/// rank has finished the step), rank 0 writes `path` atomically — to a temporary
+/// file in the same directory, fsynced, then renamed over `path` — and a second
+/// barrier keeps the other ranks from reading it early. A crash mid-write leaves
+/// the previous file intact. The format follows the extension, as `VarStore::save`
+/// (`.safetensors`, else libtorch's format).
+///
+/// Errors: [`Error::Io`] naming the path when the directory cannot be written;
+/// [`Error::Torch`] when libtorch fails to serialize; [`Error::Collective`] when a
+/// rank does not reach the barriers.
+pub fn save_var_store(ctx: &Context, vs: &VarStore, path: impl AsRef<Path>) -> Result<()> {
+    let path = path.as_ref();
+    ctx.barrier()?;
+    let written = if ctx.is_main_process() { write_atomically(vs, path) } else { Ok(()) };
+    // Every rank reaches the second barrier, even when rank 0 failed to write.
+    ctx.barrier()?;
+    written
+}
+
+/// Loads `path` into `vs` on every rank, after a barrier so that a file written by
+/// rank 0 just before is complete.
+///
+/// Errors: [`Error::Torch`] when the file is missing or does not match `vs`.
+pub fn load_var_store(ctx: &Context, vs: &mut VarStore, path: impl AsRef<Path>) -> Result<()> {
+    ctx.barrier()?;
+    vs.load(path.as_ref()).map_err(|e| Error::Torch(format!("loading {}: {e}", path.as_ref().display())))
+}
+
+fn write_atomically(vs: &VarStore, path: &Path) -> Result<()> {
+    let io = |what: &str, p: &Path| {
+        let context = format!("{what} {}", p.display());
+        move |source| Error::Io { context, source }
+    };
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let name = path.file_name().ok_or_else(|| Error::Config(format!("{} names no file", path.display())))?;
+    // Keep the extension last: VarStore::save picks the format from it.
+    let tmp = dir.join(format!(".tmp-{}-{}", std::process::id(), name.to_string_lossy()));
+    let result = (|| {
+        vs.save(&tmp).map_err(|e| Error::Torch(format!("writing {}: {e}", tmp.display())))?;
+        File::open(&tmp).and_then(|f| f.sync_all()).map_err(io("syncing", &tmp))?;
+        fs::rename(&tmp, path).map_err(io("renaming the finished checkpoint onto", path))?;
+        // Make the rename itself durable.
+        File::open(&dir).and_then(|d| d.sync_all()).map_err(io("syncing directory", &dir))
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
