@@ -23,7 +23,7 @@ struct Args {
     #[arg(long, default_value = "data/tinyshakespeare.txt")]
     data: std::path::PathBuf,
     /// Optimizer steps (each rank runs every step on its own batches).
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 300)]
     steps: usize,
     /// Sequences per rank and step (the global batch is this times the world size).
     #[arg(long, default_value_t = 32)]

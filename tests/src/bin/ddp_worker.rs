@@ -179,6 +179,29 @@ fn main() -> anyhow::Result<()> {
             assert_identical(pg, &flat_params(&vs), "parameters with an unused parameter")?;
             println!("ok find_unused_parameters");
         }
+        "single" => {
+            // The same training twice from the same seed: through DDP, and as plain tch.
+            ensure!(world == 1, "mode single runs without a launcher");
+            let train = |with_ddp: bool| -> anyhow::Result<Tensor> {
+                tch::manual_seed(8);
+                let vs = nn::VarStore::new(Device::Cpu);
+                let net = mlp(&vs.root());
+                let mut opt = nn::adam(0.9, 0.999, 0.0).build(&vs, 0.01)?;
+                let ddp = if with_ddp { Some(DistributedDataParallel::new(&vs, pg, DdpOptions::default())?) } else { None };
+                let (xs, ys) = batch(32, 2);
+                for step in 0..10 {
+                    let l = loss(&net, &xs.narrow(0, 4 * (step % 8), 4), &ys.narrow(0, 4 * (step % 8), 4));
+                    match &ddp {
+                        Some(ddp) => ddp.backward_step(&mut opt, &l)?,
+                        None => opt.backward_step(&l),
+                    }
+                }
+                Ok(flat_params(&vs))
+            };
+            let (with, without) = (train(true)?, train(false)?);
+            ensure!(with.equal(&without), "DDP on one process differs from plain tch by {}", max_diff(&with, &without));
+            println!("ok single process equals plain tch");
+        }
         other => bail!("unknown mode {other}"),
     }
     Ok(())

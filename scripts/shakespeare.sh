@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The main job: the shakespeare example, data-parallel on 2 CPU processes over Gloo.
+# Usage: scripts/shakespeare.sh [--steps N] [other example flags]
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$ROOT"
+
+DATA="$ROOT/data/tinyshakespeare.txt"
+if [ ! -f "$DATA" ]; then
+  mkdir -p "$ROOT/data"
+  if [ -f "$ROOT/../shared/data/tinyshakespeare.txt" ]; then
+    cp "$ROOT/../shared/data/tinyshakespeare.txt" "$DATA"
+  else
+    echo "downloading tinyshakespeare (1.1 MB)" >&2
+    curl -fsSL -o "$DATA.part" https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt
+    mv "$DATA.part" "$DATA"
+  fi
+fi
+
+cargo build --release --quiet -p tch-distributed --bin tchrun -p tch-distributed-examples --example shakespeare
+export TCH_DISTRIBUTED_BACKEND=gloo
+exec target/release/tchrun --nproc-per-node 2 target/release/examples/shakespeare \
+  --data "$DATA" --checkpoint "$ROOT/data/shakespeare.safetensors" "$@"
