@@ -34,3 +34,8 @@ pub use store::Store;
 
 #[doc(inline)]
 pub use tch_distributed_macros::distributed;
+
+/// The README's Rust code, compiled as a doc test so that it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;
