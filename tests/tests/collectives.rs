@@ -30,3 +30,15 @@ fn collectives_on_2_ranks() {
 fn collectives_on_3_ranks() {
     check(3);
 }
+
+#[test]
+fn a_collective_that_times_out_names_the_operation_and_the_wait() {
+    let dir = scratch_dir("timeout");
+    let mut cmd = std::process::Command::new(tch_distributed_tests::tchrun());
+    cmd.args(["--nproc-per-node", "2", WORKER, "--hang"]).env("TCH_DISTRIBUTED_TIMEOUT", "2");
+    let run = tch_distributed_tests::run_with(cmd, &dir, Duration::from_secs(60), |_, _| {});
+    let line = run.stdout.lines().find(|l| l.starts_with("error:")).unwrap_or_else(|| panic!("{run:?}"));
+    assert!(line.contains("all_reduce failed after waiting 2.0 s"), "{line}");
+    assert!(run.stderr.contains("rank 0 (local rank 0"), "{}", run.stderr);
+    assert!(run.elapsed < Duration::from_secs(20), "took {:?}", run.elapsed);
+}

@@ -9,6 +9,18 @@ fn main() -> anyhow::Result<()> {
     let ctx = tch_distributed::init()?;
     let pg = ctx.process_group();
     let (r, n) = (ctx.rank() as i64, ctx.world_size() as i64);
+    if std::env::args().nth(1).as_deref() == Some("--hang") {
+        // Rank 0 waits in an all-reduce that the other ranks never reach.
+        if r == 0 {
+            let err = pg.all_reduce(&mut Tensor::ones([4], (Kind::Float, Device::Cpu)), ReduceOp::Sum).unwrap_err();
+            println!("error: {err}");
+            // Fail, so that the launcher stops the rank that never came.
+            std::process::exit(3);
+        } else {
+            std::thread::sleep(std::time::Duration::from_secs(30));
+        }
+        return Ok(());
+    }
     for kind in [Kind::Float, Kind::Double, Kind::Int64] {
         let opts = (kind, Device::Cpu);
         // rank r holds [r+1, 2(r+1), 3(r+1)]
