@@ -1,15 +1,38 @@
-//! The `#[distributed]` attribute of `tch-distributed`.
-//!
-//! Use it through the runtime crate: `use tch_distributed::distributed;`.
-//! The attribute is a skeleton until the macro issue lands; today it emits the
-//! function unchanged so that code written against it keeps compiling.
+//! The `#[distributed]` attribute of `tch-distributed`. Use it through the runtime
+//! crate: `use tch_distributed::distributed;`, where it is documented.
 
 use proc_macro::TokenStream;
 
-/// Turns a single-GPU `tch` training function into data-parallel training.
-///
-/// Currently emits the function unchanged (the rewrites land with the macro issue).
+mod attr;
+mod expand;
+
+/// Turns a single-GPU `tch` training function into data-parallel training; see
+/// `tch_distributed::distributed` for the rewrites and options.
 #[proc_macro_attribute]
-pub fn distributed(_args: TokenStream, item: TokenStream) -> TokenStream {
-    item
+pub fn distributed(args: TokenStream, item: TokenStream) -> TokenStream {
+    entry(args.into(), item.into()).into()
+}
+
+fn entry(args: proc_macro2::TokenStream, item: proc_macro2::TokenStream) -> proc_macro2::TokenStream {
+    let func: syn::ItemFn = match syn::parse2(item.clone()) {
+        Ok(f) => f,
+        Err(e) => {
+            let e = syn::Error::new(e.span(), "#[distributed] goes on a training function (`fn`)");
+            return emit_with_error(item, e);
+        }
+    };
+    let result = syn::parse2::<attr::Options>(args).and_then(|options| {
+        expand::validate(&func)?;
+        Ok(expand::expand(options, func))
+    });
+    match result {
+        Ok(tokens) => tokens,
+        // The user's function is still emitted so that IDEs keep working.
+        Err(e) => emit_with_error(item, e),
+    }
+}
+
+fn emit_with_error(item: proc_macro2::TokenStream, e: syn::Error) -> proc_macro2::TokenStream {
+    let error = e.to_compile_error();
+    quote::quote!(#error #item)
 }

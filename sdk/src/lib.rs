@@ -21,6 +21,9 @@ mod error;
 mod ffi;
 mod init;
 pub mod launch;
+#[doc(hidden)]
+#[path = "private.rs"]
+pub mod __private;
 mod process_group;
 mod store;
 

@@ -1,0 +1,98 @@
+//! Parsing and validating the attribute's options.
+
+use proc_macro2::Span;
+use syn::parse::{Parse, ParseStream};
+use syn::{LitBool, LitFloat, LitInt, LitStr, Token};
+
+const VALID: &str = "backend, nproc_per_node, bucket_cap_mb, find_unused_parameters, timeout, crate";
+
+/// The options of `#[distributed(…)]`, validated.
+#[derive(Default)]
+pub struct Options {
+    pub backend: Option<String>,
+    pub nproc_per_node: Option<usize>,
+    pub bucket_cap_mb: Option<f64>,
+    pub find_unused_parameters: bool,
+    pub timeout: Option<f64>,
+    pub krate: Option<syn::Path>,
+}
+
+fn number(input: ParseStream, what: &str) -> syn::Result<(f64, Span)> {
+    if input.peek(LitInt) {
+        let lit: LitInt = input.parse()?;
+        Ok((lit.base10_parse::<f64>()?, lit.span()))
+    } else if input.peek(LitFloat) {
+        let lit: LitFloat = input.parse()?;
+        Ok((lit.base10_parse::<f64>()?, lit.span()))
+    } else {
+        Err(input.error(format!("`{what}` takes a number, e.g. `{what} = 25`")))
+    }
+}
+
+impl Parse for Options {
+    fn parse(input: ParseStream) -> syn::Result<Self> {
+        let mut options = Options::default();
+        let mut seen: Vec<String> = Vec::new();
+        while !input.is_empty() {
+            let key: syn::Ident = if input.peek(Token![crate]) {
+                let k: Token![crate] = input.parse()?;
+                syn::Ident::new("crate", k.span)
+            } else {
+                input.parse()?
+            };
+            let name = key.to_string();
+            if seen.contains(&name) {
+                return Err(syn::Error::new(key.span(), format!("duplicate option `{name}`; valid options: {VALID}")));
+            }
+            input.parse::<Token![=]>()?;
+            match name.as_str() {
+                "backend" => {
+                    let lit: LitStr = input.parse()?;
+                    let value = lit.value();
+                    if value != "gloo" && value != "nccl" {
+                        return Err(syn::Error::new(lit.span(), format!("unknown backend {value:?}: use \"gloo\" or \"nccl\"")));
+                    }
+                    options.backend = Some(value);
+                }
+                "nproc_per_node" => {
+                    let lit: LitInt = input.parse()?;
+                    let n: usize = lit.base10_parse()?;
+                    if n == 0 {
+                        return Err(syn::Error::new(lit.span(), "`nproc_per_node` must be at least 1"));
+                    }
+                    options.nproc_per_node = Some(n);
+                }
+                "bucket_cap_mb" => {
+                    let (mb, span) = number(input, "bucket_cap_mb")?;
+                    if !(mb > 0.0) {
+                        return Err(syn::Error::new(span, "`bucket_cap_mb` must be a positive number of MiB (PyTorch's default is 25)"));
+                    }
+                    options.bucket_cap_mb = Some(mb);
+                }
+                "find_unused_parameters" => {
+                    let lit: LitBool = input.parse()?;
+                    options.find_unused_parameters = lit.value;
+                }
+                "timeout" => {
+                    let (secs, span) = number(input, "timeout")?;
+                    if !(secs > 0.0) {
+                        return Err(syn::Error::new(span, "`timeout` must be a positive number of seconds"));
+                    }
+                    options.timeout = Some(secs);
+                }
+                "crate" => {
+                    let lit: LitStr = input.parse()?;
+                    options.krate = Some(lit.parse()?);
+                }
+                _ => {
+                    return Err(syn::Error::new(key.span(), format!("unknown option `{name}`; valid options: {VALID}")));
+                }
+            }
+            seen.push(name);
+            if !input.is_empty() {
+                input.parse::<Token![,]>()?;
+            }
+        }
+        Ok(options)
+    }
+}
