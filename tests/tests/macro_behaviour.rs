@@ -17,7 +17,7 @@ fn three_ranks_get_disjoint_equal_shards_identical_parameters_and_one_printer() 
     let run = run_tchrun(&dir, &["--nproc-per-node", "3", WORKER, d, "30"], Duration::from_secs(90), |_, _| {});
     run.assert_success();
     assert_eq!(run.stdout.matches("epoch 0 done").count(), 1, "only rank 0 prints:\n{}", run.stdout);
-    assert_eq!(run.stdout.matches("world size 3").count(), 1, "banner once:\n{}", run.stdout);
+    assert_eq!(run.stdout.matches("tch-distributed: backend gloo, world size 3").count(), 1, "banner once:\n{}", run.stdout);
 
     let mut params = BTreeSet::new();
     for epoch in 0..2 {
