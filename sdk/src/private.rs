@@ -156,18 +156,17 @@ pub fn wrap_optimizer(built: Result<Optimizer, TchError>, vs: &VarStore) -> Resu
     Ok(opt)
 }
 
-/// Runs `f` with the DDP that wraps `opt`'s variables (None when it has none).
-fn with_ddp<R>(opt: Option<&Optimizer>, f: impl FnOnce(Option<&DistributedDataParallel>) -> R) -> R {
-    DDPS.with(|d| {
-        let d = d.borrow();
-        let found = match opt {
-            Some(opt) => {
-                let key = key_of(&opt.trainable_variables());
-                d.iter().find(|(k, _)| *k == key)
-            }
-            None => d.last(),
-        };
-        f(found.map(|(_, ddp)| ddp))
+/// Runs `with` on the DDP wrapping `opt`'s variables, or `without` when none does.
+fn step(
+    opt: &mut Optimizer,
+    what: &str,
+    with: impl FnOnce(&DistributedDataParallel, &mut Optimizer) -> crate::Result<()>,
+    without: impl FnOnce(&mut Optimizer),
+) {
+    let key = key_of(&opt.trainable_variables());
+    DDPS.with(|d| match d.borrow().iter().find(|(k, _)| *k == key) {
+        Some((_, ddp)) => or_fail(with(ddp, opt), what),
+        None => without(opt),
     })
 }
 
@@ -179,33 +178,27 @@ fn or_fail(r: crate::Result<()>, what: &str) {
 
 /// `opt.backward_step(&loss)`.
 pub fn backward_step(opt: &mut Optimizer, loss: &Tensor) {
-    match with_ddp(Some(opt), |d| d.map(|d| d as *const DistributedDataParallel)) {
-        // SAFETY: the DDP lives in the thread-local registry, which outlives the call.
-        Some(ddp) => or_fail(unsafe { &*ddp }.backward_step(opt, loss), "backward_step"),
-        None => opt.backward_step(loss),
-    }
+    step(opt, "backward_step", |ddp, opt| ddp.backward_step(opt, loss), |opt| opt.backward_step(loss))
 }
 
 /// `opt.backward_step_clip(&loss, max)`.
 pub fn backward_step_clip(opt: &mut Optimizer, loss: &Tensor, max: f64) {
-    match with_ddp(Some(opt), |d| d.map(|d| d as *const DistributedDataParallel)) {
-        Some(ddp) => or_fail(unsafe { &*ddp }.backward_step_clip(opt, loss, max), "backward_step_clip"),
-        None => opt.backward_step_clip(loss, max),
-    }
+    step(opt, "backward_step_clip", |ddp, opt| ddp.backward_step_clip(opt, loss, max), |opt| {
+        opt.backward_step_clip(loss, max)
+    })
 }
 
 /// `opt.backward_step_clip_norm(&loss, max)`.
 pub fn backward_step_clip_norm(opt: &mut Optimizer, loss: &Tensor, max: f64) {
-    match with_ddp(Some(opt), |d| d.map(|d| d as *const DistributedDataParallel)) {
-        Some(ddp) => or_fail(unsafe { &*ddp }.backward_step_clip_norm(opt, loss, max), "backward_step_clip_norm"),
-        None => opt.backward_step_clip_norm(loss, max),
-    }
+    step(opt, "backward_step_clip_norm", |ddp, opt| ddp.backward_step_clip_norm(opt, loss, max), |opt| {
+        opt.backward_step_clip_norm(loss, max)
+    })
 }
 
 /// `loss.backward()`: through the most recently built DDP, if any.
 pub fn backward(loss: &Tensor) {
-    with_ddp(None, |ddp| match ddp {
-        Some(ddp) => or_fail(ddp.backward(loss), "backward"),
+    DDPS.with(|d| match d.borrow().last() {
+        Some((_, ddp)) => or_fail(ddp.backward(loss), "backward"),
         None => loss.backward(),
     })
 }
