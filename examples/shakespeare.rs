@@ -76,7 +76,10 @@ impl CharLstm {
             let input = self.embed.forward(&label);
             state = self.lstm.step(&input, &state);
             let logits = self.head.forward(&state.h().squeeze_dim(0));
-            label = logits.softmax(-1, Kind::Float).multinomial(1, false).view([1]);
+            label = logits
+                .softmax(-1, Kind::Float)
+                .multinomial(1, false)
+                .view([1]);
             text.push(data.label_to_char(label.int64_value(&[0])));
         }
         text
@@ -92,7 +95,10 @@ fn main() -> Result<()> {
         println!("{}", ctx.banner());
     }
     let data = TextData::new(&args.data).with_context(|| {
-        format!("reading {} (the README's run command downloads it; or pass --data PATH)", args.data.display())
+        format!(
+            "reading {} (the README's run command downloads it; or pass --data PATH)",
+            args.data.display()
+        )
     })?;
     let labels = data.labels();
 
@@ -102,7 +108,11 @@ fn main() -> Result<()> {
     let mut opt = nn::Adam::default().build(&vs, args.lr)?;
     let ddp = DistributedDataParallel::new(&vs, ctx.process_group(), Default::default())?;
     if ctx.is_main_process() {
-        let params: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();
+        let params: i64 = vs
+            .trainable_variables()
+            .iter()
+            .map(|t| t.numel() as i64)
+            .sum();
         println!(
             "{} characters, {labels} labels, {params} parameters, global batch {} ({} per rank)",
             data.data().size()[0],
@@ -114,16 +124,24 @@ fn main() -> Result<()> {
     // Every rank draws the same shuffle (same seed); rank r takes batches r, r+W, …
     let mut batches = {
         tch::manual_seed(args.seed + 1);
-        data.iter_shuffle(args.seq_len + 1, args.batch_size).skip(rank).step_by(world)
+        data.iter_shuffle(args.seq_len + 1, args.batch_size)
+            .skip(rank)
+            .step_by(world)
     };
     let start = Instant::now();
     let mut window = (Instant::now(), 0.0, 0usize);
     for step in 1..=args.steps {
-        let batch = batches.next().context("the text is too short for this many steps")?.to_kind(Kind::Int64).to_device(device);
+        let batch = batches
+            .next()
+            .context("the text is too short for this many steps")?
+            .to_kind(Kind::Int64)
+            .to_device(device);
         let xs = batch.narrow(1, 0, args.seq_len);
         let ys = batch.narrow(1, 1, args.seq_len);
         let logits = model.forward(&xs);
-        let loss = logits.view([-1, labels]).cross_entropy_for_logits(&ys.reshape([-1]));
+        let loss = logits
+            .view([-1, labels])
+            .cross_entropy_for_logits(&ys.reshape([-1]));
         ddp.backward_step_clip_norm(&mut opt, &loss, 0.5)?;
 
         window.1 += loss.double_value(&[]);

@@ -18,7 +18,12 @@ fn env_var(name: &str) -> Option<String> {
 }
 
 fn python() -> String {
-    if env::var_os("VIRTUAL_ENV").is_some() { "python" } else { "python3" }.to_string()
+    if env::var_os("VIRTUAL_ENV").is_some() {
+        "python"
+    } else {
+        "python3"
+    }
+    .to_string()
 }
 
 /// `_GLIBCXX_USE_CXX11_ABI` as the libtorch in use was built with.
@@ -28,7 +33,10 @@ fn cxx11_abi() -> String {
     }
     if env_var("LIBTORCH_USE_PYTORCH").is_some() {
         let out = Command::new(python())
-            .args(["-c", "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))"])
+            .args([
+                "-c",
+                "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))",
+            ])
             .output();
         if let Ok(out) = out {
             let abi = String::from_utf8_lossy(&out.stdout).trim().to_string();
@@ -36,7 +44,9 @@ fn cxx11_abi() -> String {
                 return abi;
             }
         }
-        panic!("could not ask python for torch._C._GLIBCXX_USE_CXX11_ABI; set LIBTORCH_CXX11_ABI=0|1");
+        panic!(
+            "could not ask python for torch._C._GLIBCXX_USE_CXX11_ABI; set LIBTORCH_CXX11_ABI=0|1"
+        );
     }
     "1".to_string()
 }
@@ -50,7 +60,11 @@ fn cuda_include_dirs(lib_dir: &Path) -> Option<Vec<PathBuf>> {
         candidates.extend(env::split_paths(&dirs));
     } else {
         if let Some(site) = lib_dir.parent().and_then(Path::parent) {
-            for sub in ["nvidia/cu13/include", "nvidia/cuda_runtime/include", "nvidia/nccl/include"] {
+            for sub in [
+                "nvidia/cu13/include",
+                "nvidia/cuda_runtime/include",
+                "nvidia/nccl/include",
+            ] {
                 candidates.push(site.join(sub));
             }
         }
@@ -80,7 +94,10 @@ fn main() {
         "torch-sys did not report its libtorch directory; set LIBTORCH, or LIBTORCH_USE_PYTORCH=1 \
          with the project's .venv first on PATH",
     ));
-    let torch_root = lib_dir.parent().expect("libtorch lib dir has a parent").to_path_buf();
+    let torch_root = lib_dir
+        .parent()
+        .expect("libtorch lib dir has a parent")
+        .to_path_buf();
     let include = torch_root.join("include");
     let abi = cxx11_abi();
 
@@ -107,9 +124,17 @@ fn main() {
         .file("csrc/nccl.cpp");
 
     let has_cuda = lib_dir.join("libtorch_cuda.so").exists();
-    let nccl = if has_cuda { cuda_include_dirs(&lib_dir) } else { None };
+    let nccl = if has_cuda {
+        cuda_include_dirs(&lib_dir)
+    } else {
+        None
+    };
     if let Some(dirs) = &nccl {
-        build.includes(dirs).define("TDC_WITH_NCCL", None).define("USE_C10D_NCCL", None).define("USE_CUDA", None);
+        build
+            .includes(dirs)
+            .define("TDC_WITH_NCCL", None)
+            .define("USE_C10D_NCCL", None)
+            .define("USE_CUDA", None);
         println!("cargo:rustc-cfg=tdc_nccl");
         println!("cargo:rustc-link-lib=torch_cuda");
         println!("cargo:rustc-link-lib=c10_cuda");

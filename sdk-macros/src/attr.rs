@@ -4,7 +4,8 @@ use proc_macro2::Span;
 use syn::parse::{Parse, ParseStream};
 use syn::{LitBool, LitFloat, LitInt, LitStr, Token};
 
-const VALID: &str = "backend, nproc_per_node, bucket_cap_mb, find_unused_parameters, timeout, crate";
+const VALID: &str =
+    "backend, nproc_per_node, bucket_cap_mb, find_unused_parameters, timeout, crate";
 
 /// The options of `#[distributed(…)]`, validated.
 #[derive(Default)]
@@ -42,7 +43,10 @@ impl Parse for Options {
             };
             let name = key.to_string();
             if seen.contains(&name) {
-                return Err(syn::Error::new(key.span(), format!("duplicate option `{name}`; valid options: {VALID}")));
+                return Err(syn::Error::new(
+                    key.span(),
+                    format!("duplicate option `{name}`; valid options: {VALID}"),
+                ));
             }
             input.parse::<Token![=]>()?;
             match name.as_str() {
@@ -50,7 +54,10 @@ impl Parse for Options {
                     let lit: LitStr = input.parse()?;
                     let value = lit.value();
                     if value != "gloo" && value != "nccl" {
-                        return Err(syn::Error::new(lit.span(), format!("unknown backend {value:?}: use \"gloo\" or \"nccl\"")));
+                        return Err(syn::Error::new(
+                            lit.span(),
+                            format!("unknown backend {value:?}: use \"gloo\" or \"nccl\""),
+                        ));
                     }
                     options.backend = Some(value);
                 }
@@ -58,7 +65,10 @@ impl Parse for Options {
                     let lit: LitInt = input.parse()?;
                     let n: usize = lit.base10_parse()?;
                     if n == 0 {
-                        return Err(syn::Error::new(lit.span(), "`nproc_per_node` must be at least 1"));
+                        return Err(syn::Error::new(
+                            lit.span(),
+                            "`nproc_per_node` must be at least 1",
+                        ));
                     }
                     options.nproc_per_node = Some(n);
                 }
@@ -76,7 +86,10 @@ impl Parse for Options {
                 "timeout" => {
                     let (secs, span) = number(input, "timeout")?;
                     if !(secs > 0.0) {
-                        return Err(syn::Error::new(span, "`timeout` must be a positive number of seconds"));
+                        return Err(syn::Error::new(
+                            span,
+                            "`timeout` must be a positive number of seconds",
+                        ));
                     }
                     options.timeout = Some(secs);
                 }
@@ -85,7 +98,10 @@ impl Parse for Options {
                     options.krate = Some(lit.parse()?);
                 }
                 _ => {
-                    return Err(syn::Error::new(key.span(), format!("unknown option `{name}`; valid options: {VALID}")));
+                    return Err(syn::Error::new(
+                        key.span(),
+                        format!("unknown option `{name}`; valid options: {VALID}"),
+                    ));
                 }
             }
             seen.push(name);

@@ -19,10 +19,16 @@ pub fn validate(func: &ItemFn) -> syn::Result<()> {
         ));
     }
     if let Some(t) = &sig.constness {
-        return Err(syn::Error::new(t.span, "#[distributed] cannot be used on a `const fn`: training runs at run time"));
+        return Err(syn::Error::new(
+            t.span,
+            "#[distributed] cannot be used on a `const fn`: training runs at run time",
+        ));
     }
     if let Some(abi) = &sig.abi {
-        return Err(syn::Error::new(abi.span(), "#[distributed] cannot be used on an `extern` function: remove the ABI"));
+        return Err(syn::Error::new(
+            abi.span(),
+            "#[distributed] cannot be used on an `extern` function: remove the ABI",
+        ));
     }
     Ok(())
 }
@@ -34,8 +40,17 @@ struct Rewrite {
 
 fn path_ends_with(expr: &Expr, segments: &[&str]) -> bool {
     let Expr::Path(p) = expr else { return false };
-    let names: Vec<String> = p.path.segments.iter().map(|s| s.ident.to_string()).collect();
-    names.len() >= segments.len() && names[names.len() - segments.len()..].iter().zip(segments).all(|(a, b)| a == b)
+    let names: Vec<String> = p
+        .path
+        .segments
+        .iter()
+        .map(|s| s.ident.to_string())
+        .collect();
+    names.len() >= segments.len()
+        && names[names.len() - segments.len()..]
+            .iter()
+            .zip(segments)
+            .all(|(a, b)| a == b)
 }
 
 impl VisitMut for Rewrite {
@@ -44,8 +59,10 @@ impl VisitMut for Rewrite {
         let k = &self.krate;
         let replacement: Option<Expr> = match expr {
             Expr::Call(call)
-                if (path_ends_with(&call.func, &["Device", "cuda_if_available"]) && call.args.is_empty())
-                    || (path_ends_with(&call.func, &["Device", "Cuda"]) && call.args.len() == 1) =>
+                if (path_ends_with(&call.func, &["Device", "cuda_if_available"])
+                    && call.args.is_empty())
+                    || (path_ends_with(&call.func, &["Device", "Cuda"])
+                        && call.args.len() == 1) =>
             {
                 let span = call.span();
                 Some(syn::parse2(quote_spanned!(span=> #k::__private::device())).unwrap())
@@ -58,13 +75,15 @@ impl VisitMut for Rewrite {
                         let __tchd_vs = #vs;
                         #k::__private::wrap_optimizer(#recv.build(__tchd_vs, #lr), __tchd_vs)
                     })),
-                    ("backward_step", [loss]) => Some(parse_quote!(#k::__private::backward_step(&mut #recv, #loss))),
-                    ("backward_step_clip", [loss, max]) => {
-                        Some(parse_quote!(#k::__private::backward_step_clip(&mut #recv, #loss, #max)))
+                    ("backward_step", [loss]) => {
+                        Some(parse_quote!(#k::__private::backward_step(&mut #recv, #loss)))
                     }
-                    ("backward_step_clip_norm", [loss, max]) => {
-                        Some(parse_quote!(#k::__private::backward_step_clip_norm(&mut #recv, #loss, #max)))
-                    }
+                    ("backward_step_clip", [loss, max]) => Some(
+                        parse_quote!(#k::__private::backward_step_clip(&mut #recv, #loss, #max)),
+                    ),
+                    ("backward_step_clip_norm", [loss, max]) => Some(
+                        parse_quote!(#k::__private::backward_step_clip_norm(&mut #recv, #loss, #max)),
+                    ),
                     ("backward", []) => Some(parse_quote!(#k::__private::backward(&#recv))),
                     ("save", [path]) => Some(parse_quote!({
                         match (&#k::__private::Probe::new(&#recv)).__tchd_var_store() {
@@ -85,7 +104,8 @@ impl VisitMut for Rewrite {
                 let iter = &f.expr;
                 // No block around it: temporaries in the iterator expression (e.g. the
                 // Iter2 behind `.shuffle()`) must live as long as the loop.
-                let new_iter: Expr = parse_quote!((&#k::__private::Probe::new(#iter)).__tchd_iter());
+                let new_iter: Expr =
+                    parse_quote!((&#k::__private::Probe::new(#iter)).__tchd_iter());
                 f.expr = Box::new(new_iter);
                 None
             }
@@ -114,7 +134,9 @@ impl VisitMut for Rewrite {
 }
 
 fn is_print(mac: &syn::Macro) -> bool {
-    mac.path.get_ident().is_some_and(|i| i == "println" || i == "print" || i == "eprintln" || i == "eprint")
+    mac.path
+        .get_ident()
+        .is_some_and(|i| i == "println" || i == "print" || i == "eprintln" || i == "eprint")
 }
 
 /// The function with its body rewritten and the entry prepended.
@@ -136,7 +158,10 @@ pub fn expand(options: Options, mut func: ItemFn) -> TokenStream {
     let timeout = opt(options.timeout.map(|n| quote!(#n)));
     let find_unused = options.find_unused_parameters;
 
-    Rewrite { krate: krate.clone() }.visit_block_mut(&mut func.block);
+    Rewrite {
+        krate: krate.clone(),
+    }
+    .visit_block_mut(&mut func.block);
     let block = &func.block;
     func.block = Box::new(parse_quote!({
         #[allow(unused_imports)]

@@ -29,11 +29,17 @@ pub fn distributed(args: TokenStream, item: TokenStream) -> TokenStream {
     entry(args.into(), item.into()).into()
 }
 
-fn entry(args: proc_macro2::TokenStream, item: proc_macro2::TokenStream) -> proc_macro2::TokenStream {
+fn entry(
+    args: proc_macro2::TokenStream,
+    item: proc_macro2::TokenStream,
+) -> proc_macro2::TokenStream {
     let func: syn::ItemFn = match syn::parse2(item.clone()) {
         Ok(f) => f,
         Err(e) => {
-            let e = syn::Error::new(e.span(), "#[distributed] goes on a training function (`fn`)");
+            let e = syn::Error::new(
+                e.span(),
+                "#[distributed] goes on a training function (`fn`)",
+            );
             return emit_with_error(item, e);
         }
     };

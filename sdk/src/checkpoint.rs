@@ -22,7 +22,11 @@ use crate::init::Context;
 pub fn save_var_store(ctx: &Context, vs: &VarStore, path: impl AsRef<Path>) -> Result<()> {
     let path = path.as_ref();
     ctx.barrier()?;
-    let written = if ctx.is_main_process() { write_atomically(vs, path) } else { Ok(()) };
+    let written = if ctx.is_main_process() {
+        write_atomically(vs, path)
+    } else {
+        Ok(())
+    };
     // Every rank reaches the second barrier, even when rank 0 failed to write.
     ctx.barrier()?;
     written
@@ -34,7 +38,8 @@ pub fn save_var_store(ctx: &Context, vs: &VarStore, path: impl AsRef<Path>) -> R
 /// Errors: [`Error::Torch`] when the file is missing or does not match `vs`.
 pub fn load_var_store(ctx: &Context, vs: &mut VarStore, path: impl AsRef<Path>) -> Result<()> {
     ctx.barrier()?;
-    vs.load(path.as_ref()).map_err(|e| Error::Torch(format!("loading {}: {e}", path.as_ref().display())))
+    vs.load(path.as_ref())
+        .map_err(|e| Error::Torch(format!("loading {}: {e}", path.as_ref().display())))
 }
 
 fn write_atomically(vs: &VarStore, path: &Path) -> Result<()> {
@@ -46,15 +51,26 @@ fn write_atomically(vs: &VarStore, path: &Path) -> Result<()> {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    let name = path.file_name().ok_or_else(|| Error::Config(format!("{} names no file", path.display())))?;
+    let name = path
+        .file_name()
+        .ok_or_else(|| Error::Config(format!("{} names no file", path.display())))?;
     // Keep the extension last: VarStore::save picks the format from it.
-    let tmp = dir.join(format!(".tmp-{}-{}", std::process::id(), name.to_string_lossy()));
+    let tmp = dir.join(format!(
+        ".tmp-{}-{}",
+        std::process::id(),
+        name.to_string_lossy()
+    ));
     let result = (|| {
-        vs.save(&tmp).map_err(|e| Error::Torch(format!("writing {}: {e}", tmp.display())))?;
-        File::open(&tmp).and_then(|f| f.sync_all()).map_err(io("syncing", &tmp))?;
+        vs.save(&tmp)
+            .map_err(|e| Error::Torch(format!("writing {}: {e}", tmp.display())))?;
+        File::open(&tmp)
+            .and_then(|f| f.sync_all())
+            .map_err(io("syncing", &tmp))?;
         fs::rename(&tmp, path).map_err(io("renaming the finished checkpoint onto", path))?;
         // Make the rename itself durable.
-        File::open(&dir).and_then(|d| d.sync_all()).map_err(io("syncing directory", &dir))
+        File::open(&dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io("syncing directory", &dir))
     })();
     if result.is_err() {
         let _ = fs::remove_file(&tmp);

@@ -35,7 +35,12 @@ pub struct DdpOptions {
 
 impl Default for DdpOptions {
     fn default() -> Self {
-        DdpOptions { bucket_cap_mb: 25.0, first_bucket_cap_mb: 1.0, find_unused_parameters: false, broadcast_buffers: true }
+        DdpOptions {
+            bucket_cap_mb: 25.0,
+            first_bucket_cap_mb: 1.0,
+            find_unused_parameters: false,
+            broadcast_buffers: true,
+        }
     }
 }
 
@@ -100,15 +105,27 @@ impl DistributedDataParallel {
     /// trainable variable; [`Error::Collective`] when the ranks' variables differ
     /// (the message names the first mismatch) or a rank does not take part.
     pub fn new(vs: &VarStore, group: &ProcessGroup, options: DdpOptions) -> Result<Self> {
-        for (name, mb) in [("bucket_cap_mb", options.bucket_cap_mb), ("first_bucket_cap_mb", options.first_bucket_cap_mb)] {
+        for (name, mb) in [
+            ("bucket_cap_mb", options.bucket_cap_mb),
+            ("first_bucket_cap_mb", options.first_bucket_cap_mb),
+        ] {
             if !(mb.is_finite() && mb > 0.0) {
-                return Err(Error::Config(format!("{name} must be a positive number of MiB, got {mb}")));
+                return Err(Error::Config(format!(
+                    "{name} must be a positive number of MiB, got {mb}"
+                )));
             }
         }
         let named = vs.variables();
-        let name_of: HashMap<usize, &String> = named.iter().map(|(n, t)| (t.data_ptr() as usize, n)).collect();
+        let name_of: HashMap<usize, &String> = named
+            .iter()
+            .map(|(n, t)| (t.data_ptr() as usize, n))
+            .collect();
         // Registration order, the order PyTorch's DDP sees `module.parameters()` in.
-        let params: Vec<Tensor> = vs.trainable_variables().into_iter().filter(|t| t.requires_grad()).collect();
+        let params: Vec<Tensor> = vs
+            .trainable_variables()
+            .into_iter()
+            .filter(|t| t.requires_grad())
+            .collect();
         if params.is_empty() {
             return Err(Error::Config(
                 "the VarStore has no trainable variable: build the model on it before wrapping it in \
@@ -119,7 +136,8 @@ impl DistributedDataParallel {
         // A name order that every rank agrees on (HashMap order differs per process).
         let mut all: Vec<(&String, &Tensor)> = named.iter().collect();
         all.sort_by(|a, b| a.0.cmp(b.0));
-        let trainable: std::collections::HashSet<usize> = params.iter().map(|t| t.data_ptr() as usize).collect();
+        let trainable: std::collections::HashSet<usize> =
+            params.iter().map(|t| t.data_ptr() as usize).collect();
         let buffers: Vec<Tensor> = all
             .iter()
             .filter(|(_, t)| !trainable.contains(&(t.data_ptr() as usize)))
@@ -134,7 +152,10 @@ impl DistributedDataParallel {
             let names: Vec<CString> = params
                 .iter()
                 .map(|t| {
-                    let name = name_of.get(&(t.data_ptr() as usize)).map(|s| s.as_str()).unwrap_or("?");
+                    let name = name_of
+                        .get(&(t.data_ptr() as usize))
+                        .map(|s| s.as_str())
+                        .unwrap_or("?");
                     CString::new(name).unwrap_or_default()
                 })
                 .collect();
@@ -199,10 +220,17 @@ impl DistributedDataParallel {
                 reducer_call(unsafe { ffi::tdc_reducer_rebuild_buckets(r, &mut rebuilt) })?;
                 stats.bucket_rebuilds += rebuilt as u64;
                 if self.options.broadcast_buffers && !self.buffers.is_empty() {
-                    self.group.broadcast_coalesced(&self.buffers, BROADCAST_BUCKET_BYTES, 0)?;
+                    self.group
+                        .broadcast_coalesced(&self.buffers, BROADCAST_BUCKET_BYTES, 0)?;
                 }
-                let outputs = if self.options.find_unused_parameters { vec![ffi::tensor(loss)] } else { vec![] };
-                reducer_call(unsafe { ffi::tdc_reducer_prepare_for_backward(r, outputs.as_ptr(), outputs.len() as i32) })?;
+                let outputs = if self.options.find_unused_parameters {
+                    vec![ffi::tensor(loss)]
+                } else {
+                    vec![]
+                };
+                reducer_call(unsafe {
+                    ffi::tdc_reducer_prepare_for_backward(r, outputs.as_ptr(), outputs.len() as i32)
+                })?;
                 stats.synced_backward_passes += 1;
             }
             Some(_) => stats.local_backward_passes += 1,
@@ -234,7 +262,12 @@ impl DistributedDataParallel {
     /// `opt.backward_step_clip_norm(loss, max)`: as [`backward_step`](Self::backward_step),
     /// scaling the averaged gradients so their global L2 norm is at most `max`. Every
     /// rank clips by the same norm, since every rank holds the same averaged gradients.
-    pub fn backward_step_clip_norm(&self, opt: &mut Optimizer, loss: &Tensor, max: f64) -> Result<()> {
+    pub fn backward_step_clip_norm(
+        &self,
+        opt: &mut Optimizer,
+        loss: &Tensor,
+        max: f64,
+    ) -> Result<()> {
         opt.zero_grad();
         self.backward(loss)?;
         opt.clip_grad_norm(max);
@@ -248,7 +281,10 @@ impl DistributedDataParallel {
     /// the way to accumulate gradients over micro-batches.
     pub fn no_sync(&self) -> NoSync<'_> {
         let previous = self.require_grad_sync.replace(false);
-        NoSync { ddp: self, previous }
+        NoSync {
+            ddp: self,
+            previous,
+        }
     }
 
     /// The number of parameters in each gradient bucket, in the Reducer's order
@@ -256,11 +292,17 @@ impl DistributedDataParallel {
     /// share one bucket; the buckets are rebuilt by size at the second backward, as
     /// PyTorch's DDP does.
     pub fn bucket_sizes(&self) -> Result<Vec<usize>> {
-        let Some(reducer) = &self.reducer else { return Ok(vec![]) };
+        let Some(reducer) = &self.reducer else {
+            return Ok(vec![]);
+        };
         let mut count = 0;
-        reducer_call(unsafe { ffi::tdc_reducer_buckets(reducer.0, std::ptr::null_mut(), 0, &mut count) })?;
+        reducer_call(unsafe {
+            ffi::tdc_reducer_buckets(reducer.0, std::ptr::null_mut(), 0, &mut count)
+        })?;
         let mut sizes = vec![0i64; count as usize];
-        reducer_call(unsafe { ffi::tdc_reducer_buckets(reducer.0, sizes.as_mut_ptr(), count, &mut count) })?;
+        reducer_call(unsafe {
+            ffi::tdc_reducer_buckets(reducer.0, sizes.as_mut_ptr(), count, &mut count)
+        })?;
         Ok(sizes.into_iter().map(|s| s as usize).collect())
     }
 }

@@ -37,24 +37,39 @@ impl LaunchEnv {
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<LaunchEnv>> {
         let Some(rank) = var("RANK") else {
             if var("WORLD_SIZE").is_some() {
-                return Err(Error::Config("WORLD_SIZE is set but RANK is not: set both (torchrun and tchrun do)".into()));
+                return Err(Error::Config(
+                    "WORLD_SIZE is set but RANK is not: set both (torchrun and tchrun do)".into(),
+                ));
             }
             return Ok(None);
         };
         let number = |name: &str, value: &str| -> Result<usize> {
-            value.trim().parse().map_err(|_| Error::Config(format!("{name}={value:?} is not a non-negative integer")))
+            value.trim().parse().map_err(|_| {
+                Error::Config(format!("{name}={value:?} is not a non-negative integer"))
+            })
         };
         let rank = number("RANK", &rank)?;
         let world_size = match var("WORLD_SIZE") {
             Some(v) => number("WORLD_SIZE", &v)?,
-            None => return Err(Error::Config("RANK is set but WORLD_SIZE is not: set both (torchrun and tchrun do)".into())),
+            None => {
+                return Err(Error::Config(
+                    "RANK is set but WORLD_SIZE is not: set both (torchrun and tchrun do)".into(),
+                ))
+            }
         };
         if world_size == 0 || rank >= world_size {
-            return Err(Error::Config(format!("RANK={rank} must be below WORLD_SIZE={world_size}")));
+            return Err(Error::Config(format!(
+                "RANK={rank} must be below WORLD_SIZE={world_size}"
+            )));
         }
-        let local_rank = var("LOCAL_RANK").map(|v| number("LOCAL_RANK", &v)).transpose()?.unwrap_or(rank);
-        let local_world_size =
-            var("LOCAL_WORLD_SIZE").map(|v| number("LOCAL_WORLD_SIZE", &v)).transpose()?.unwrap_or(world_size);
+        let local_rank = var("LOCAL_RANK")
+            .map(|v| number("LOCAL_RANK", &v))
+            .transpose()?
+            .unwrap_or(rank);
+        let local_world_size = var("LOCAL_WORLD_SIZE")
+            .map(|v| number("LOCAL_WORLD_SIZE", &v))
+            .transpose()?
+            .unwrap_or(world_size);
         if local_rank >= local_world_size {
             return Err(Error::Config(format!(
                 "LOCAL_RANK={local_rank} must be below LOCAL_WORLD_SIZE={local_world_size}"
@@ -84,7 +99,15 @@ impl LaunchEnv {
             }
             _ => None,
         };
-        Ok(Some(LaunchEnv { rank, local_rank, world_size, local_world_size, master_addr, master_port, agent_store_prefix }))
+        Ok(Some(LaunchEnv {
+            rank,
+            local_rank,
+            world_size,
+            local_world_size,
+            master_addr,
+            master_port,
+            agent_store_prefix,
+        }))
     }
 }
 
@@ -94,7 +117,10 @@ mod tests {
     use std::collections::HashMap;
 
     fn parse(vars: &[(&str, &str)]) -> Result<Option<LaunchEnv>> {
-        let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         LaunchEnv::from_vars(|k| map.get(k).cloned())
     }
 
@@ -124,15 +150,26 @@ mod tests {
 
     #[test]
     fn errors_name_the_variable() {
-        let e = parse(&[("RANK", "0"), ("WORLD_SIZE", "2")]).unwrap_err().to_string();
-        assert!(e.contains("MASTER_ADDR"), "{e}");
-        let e = parse(&[("RANK", "2"), ("WORLD_SIZE", "2")]).unwrap_err().to_string();
-        assert!(e.contains("RANK=2"), "{e}");
-        let e = parse(&[("RANK", "x"), ("WORLD_SIZE", "2")]).unwrap_err().to_string();
-        assert!(e.contains("RANK=\"x\""), "{e}");
-        let e = parse(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "99999")])
+        let e = parse(&[("RANK", "0"), ("WORLD_SIZE", "2")])
             .unwrap_err()
             .to_string();
+        assert!(e.contains("MASTER_ADDR"), "{e}");
+        let e = parse(&[("RANK", "2"), ("WORLD_SIZE", "2")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("RANK=2"), "{e}");
+        let e = parse(&[("RANK", "x"), ("WORLD_SIZE", "2")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("RANK=\"x\""), "{e}");
+        let e = parse(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "99999"),
+        ])
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("MASTER_PORT"), "{e}");
     }
 }

@@ -33,11 +33,22 @@ pub enum Error {
 
     /// Joining the rendezvous (store or process group) failed.
     #[error("rendezvous at {addr}:{port} failed (rank {rank} of {world_size}): {message}")]
-    Rendezvous { addr: String, port: u16, rank: usize, world_size: usize, message: String },
+    Rendezvous {
+        addr: String,
+        port: u16,
+        rank: usize,
+        world_size: usize,
+        message: String,
+    },
 
     /// A collective failed or timed out.
     #[error("{op} failed{}: {message}", if *timed_out { format!(" after waiting {:.1} s (the process group's timeout): a rank did not reach the same collective; check that every rank runs the same number of steps, or raise the timeout", timeout.as_secs_f64()) } else { String::new() })]
-    Collective { op: &'static str, timeout: Duration, timed_out: bool, message: String },
+    Collective {
+        op: &'static str,
+        timeout: Duration,
+        timed_out: bool,
+        message: String,
+    },
 
     /// The NCCL backend was asked for but is not available.
     #[error("{0}")]

@@ -33,9 +33,24 @@ extern "C" {
     pub fn tdc_prefix_store_new(prefix: *const c_char, base: *mut Store) -> *mut Store;
     pub fn tdc_store_free(store: *mut Store);
     pub fn tdc_store_port(store: *mut Store) -> c_int;
-    pub fn tdc_store_set(store: *mut Store, key: *const c_char, data: *const u8, len: usize) -> c_int;
-    pub fn tdc_store_get(store: *mut Store, key: *const c_char, data: *mut *mut u8, len: *mut usize) -> c_int;
-    pub fn tdc_store_add(store: *mut Store, key: *const c_char, delta: i64, result: *mut i64) -> c_int;
+    pub fn tdc_store_set(
+        store: *mut Store,
+        key: *const c_char,
+        data: *const u8,
+        len: usize,
+    ) -> c_int;
+    pub fn tdc_store_get(
+        store: *mut Store,
+        key: *const c_char,
+        data: *mut *mut u8,
+        len: *mut usize,
+    ) -> c_int;
+    pub fn tdc_store_add(
+        store: *mut Store,
+        key: *const c_char,
+        delta: i64,
+        result: *mut i64,
+    ) -> c_int;
 
     pub fn tdc_pg_new(
         store: *mut Store,
@@ -49,7 +64,13 @@ extern "C" {
     pub fn tdc_pg_free(pg: *mut Pg);
     pub fn tdc_all_reduce(pg: *mut Pg, t: Tensor, op: c_int, timeout_ms: i64) -> c_int;
     pub fn tdc_broadcast(pg: *mut Pg, t: Tensor, root: c_int, timeout_ms: i64) -> c_int;
-    pub fn tdc_all_gather(pg: *mut Pg, outputs: *const Tensor, n: c_int, input: Tensor, timeout_ms: i64) -> c_int;
+    pub fn tdc_all_gather(
+        pg: *mut Pg,
+        outputs: *const Tensor,
+        n: c_int,
+        input: Tensor,
+        timeout_ms: i64,
+    ) -> c_int;
     pub fn tdc_reduce_scatter(
         pg: *mut Pg,
         output: Tensor,
@@ -59,7 +80,13 @@ extern "C" {
         timeout_ms: i64,
     ) -> c_int;
     pub fn tdc_barrier(pg: *mut Pg, timeout_ms: i64) -> c_int;
-    pub fn tdc_broadcast_coalesced(pg: *mut Pg, ts: *const Tensor, n: c_int, buffer_bytes: usize, root: c_int) -> c_int;
+    pub fn tdc_broadcast_coalesced(
+        pg: *mut Pg,
+        ts: *const Tensor,
+        n: c_int,
+        buffer_bytes: usize,
+        root: c_int,
+    ) -> c_int;
     pub fn tdc_verify_params(pg: *mut Pg, ts: *const Tensor, n: c_int) -> c_int;
 
     pub fn tdc_reducer_new(
@@ -75,8 +102,17 @@ extern "C" {
     pub fn tdc_reducer_free(r: *mut Reducer);
     pub fn tdc_reducer_prepare_for_forward(r: *mut Reducer) -> c_int;
     pub fn tdc_reducer_rebuild_buckets(r: *mut Reducer, rebuilt: *mut c_int) -> c_int;
-    pub fn tdc_reducer_prepare_for_backward(r: *mut Reducer, outputs: *const Tensor, n: c_int) -> c_int;
-    pub fn tdc_reducer_buckets(r: *mut Reducer, sizes: *mut i64, cap: c_int, count: *mut c_int) -> c_int;
+    pub fn tdc_reducer_prepare_for_backward(
+        r: *mut Reducer,
+        outputs: *const Tensor,
+        n: c_int,
+    ) -> c_int;
+    pub fn tdc_reducer_buckets(
+        r: *mut Reducer,
+        sizes: *mut i64,
+        cap: c_int,
+        count: *mut c_int,
+    ) -> c_int;
 }
 
 /// Takes this thread's last shim error (or a placeholder when none was recorded).

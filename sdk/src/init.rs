@@ -89,7 +89,11 @@ fn env_timeout() -> Result<Option<Duration>> {
             .ok()
             .filter(|s| s.is_finite() && *s > 0.0)
             .map(|s| Some(Duration::from_secs_f64(s)))
-            .ok_or_else(|| Error::Config(format!("TCH_DISTRIBUTED_TIMEOUT={v:?} is not a positive number of seconds"))),
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "TCH_DISTRIBUTED_TIMEOUT={v:?} is not a positive number of seconds"
+                ))
+            }),
         Err(_) => Ok(None),
     }
 }
@@ -138,24 +142,39 @@ impl Context {
         let (store, master) = if env.world_size == 1 && env.master_port == 0 {
             (Store::in_process()?, None)
         } else if let Some(prefix) = &env.agent_store_prefix {
-            let client = Store::tcp(&env.master_addr, env.master_port, env.world_size, false, timeout)?;
-            (client.with_prefix(prefix)?, Some((env.master_addr.clone(), env.master_port)))
+            let client = Store::tcp(
+                &env.master_addr,
+                env.master_port,
+                env.world_size,
+                false,
+                timeout,
+            )?;
+            (
+                client.with_prefix(prefix)?,
+                Some((env.master_addr.clone(), env.master_port)),
+            )
         } else {
             let is_server = env.rank == 0;
-            let store = Store::tcp(&env.master_addr, env.master_port, env.world_size, is_server, timeout)?;
+            let store = Store::tcp(
+                &env.master_addr,
+                env.master_port,
+                env.world_size,
+                is_server,
+                timeout,
+            )?;
             (store, Some((env.master_addr.clone(), env.master_port)))
         };
-        let group =
-            ProcessGroup::new(&store, env.rank, env.world_size, backend, device, timeout).map_err(|e| match e {
-                Error::Rendezvous { message, .. } => Error::Rendezvous {
-                    addr: env.master_addr.clone(),
-                    port: env.master_port,
-                    rank: env.rank,
-                    world_size: env.world_size,
-                    message,
-                },
-                other => other,
-            })?;
+        let group = ProcessGroup::new(&store, env.rank, env.world_size, backend, device, timeout)
+            .map_err(|e| match e {
+            Error::Rendezvous { message, .. } => Error::Rendezvous {
+                addr: env.master_addr.clone(),
+                port: env.master_port,
+                rank: env.rank,
+                world_size: env.world_size,
+                message,
+            },
+            other => other,
+        })?;
         Ok(Context {
             rank: env.rank,
             local_rank: env.local_rank,

@@ -14,6 +14,9 @@
 //! Start several ranks with `tchrun --nproc-per-node N PROGRAM` or
 //! `torchrun --nproc-per-node N --no-python PROGRAM`.
 
+#[doc(hidden)]
+#[path = "private.rs"]
+pub mod __private;
 mod checkpoint;
 mod ddp;
 mod env;
@@ -21,9 +24,6 @@ mod error;
 mod ffi;
 mod init;
 pub mod launch;
-#[doc(hidden)]
-#[path = "private.rs"]
-pub mod __private;
 mod process_group;
 mod store;
 

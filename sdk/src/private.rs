@@ -40,7 +40,10 @@ fn fail(what: &str, e: impl std::fmt::Display) -> ! {
 fn self_launch_ranks(options: &Options) -> usize {
     match std::env::var("TCH_DISTRIBUTED_NPROC") {
         Ok(v) => v.trim().parse().unwrap_or_else(|_| {
-            fail("TCH_DISTRIBUTED_NPROC", format!("{v:?} is not a positive number of processes"))
+            fail(
+                "TCH_DISTRIBUTED_NPROC",
+                format!("{v:?} is not a positive number of processes"),
+            )
         }),
         Err(_) => options.nproc_per_node.unwrap_or(1),
     }
@@ -63,12 +66,15 @@ pub fn enter(options: Options) -> Session {
         }
     }
     let init_options = InitOptions {
-        backend: options.backend.map(|b| Backend::parse(b).unwrap_or_else(|e| fail("backend", e))),
+        backend: options
+            .backend
+            .map(|b| Backend::parse(b).unwrap_or_else(|e| fail("backend", e))),
         timeout: options.timeout_secs.map(std::time::Duration::from_secs_f64),
         device: None,
     };
     OPTIONS.with(|o| *o.borrow_mut() = options);
-    let ctx = init::init_with(init_options).unwrap_or_else(|e| fail("joining the process group", e));
+    let ctx =
+        init::init_with(init_options).unwrap_or_else(|e| fail("joining the process group", e));
     if ctx.world_size() > 1 {
         // Every rank draws the same random numbers (initial weights, shuffles) unless
         // the program seeds them itself, so sharded shuffles stay disjoint.
@@ -85,16 +91,27 @@ pub fn enter(options: Options) -> Session {
 }
 
 fn rand_seed() -> i64 {
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
     (nanos as i64 ^ (std::process::id() as i64) << 32) & i64::MAX
 }
 
 fn self_launch(ranks: usize) -> i32 {
-    let exe = std::env::current_exe().unwrap_or_else(|e| fail("finding this program to launch its ranks", e));
+    let exe = std::env::current_exe()
+        .unwrap_or_else(|e| fail("finding this program to launch its ranks", e));
     let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
-    let config = crate::launch::LaunchConfig { nproc_per_node: ranks, ..Default::default() };
-    eprintln!("tch-distributed: no launcher environment; starting {ranks} ranks of {}", exe.display());
-    crate::launch::launch(&config, exe.as_os_str(), &args).unwrap_or_else(|e| fail("launching ranks", e))
+    let config = crate::launch::LaunchConfig {
+        nproc_per_node: ranks,
+        ..Default::default()
+    };
+    eprintln!(
+        "tch-distributed: no launcher environment; starting {ranks} ranks of {}",
+        exe.display()
+    );
+    crate::launch::launch(&config, exe.as_os_str(), &args)
+        .unwrap_or_else(|e| fail("launching ranks", e))
 }
 
 /// Guard of a `#[distributed]` function's body: on a normal exit every rank waits
@@ -109,7 +126,10 @@ impl Drop for Session {
         if self.outermost && !std::thread::panicking() {
             if let Some(ctx) = init::current() {
                 if let Err(e) = ctx.barrier() {
-                    eprintln!("tch-distributed: exit barrier failed on rank {}: {e}", ctx.rank());
+                    eprintln!(
+                        "tch-distributed: exit barrier failed on rank {}: {e}",
+                        ctx.rank()
+                    );
                 }
             }
         }
@@ -117,7 +137,8 @@ impl Drop for Session {
 }
 
 fn context() -> Context {
-    init::current().unwrap_or_else(|| fail("internal", "no context: the function entry did not run"))
+    init::current()
+        .unwrap_or_else(|| fail("internal", "no context: the function entry did not run"))
 }
 
 /// `Device::cuda_if_available()` / `Device::Cuda(i)` → this rank's device.
@@ -135,7 +156,10 @@ fn key_of(vars: &[Tensor]) -> usize {
 }
 
 /// `<config>.build(&vs, lr)`: the model exists now; wrap `vs` in DDP.
-pub fn wrap_optimizer(built: Result<Optimizer, TchError>, vs: &VarStore) -> Result<Optimizer, TchError> {
+pub fn wrap_optimizer(
+    built: Result<Optimizer, TchError>,
+    vs: &VarStore,
+) -> Result<Optimizer, TchError> {
     let opt = built?;
     let ctx = context();
     let options = OPTIONS.with(|o| o.borrow().clone());
@@ -178,21 +202,32 @@ fn or_fail(r: crate::Result<()>, what: &str) {
 
 /// `opt.backward_step(&loss)`.
 pub fn backward_step(opt: &mut Optimizer, loss: &Tensor) {
-    step(opt, "backward_step", |ddp, opt| ddp.backward_step(opt, loss), |opt| opt.backward_step(loss))
+    step(
+        opt,
+        "backward_step",
+        |ddp, opt| ddp.backward_step(opt, loss),
+        |opt| opt.backward_step(loss),
+    )
 }
 
 /// `opt.backward_step_clip(&loss, max)`.
 pub fn backward_step_clip(opt: &mut Optimizer, loss: &Tensor, max: f64) {
-    step(opt, "backward_step_clip", |ddp, opt| ddp.backward_step_clip(opt, loss, max), |opt| {
-        opt.backward_step_clip(loss, max)
-    })
+    step(
+        opt,
+        "backward_step_clip",
+        |ddp, opt| ddp.backward_step_clip(opt, loss, max),
+        |opt| opt.backward_step_clip(loss, max),
+    )
 }
 
 /// `opt.backward_step_clip_norm(&loss, max)`.
 pub fn backward_step_clip_norm(opt: &mut Optimizer, loss: &Tensor, max: f64) {
-    step(opt, "backward_step_clip_norm", |ddp, opt| ddp.backward_step_clip_norm(opt, loss, max), |opt| {
-        opt.backward_step_clip_norm(loss, max)
-    })
+    step(
+        opt,
+        "backward_step_clip_norm",
+        |ddp, opt| ddp.backward_step_clip_norm(opt, loss, max),
+        |opt| opt.backward_step_clip_norm(loss, max),
+    )
 }
 
 /// `loss.backward()`: through the most recently built DDP, if any.
@@ -205,12 +240,14 @@ pub fn backward(loss: &Tensor) {
 
 /// `vs.save(path)` on a `VarStore`: rank 0 writes atomically between barriers.
 pub fn save(vs: &VarStore, path: impl AsRef<Path>) -> Result<(), TchError> {
-    crate::checkpoint::save_var_store(&context(), vs, path).map_err(|e| TchError::Torch(e.to_string()))
+    crate::checkpoint::save_var_store(&context(), vs, path)
+        .map_err(|e| TchError::Torch(e.to_string()))
 }
 
 /// `vs.load(path)` on a `VarStore`: every rank loads after a barrier.
 pub fn load(vs: &mut VarStore, path: impl AsRef<Path>) -> Result<(), TchError> {
-    crate::checkpoint::load_var_store(&context(), vs, path).map_err(|e| TchError::Torch(e.to_string()))
+    crate::checkpoint::load_var_store(&context(), vs, path)
+        .map_err(|e| TchError::Torch(e.to_string()))
 }
 
 /// Type-directed dispatch for the rewrites that must leave other types alone
@@ -276,8 +313,14 @@ pub struct Sharded<I> {
 
 impl<I> Sharded<I> {
     pub fn new(inner: I) -> Self {
-        let (rank, world_size) = init::current().map(|c| (c.rank(), c.world_size())).unwrap_or((0, 1));
-        Sharded { inner, rank, world_size }
+        let (rank, world_size) = init::current()
+            .map(|c| (c.rank(), c.world_size()))
+            .unwrap_or((0, 1));
+        Sharded {
+            inner,
+            rank,
+            world_size,
+        }
     }
 }
 

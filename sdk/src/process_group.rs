@@ -34,7 +34,9 @@ impl Backend {
         match name.to_ascii_lowercase().as_str() {
             "gloo" => Ok(Backend::Gloo),
             "nccl" => Ok(Backend::Nccl),
-            other => Err(Error::Config(format!("unknown backend {other:?}: use \"gloo\" or \"nccl\""))),
+            other => Err(Error::Config(format!(
+                "unknown backend {other:?}: use \"gloo\" or \"nccl\""
+            ))),
         }
     }
 }
@@ -116,7 +118,9 @@ impl ProcessGroup {
         timeout: Duration,
     ) -> Result<ProcessGroup> {
         if rank >= world_size {
-            return Err(Error::Config(format!("rank {rank} is not below the world size {world_size}")));
+            return Err(Error::Config(format!(
+                "rank {rank} is not below the world size {world_size}"
+            )));
         }
         let cuda_device = match (backend, device) {
             (Backend::Nccl, _) if !Backend::nccl_available() => {
@@ -136,7 +140,15 @@ impl ProcessGroup {
         };
         let nccl = backend == Backend::Nccl;
         let raw = unsafe {
-            ffi::tdc_pg_new(store.raw(), rank as i32, world_size as i32, millis(timeout), 1, nccl as i32, cuda_device)
+            ffi::tdc_pg_new(
+                store.raw(),
+                rank as i32,
+                world_size as i32,
+                millis(timeout),
+                1,
+                nccl as i32,
+                cuda_device,
+            )
         };
         let raw = ffi::check_ptr(raw).map_err(|message| Error::Rendezvous {
             addr: "(store)".into(),
@@ -145,7 +157,13 @@ impl ProcessGroup {
             world_size,
             message,
         })?;
-        Ok(ProcessGroup { raw: Arc::new(Raw(raw)), rank, world_size, backend, timeout })
+        Ok(ProcessGroup {
+            raw: Arc::new(Raw(raw)),
+            rank,
+            world_size,
+            backend,
+            timeout,
+        })
     }
 
     /// This process's rank, in `0..world_size`.
@@ -176,7 +194,12 @@ impl ProcessGroup {
         ffi::check(status).map_err(|message| {
             let lower = message.to_ascii_lowercase();
             let timed_out = lower.contains("timed out") || lower.contains("timeout");
-            Error::Collective { op, timeout: self.timeout, timed_out, message }
+            Error::Collective {
+                op,
+                timeout: self.timeout,
+                timed_out,
+                message,
+            }
         })
     }
 
@@ -190,7 +213,14 @@ impl ProcessGroup {
                 tensor.kind()
             )));
         }
-        let status = unsafe { ffi::tdc_all_reduce(self.raw(), ffi::tensor(tensor), op.code(), millis(self.timeout)) };
+        let status = unsafe {
+            ffi::tdc_all_reduce(
+                self.raw(),
+                ffi::tensor(tensor),
+                op.code(),
+                millis(self.timeout),
+            )
+        };
         self.run("all_reduce", status)
     }
 
@@ -198,7 +228,14 @@ impl ProcessGroup {
     /// `torch.distributed.broadcast`.
     pub fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<()> {
         self.check_root(root)?;
-        let status = unsafe { ffi::tdc_broadcast(self.raw(), ffi::tensor(tensor), root as i32, millis(self.timeout)) };
+        let status = unsafe {
+            ffi::tdc_broadcast(
+                self.raw(),
+                ffi::tensor(tensor),
+                root as i32,
+                millis(self.timeout),
+            )
+        };
         self.run("broadcast", status)
     }
 
@@ -209,7 +246,13 @@ impl ProcessGroup {
         let outputs: Vec<Tensor> = (0..self.world_size).map(|_| input.empty_like()).collect();
         let ptrs = ffi::tensors(&outputs);
         let status = unsafe {
-            ffi::tdc_all_gather(self.raw(), ptrs.as_ptr(), ptrs.len() as i32, ffi::tensor(&input), millis(self.timeout))
+            ffi::tdc_all_gather(
+                self.raw(),
+                ptrs.as_ptr(),
+                ptrs.len() as i32,
+                ffi::tensor(&input),
+                millis(self.timeout),
+            )
         };
         self.run("all_gather", status)?;
         Ok(outputs)
@@ -230,7 +273,9 @@ impl ProcessGroup {
             )));
         }
         if op == ReduceOp::Avg && !inputs[0].is_floating_point() {
-            return Err(Error::Config("ReduceOp::Avg needs a floating-point tensor: use ReduceOp::Sum and divide".into()));
+            return Err(Error::Config(
+                "ReduceOp::Avg needs a floating-point tensor: use ReduceOp::Sum and divide".into(),
+            ));
         }
         let inputs: Vec<Tensor> = inputs.iter().map(|t| t.contiguous()).collect();
         let output = inputs[0].empty_like();
@@ -258,11 +303,23 @@ impl ProcessGroup {
     /// Broadcasts `tensors` from `root` in flattened buffers of at most
     /// `buffer_bytes` bytes, without recording autograd history
     /// (`c10d::broadcast_coalesced`, as DDP uses for parameters and buffers).
-    pub fn broadcast_coalesced(&self, tensors: &[Tensor], buffer_bytes: usize, root: usize) -> Result<()> {
+    pub fn broadcast_coalesced(
+        &self,
+        tensors: &[Tensor],
+        buffer_bytes: usize,
+        root: usize,
+    ) -> Result<()> {
         self.check_root(root)?;
         let ptrs = ffi::tensors(tensors);
-        let status =
-            unsafe { ffi::tdc_broadcast_coalesced(self.raw(), ptrs.as_ptr(), ptrs.len() as i32, buffer_bytes, root as i32) };
+        let status = unsafe {
+            ffi::tdc_broadcast_coalesced(
+                self.raw(),
+                ptrs.as_ptr(),
+                ptrs.len() as i32,
+                buffer_bytes,
+                root as i32,
+            )
+        };
         self.run("broadcast_coalesced", status)
     }
 
@@ -272,13 +329,17 @@ impl ProcessGroup {
     /// Errors: [`Error::Collective`] whose message names the first mismatch.
     pub fn verify_same_shapes(&self, tensors: &[Tensor]) -> Result<()> {
         let ptrs = ffi::tensors(tensors);
-        let status = unsafe { ffi::tdc_verify_params(self.raw(), ptrs.as_ptr(), ptrs.len() as i32) };
+        let status =
+            unsafe { ffi::tdc_verify_params(self.raw(), ptrs.as_ptr(), ptrs.len() as i32) };
         self.run("verify_params_across_processes", status)
     }
 
     fn check_root(&self, root: usize) -> Result<()> {
         if root >= self.world_size {
-            return Err(Error::Config(format!("root rank {root} is not below the world size {}", self.world_size)));
+            return Err(Error::Config(format!(
+                "root rank {root} is not below the world size {}",
+                self.world_size
+            )));
         }
         Ok(())
     }

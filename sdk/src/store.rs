@@ -28,10 +28,22 @@ impl Store {
     /// Connecting retries until `timeout`. Errors: [`Error::PortInUse`] when the server
     /// cannot bind `port` (returned at once), [`Error::Rendezvous`] when the store cannot
     /// be reached within `timeout`.
-    pub fn tcp(host: &str, port: u16, world_size: usize, is_server: bool, timeout: Duration) -> Result<Store> {
+    pub fn tcp(
+        host: &str,
+        port: u16,
+        world_size: usize,
+        is_server: bool,
+        timeout: Duration,
+    ) -> Result<Store> {
         let chost = cstring(host, "host")?;
         let raw = unsafe {
-            ffi::tdc_tcp_store_new(chost.as_ptr(), port.into(), world_size as i32, is_server as i32, millis(timeout))
+            ffi::tdc_tcp_store_new(
+                chost.as_ptr(),
+                port.into(),
+                world_size as i32,
+                is_server as i32,
+                millis(timeout),
+            )
         };
         ffi::check_ptr(raw).map(|raw| Store { raw }).map_err(|message| {
             if message.contains("EADDRINUSE") || message.contains("address already in use") {
@@ -53,7 +65,9 @@ impl Store {
     /// An in-process `c10d::HashStore`, for a world of one process: no network.
     pub fn in_process() -> Result<Store> {
         let raw = unsafe { ffi::tdc_hash_store_new() };
-        ffi::check_ptr(raw).map(|raw| Store { raw }).map_err(Error::Torch)
+        ffi::check_ptr(raw)
+            .map(|raw| Store { raw })
+            .map_err(Error::Torch)
     }
 
     /// A view of this store where every key is prefixed with `prefix`
@@ -61,7 +75,9 @@ impl Store {
     pub fn with_prefix(&self, prefix: &str) -> Result<Store> {
         let cprefix = cstring(prefix, "prefix")?;
         let raw = unsafe { ffi::tdc_prefix_store_new(cprefix.as_ptr(), self.raw) };
-        ffi::check_ptr(raw).map(|raw| Store { raw }).map_err(Error::Torch)
+        ffi::check_ptr(raw)
+            .map(|raw| Store { raw })
+            .map_err(Error::Torch)
     }
 
     /// The TCP port of a TCP store (the bound one when it was created with port 0);
@@ -74,8 +90,10 @@ impl Store {
     /// Sets `key` to `value`.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         let ckey = cstring(key, "key")?;
-        ffi::check(unsafe { ffi::tdc_store_set(self.raw, ckey.as_ptr(), value.as_ptr(), value.len()) })
-            .map_err(Error::Torch)
+        ffi::check(unsafe {
+            ffi::tdc_store_set(self.raw, ckey.as_ptr(), value.as_ptr(), value.len())
+        })
+        .map_err(Error::Torch)
     }
 
     /// Gets `key`, waiting for it up to the store's timeout.

@@ -16,8 +16,16 @@ use std::time::{Duration, Instant};
 pub fn tchrun() -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
     // target/<profile>/deps/<test> -> target/<profile>/tchrun
-    let path = exe.parent().and_then(Path::parent).expect("target dir").join("tchrun");
-    assert!(path.exists(), "{} is missing: run `cargo build --workspace --bins` first", path.display());
+    let path = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .join("tchrun");
+    assert!(
+        path.exists(),
+        "{} is missing: run `cargo build --workspace --bins` first",
+        path.display()
+    );
     path
 }
 
@@ -52,7 +60,13 @@ pub struct Run {
 impl Run {
     /// Panics with the run's output unless it exited 0.
     pub fn assert_success(&self) -> &Self {
-        assert!(self.status.success(), "exit {:?}\nstdout:\n{}\nstderr:\n{}", self.status, self.stdout, self.stderr);
+        assert!(
+            self.status.success(),
+            "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+            self.status,
+            self.stdout,
+            self.stderr
+        );
         self
     }
 }
@@ -108,7 +122,12 @@ pub fn run_with(
 }
 
 /// `run_with` for `tchrun args…`.
-pub fn run_tchrun(dir: &Path, args: &[&str], timeout: Duration, while_running: impl FnOnce(u32, &Path)) -> Run {
+pub fn run_tchrun(
+    dir: &Path,
+    args: &[&str],
+    timeout: Duration,
+    while_running: impl FnOnce(u32, &Path),
+) -> Run {
     let mut cmd = Command::new(tchrun());
     cmd.args(args);
     run_with(cmd, dir, timeout, while_running)
@@ -122,7 +141,11 @@ pub fn wait_for_text(file: &Path, needle: &str, timeout: Duration) -> String {
         if text.contains(needle) {
             return text;
         }
-        assert!(Instant::now() < deadline, "{} did not show {needle:?} within {timeout:?}:\n{text}", file.display());
+        assert!(
+            Instant::now() < deadline,
+            "{} did not show {needle:?} within {timeout:?}:\n{text}",
+            file.display()
+        );
         thread::sleep(Duration::from_millis(20));
     }
 }

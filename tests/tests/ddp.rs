@@ -25,7 +25,12 @@ fn count(run: &Run, line: &str) -> usize {
 fn averaged_gradient_equals_single_process_gradient_and_parameters_come_from_rank_0() {
     for ranks in [2, 3] {
         let run = ddp(ranks, &["grad"]);
-        assert_eq!(count(&run, "ok broadcast from rank 0"), ranks, "{}", run.stdout);
+        assert_eq!(
+            count(&run, "ok broadcast from rank 0"),
+            ranks,
+            "{}",
+            run.stdout
+        );
         assert_eq!(count(&run, "ok averaged gradient"), ranks, "{}", run.stdout);
     }
 }
@@ -34,14 +39,23 @@ fn averaged_gradient_equals_single_process_gradient_and_parameters_come_from_ran
 fn ranks_hold_identical_parameters_after_20_steps_for_every_step_kind() {
     for kind in ["plain", "clip", "clip_norm", "manual"] {
         let run = ddp(2, &["train", "--steps", "20", "--step-kind", kind]);
-        assert_eq!(count(&run, "ok identical after 20 steps"), 2, "{kind}: {}", run.stdout);
+        assert_eq!(
+            count(&run, "ok identical after 20 steps"),
+            2,
+            "{kind}: {}",
+            run.stdout
+        );
     }
 }
 
 #[test]
 fn buckets_are_rebuilt_by_size_after_the_first_step() {
     let run = ddp(2, &["train", "--steps", "3"]);
-    let line = run.stdout.lines().find(|l| l.starts_with("buckets")).unwrap();
+    let line = run
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("buckets"))
+        .unwrap();
     // 1 KiB-ish caps split the MLP's 4 parameters into more than one bucket.
     assert!(line.starts_with("buckets [3, 1]"), "{line}");
     assert!(line.contains("bucket_rebuilds: 1"), "{line}");
@@ -50,11 +64,21 @@ fn buckets_are_rebuilt_by_size_after_the_first_step() {
 #[test]
 fn no_sync_accumulates_locally_then_averages_once() {
     let run = ddp(2, &["accumulate"]);
-    assert_eq!(count(&run, "ok accumulate with no_sync"), 2, "{}", run.stdout);
+    assert_eq!(
+        count(&run, "ok accumulate with no_sync"),
+        2,
+        "{}",
+        run.stdout
+    );
 }
 
 #[test]
 fn find_unused_parameters_trains_a_model_with_an_unused_layer() {
     let run = ddp(2, &["unused"]);
-    assert_eq!(count(&run, "ok find_unused_parameters"), 2, "{}", run.stdout);
+    assert_eq!(
+        count(&run, "ok find_unused_parameters"),
+        2,
+        "{}",
+        run.stdout
+    );
 }

@@ -38,6 +38,24 @@ fn send_signal(pid: u32, signal: &str) {
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 
+/// A run that tchrun stopped because a rank failed: exit 1 within 10 s, with every
+/// `needle` in its stderr.
+fn assert_failed_fast(run: &tch_distributed_tests::Run, needles: &[&str]) {
+    assert_eq!(run.status.code(), Some(1), "stderr: {}", run.stderr);
+    assert!(
+        run.elapsed < Duration::from_secs(10),
+        "took {:?}",
+        run.elapsed
+    );
+    for needle in needles {
+        assert!(
+            run.stderr.contains(needle),
+            "no {needle:?} in stderr: {}",
+            run.stderr
+        );
+    }
+}
+
 #[test]
 fn ranks_get_torchrun_environment() {
     let dir = scratch_dir("env");
@@ -125,17 +143,9 @@ fn failing_rank_stops_the_others() {
         TIMEOUT,
         |_, _| {},
     );
-    assert_eq!(run.status.code(), Some(1), "stderr: {}", run.stderr);
-    assert!(
-        run.elapsed < Duration::from_secs(10),
-        "took {:?}",
-        run.elapsed
-    );
-    assert!(
-        run.stderr.contains("rank 1 (local rank 1, pid ")
-            && run.stderr.contains("failed with exit code 3"),
-        "stderr: {}",
-        run.stderr
+    assert_failed_fast(
+        &run,
+        &["rank 1 (local rank 1, pid ", "failed with exit code 3"],
     );
     // Ranks 0 and 2 were stopped by tchrun, not failures of their own.
     assert!(!run.stderr.contains("rank 0 ("), "stderr: {}", run.stderr);
@@ -157,17 +167,12 @@ fn rank_killed_by_signal_is_reported() {
         TIMEOUT,
         |_, _| {},
     );
-    assert_eq!(run.status.code(), Some(1), "stderr: {}", run.stderr);
-    assert!(
-        run.elapsed < Duration::from_secs(10),
-        "took {:?}",
-        run.elapsed
-    );
-    assert!(
-        run.stderr.contains("rank 1 (local rank 1, pid ")
-            && run.stderr.contains("was killed by signal SIGKILL (9)"),
-        "stderr: {}",
-        run.stderr
+    assert_failed_fast(
+        &run,
+        &[
+            "rank 1 (local rank 1, pid ",
+            "was killed by signal SIGKILL (9)",
+        ],
     );
 }
 
@@ -193,22 +198,7 @@ fn rank_ignoring_sigterm_is_killed_after_grace() {
         TIMEOUT,
         |_, _| {},
     );
-    assert_eq!(run.status.code(), Some(1), "stderr: {}", run.stderr);
-    assert!(
-        run.elapsed < Duration::from_secs(10),
-        "took {:?}",
-        run.elapsed
-    );
-    assert!(
-        run.stderr.contains("failed with exit code 2"),
-        "stderr: {}",
-        run.stderr
-    );
-    assert!(
-        run.stderr.contains("sending SIGKILL"),
-        "stderr: {}",
-        run.stderr
-    );
+    assert_failed_fast(&run, &["failed with exit code 2", "sending SIGKILL"]);
 }
 
 /// Ranks that record the signal they get, then exit.

@@ -12,7 +12,12 @@ fn main() -> anyhow::Result<()> {
     if std::env::args().nth(1).as_deref() == Some("--hang") {
         // Rank 0 waits in an all-reduce that the other ranks never reach.
         if r == 0 {
-            let err = pg.all_reduce(&mut Tensor::ones([4], (Kind::Float, Device::Cpu)), ReduceOp::Sum).unwrap_err();
+            let err = pg
+                .all_reduce(
+                    &mut Tensor::ones([4], (Kind::Float, Device::Cpu)),
+                    ReduceOp::Sum,
+                )
+                .unwrap_err();
             println!("error: {err}");
             // Fail, so that the launcher stops the rank that never came.
             std::process::exit(3);
@@ -35,7 +40,9 @@ fn main() -> anyhow::Result<()> {
         check(&t, &(&base * sum), "all_reduce sum", kind);
         let mut t = mine();
         pg.all_reduce(&mut t, ReduceOp::Product)?;
-        let expected = Tensor::from_slice(&[1i64, 2i64.pow(n as u32), 3i64.pow(n as u32)]).to_kind(kind) * prod;
+        let expected = Tensor::from_slice(&[1i64, 2i64.pow(n as u32), 3i64.pow(n as u32)])
+            .to_kind(kind)
+            * prod;
         check(&t, &expected, "all_reduce product", kind);
         let mut t = mine();
         pg.all_reduce(&mut t, ReduceOp::Min)?;
@@ -45,7 +52,10 @@ fn main() -> anyhow::Result<()> {
         check(&t, &(&base * n), "all_reduce max", kind);
         let mut t = mine();
         if kind == Kind::Int64 {
-            let err = pg.all_reduce(&mut t, ReduceOp::Avg).unwrap_err().to_string();
+            let err = pg
+                .all_reduce(&mut t, ReduceOp::Avg)
+                .unwrap_err()
+                .to_string();
             assert!(err.contains("floating-point"), "{err}");
             println!("ok all_reduce avg rejects {kind:?}");
         } else {
@@ -53,7 +63,11 @@ fn main() -> anyhow::Result<()> {
             check(&t, &(&base * sum / n), "all_reduce avg", kind);
         }
 
-        let mut t = if r == n - 1 { mine() } else { Tensor::zeros([3], opts) };
+        let mut t = if r == n - 1 {
+            mine()
+        } else {
+            Tensor::zeros([3], opts)
+        };
         pg.broadcast(&mut t, (n - 1) as usize)?;
         check(&t, &(&base * n), "broadcast", kind);
 
@@ -75,7 +89,13 @@ fn main() -> anyhow::Result<()> {
 
 fn check(actual: &Tensor, expected: &Tensor, what: &str, kind: Kind) {
     assert_eq!(actual.kind(), kind, "{what}: dtype changed");
-    let equal = actual.to_kind(Kind::Double).allclose(&expected.to_kind(Kind::Double), 1e-12, 1e-12, false);
-    assert!(equal, "{what} {kind:?}: got {actual:?}, expected {expected:?}");
+    let equal =
+        actual
+            .to_kind(Kind::Double)
+            .allclose(&expected.to_kind(Kind::Double), 1e-12, 1e-12, false);
+    assert!(
+        equal,
+        "{what} {kind:?}: got {actual:?}, expected {expected:?}"
+    );
     println!("ok {what} {kind:?}");
 }

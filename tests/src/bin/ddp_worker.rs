@@ -42,13 +42,25 @@ fn loss(net: &impl Module, xs: &Tensor, ys: &Tensor) -> Tensor {
 fn flat_params(vs: &nn::VarStore) -> Tensor {
     let mut named: Vec<_> = vs.variables().into_iter().collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
-    Tensor::cat(&named.iter().map(|(_, t)| t.detach().flatten(0, -1)).collect::<Vec<_>>(), 0)
+    Tensor::cat(
+        &named
+            .iter()
+            .map(|(_, t)| t.detach().flatten(0, -1))
+            .collect::<Vec<_>>(),
+        0,
+    )
 }
 
 fn flat_grads(vs: &nn::VarStore) -> Tensor {
     let mut named: Vec<_> = vs.variables().into_iter().collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
-    Tensor::cat(&named.iter().map(|(_, t)| t.grad().flatten(0, -1)).collect::<Vec<_>>(), 0)
+    Tensor::cat(
+        &named
+            .iter()
+            .map(|(_, t)| t.grad().flatten(0, -1))
+            .collect::<Vec<_>>(),
+        0,
+    )
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
@@ -56,7 +68,11 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 }
 
 /// Asserts that every rank holds exactly the same `t`.
-fn assert_identical(pg: &tch_distributed::ProcessGroup, t: &Tensor, what: &str) -> anyhow::Result<()> {
+fn assert_identical(
+    pg: &tch_distributed::ProcessGroup,
+    t: &Tensor,
+    what: &str,
+) -> anyhow::Result<()> {
     let all = pg.all_gather(t)?;
     for (r, other) in all.iter().enumerate() {
         ensure!(other.equal(&all[0]), "{what}: rank {r} differs from rank 0");
@@ -76,7 +92,11 @@ fn reference_grad(init: &nn::VarStore, xs: &Tensor, ys: &Tensor) -> anyhow::Resu
 fn main() -> anyhow::Result<()> {
     tch::set_num_threads(1);
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let flag = |name: &str| args.iter().position(|a| a == name).map(|i| args[i + 1].clone());
+    let flag = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .map(|i| args[i + 1].clone())
+    };
     let mode = args.first().context("usage: ddp_worker MODE")?.clone();
     let ctx = tch_distributed::init()?;
     let pg = ctx.process_group();
@@ -92,7 +112,10 @@ fn main() -> anyhow::Result<()> {
             let ddp = DistributedDataParallel::new(&vs, pg, DdpOptions::default())?;
             let after = flat_params(&vs);
             assert_identical(pg, &after, "parameters after DistributedDataParallel::new")?;
-            ensure!(rank == 0 || !before.equal(&after), "rank {rank} started equal to rank 0: test is vacuous");
+            ensure!(
+                rank == 0 || !before.equal(&after),
+                "rank {rank} started equal to rank 0: test is vacuous"
+            );
             println!("ok broadcast from rank 0");
 
             let rows = 4 * world;
@@ -103,18 +126,35 @@ fn main() -> anyhow::Result<()> {
             let reference = reference_grad(&vs, &xs, &ys)?;
             let diff = max_diff(&grads, &reference);
             println!("max_diff {diff:e}");
-            ensure!(diff < 1e-6, "averaged gradient differs from the single-process one by {diff}");
+            ensure!(
+                diff < 1e-6,
+                "averaged gradient differs from the single-process one by {diff}"
+            );
             println!("ok averaged gradient");
         }
         "train" => {
-            let steps: i64 = flag("--steps").map(|s| s.parse()).transpose()?.unwrap_or(20);
+            let steps: i64 = flag("--steps")
+                .map(|s| s.parse())
+                .transpose()?
+                .unwrap_or(20);
             let kind = flag("--step-kind").unwrap_or_else(|| "plain".into());
-            let sleep_ms: u64 = flag("--sleep-ms").map(|s| s.parse()).transpose()?.unwrap_or(0);
+            let sleep_ms: u64 = flag("--sleep-ms")
+                .map(|s| s.parse())
+                .transpose()?
+                .unwrap_or(0);
             tch::manual_seed(1);
             let vs = nn::VarStore::new(Device::Cpu);
             let net = mlp(&vs.root());
             let mut opt = nn::sgd(0.9, 0.0, 0.0, false).build(&vs, 0.05)?;
-            let ddp = DistributedDataParallel::new(&vs, pg, DdpOptions { bucket_cap_mb: 0.0001, first_bucket_cap_mb: 0.0001, ..Default::default() })?;
+            let ddp = DistributedDataParallel::new(
+                &vs,
+                pg,
+                DdpOptions {
+                    bucket_cap_mb: 0.0001,
+                    first_bucket_cap_mb: 0.0001,
+                    ..Default::default()
+                },
+            )?;
             let (xs, ys) = batch(16 * world, 11);
             let mut last = 0.0;
             for step in 0..steps {
@@ -155,10 +195,17 @@ fn main() -> anyhow::Result<()> {
                 let l = loss(&net, &xs.narrow(0, 8 * rank, 4), &ys.narrow(0, 8 * rank, 4)) / 2.0;
                 ddp.backward(&l)?;
             }
-            let l = loss(&net, &xs.narrow(0, 8 * rank + 4, 4), &ys.narrow(0, 8 * rank + 4, 4)) / 2.0;
+            let l = loss(
+                &net,
+                &xs.narrow(0, 8 * rank + 4, 4),
+                &ys.narrow(0, 8 * rank + 4, 4),
+            ) / 2.0;
             ddp.backward(&l)?;
             let stats = ddp.stats();
-            ensure!(stats.synced_backward_passes == 1 && stats.local_backward_passes == 1, "stats {stats:?}");
+            ensure!(
+                stats.synced_backward_passes == 1 && stats.local_backward_passes == 1,
+                "stats {stats:?}"
+            );
             let diff = max_diff(&flat_grads(&vs), &reference_grad(&vs, &xs, &ys)?);
             println!("max_diff {diff:e}");
             ensure!(diff < 1e-6, "accumulated gradient differs by {diff}");
@@ -170,11 +217,17 @@ fn main() -> anyhow::Result<()> {
             let used = nn::linear(vs.root() / "used", FEATURES, 1, Default::default());
             let _unused = nn::linear(vs.root() / "unused", FEATURES, 1, Default::default());
             let mut opt = nn::sgd(0.0, 0.0, 0.0, false).build(&vs, 0.1)?;
-            let options = DdpOptions { find_unused_parameters: true, ..Default::default() };
+            let options = DdpOptions {
+                find_unused_parameters: true,
+                ..Default::default()
+            };
             let ddp = DistributedDataParallel::new(&vs, pg, options)?;
             let (xs, ys) = batch(4, 9 + rank);
             for _ in 0..3 {
-                ddp.backward_step(&mut opt, &used.forward(&xs).mse_loss(&ys, tch::Reduction::Mean))?;
+                ddp.backward_step(
+                    &mut opt,
+                    &used.forward(&xs).mse_loss(&ys, tch::Reduction::Mean),
+                )?;
             }
             assert_identical(pg, &flat_params(&vs), "parameters with an unused parameter")?;
             println!("ok find_unused_parameters");
@@ -187,10 +240,22 @@ fn main() -> anyhow::Result<()> {
                 let vs = nn::VarStore::new(Device::Cpu);
                 let net = mlp(&vs.root());
                 let mut opt = nn::adam(0.9, 0.999, 0.0).build(&vs, 0.01)?;
-                let ddp = if with_ddp { Some(DistributedDataParallel::new(&vs, pg, DdpOptions::default())?) } else { None };
+                let ddp = if with_ddp {
+                    Some(DistributedDataParallel::new(
+                        &vs,
+                        pg,
+                        DdpOptions::default(),
+                    )?)
+                } else {
+                    None
+                };
                 let (xs, ys) = batch(32, 2);
                 for step in 0..10 {
-                    let l = loss(&net, &xs.narrow(0, 4 * (step % 8), 4), &ys.narrow(0, 4 * (step % 8), 4));
+                    let l = loss(
+                        &net,
+                        &xs.narrow(0, 4 * (step % 8), 4),
+                        &ys.narrow(0, 4 * (step % 8), 4),
+                    );
                     match &ddp {
                         Some(ddp) => ddp.backward_step(&mut opt, &l)?,
                         None => opt.backward_step(&l),
@@ -199,7 +264,11 @@ fn main() -> anyhow::Result<()> {
                 Ok(flat_params(&vs))
             };
             let (with, without) = (train(true)?, train(false)?);
-            ensure!(with.equal(&without), "DDP on one process differs from plain tch by {}", max_diff(&with, &without));
+            ensure!(
+                with.equal(&without),
+                "DDP on one process differs from plain tch by {}",
+                max_diff(&with, &without)
+            );
             println!("ok single process equals plain tch");
         }
         other => bail!("unknown mode {other}"),

@@ -20,9 +20,18 @@ fn train(out: &str, rows: i64) -> anyhow::Result<()> {
     let mut steps = 0;
     for epoch in 0..2 {
         let mut seen = Vec::new();
-        for (bx, by) in Iter2::new(&xs, &ys, 4).shuffle().return_smaller_last_batch() {
-            seen.extend(Vec::<f32>::try_from(bx.view([-1]))?.into_iter().map(|v| v as i64));
-            let loss = net.forward(&bx.to_device(device)).mse_loss(&by.to_device(device), tch::Reduction::Mean);
+        for (bx, by) in Iter2::new(&xs, &ys, 4)
+            .shuffle()
+            .return_smaller_last_batch()
+        {
+            seen.extend(
+                Vec::<f32>::try_from(bx.view([-1]))?
+                    .into_iter()
+                    .map(|v| v as i64),
+            );
+            let loss = net
+                .forward(&bx.to_device(device))
+                .mse_loss(&by.to_device(device), tch::Reduction::Mean);
             opt.backward_step(&loss);
             steps += 1;
         }
@@ -32,7 +41,11 @@ fn train(out: &str, rows: i64) -> anyhow::Result<()> {
     let rank = tch_distributed::current().map(|c| c.rank()).unwrap_or(0);
     log.push_str(&format!("steps {steps}\n"));
     std::fs::write(format!("{out}/seen{rank}.txt"), log)?;
-    let params: Vec<f32> = vs.trainable_variables().iter().flat_map(|t| Vec::<f32>::try_from(t.view([-1])).unwrap()).collect();
+    let params: Vec<f32> = vs
+        .trainable_variables()
+        .iter()
+        .flat_map(|t| Vec::<f32>::try_from(t.view([-1])).unwrap())
+        .collect();
     std::fs::write(format!("{out}/params{rank}.txt"), format!("{params:?}"))?;
     vs.save(format!("{out}/model.safetensors"))?;
     Ok(())
