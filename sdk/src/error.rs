@@ -32,11 +32,12 @@ pub enum Error {
     PortInUse { addr: String, port: u16 },
 
     /// Joining the rendezvous (store or process group) failed.
-    #[error("rendezvous at {addr}:{port} failed (rank {rank} of {world_size}): {message}")]
+    #[error("rendezvous at {addr}:{port} failed ({}world size {world_size}): {message}", rank.map(|r| format!("rank {r}, ")).unwrap_or_default())]
     Rendezvous {
         addr: String,
         port: u16,
-        rank: usize,
+        /// This process's rank, when known at the failing step.
+        rank: Option<usize>,
         world_size: usize,
         message: String,
     },

@@ -139,6 +139,17 @@ impl Context {
             },
         };
 
+        // Store and process-group failures name the rendezvous point and this rank.
+        let place = |e: Error| match e {
+            Error::Rendezvous { message, .. } => Error::Rendezvous {
+                addr: env.master_addr.clone(),
+                port: env.master_port,
+                rank: Some(env.rank),
+                world_size: env.world_size,
+                message,
+            },
+            other => other,
+        };
         let (store, master) = if env.world_size == 1 && env.master_port == 0 {
             (Store::in_process()?, None)
         } else if let Some(prefix) = &env.agent_store_prefix {
@@ -148,7 +159,8 @@ impl Context {
                 env.world_size,
                 false,
                 timeout,
-            )?;
+            )
+            .map_err(place)?;
             (
                 client.with_prefix(prefix)?,
                 Some((env.master_addr.clone(), env.master_port)),
@@ -161,20 +173,12 @@ impl Context {
                 env.world_size,
                 is_server,
                 timeout,
-            )?;
+            )
+            .map_err(place)?;
             (store, Some((env.master_addr.clone(), env.master_port)))
         };
         let group = ProcessGroup::new(&store, env.rank, env.world_size, backend, device, timeout)
-            .map_err(|e| match e {
-            Error::Rendezvous { message, .. } => Error::Rendezvous {
-                addr: env.master_addr.clone(),
-                port: env.master_port,
-                rank: env.rank,
-                world_size: env.world_size,
-                message,
-            },
-            other => other,
-        })?;
+            .map_err(place)?;
         Ok(Context {
             rank: env.rank,
             local_rank: env.local_rank,

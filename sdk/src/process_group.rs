@@ -153,7 +153,7 @@ impl ProcessGroup {
         let raw = ffi::check_ptr(raw).map_err(|message| Error::Rendezvous {
             addr: "(store)".into(),
             port: store.port().unwrap_or(0),
-            rank,
+            rank: Some(rank),
             world_size,
             message,
         })?;

@@ -52,7 +52,7 @@ impl Store {
                 Error::Rendezvous {
                     addr: host.to_string(),
                     port,
-                    rank: usize::MAX,
+                    rank: None,
                     world_size,
                     message: format!(
                         "{message}\n(is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every rank?)"

@@ -39,28 +39,25 @@ fn loss(net: &impl Module, xs: &Tensor, ys: &Tensor) -> Tensor {
     net.forward(xs).mse_loss(ys, tch::Reduction::Mean)
 }
 
-fn flat_params(vs: &nn::VarStore) -> Tensor {
+/// `f` of every variable, flattened and concatenated in name order.
+fn flat(vs: &nn::VarStore, f: impl Fn(&Tensor) -> Tensor) -> Tensor {
     let mut named: Vec<_> = vs.variables().into_iter().collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
     Tensor::cat(
         &named
             .iter()
-            .map(|(_, t)| t.detach().flatten(0, -1))
+            .map(|(_, t)| f(t).flatten(0, -1))
             .collect::<Vec<_>>(),
         0,
     )
 }
 
+fn flat_params(vs: &nn::VarStore) -> Tensor {
+    flat(vs, Tensor::detach)
+}
+
 fn flat_grads(vs: &nn::VarStore) -> Tensor {
-    let mut named: Vec<_> = vs.variables().into_iter().collect();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
-    Tensor::cat(
-        &named
-            .iter()
-            .map(|(_, t)| t.grad().flatten(0, -1))
-            .collect::<Vec<_>>(),
-        0,
-    )
+    flat(vs, Tensor::grad)
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
