@@ -8,31 +8,6 @@ use syn::{parse_quote, Expr, ItemFn};
 
 use crate::attr::Options;
 
-/// Rejects function shapes the attribute cannot serve.
-pub fn validate(func: &ItemFn) -> syn::Result<()> {
-    let sig = &func.sig;
-    if let Some(t) = &sig.asyncness {
-        return Err(syn::Error::new(
-            t.span,
-            "#[distributed] cannot be used on an `async fn`: collectives block the thread; \
-             put the attribute on a synchronous training function and call it from your runtime with spawn_blocking",
-        ));
-    }
-    if let Some(t) = &sig.constness {
-        return Err(syn::Error::new(
-            t.span,
-            "#[distributed] cannot be used on a `const fn`: training runs at run time",
-        ));
-    }
-    if let Some(abi) = &sig.abi {
-        return Err(syn::Error::new(
-            abi.span(),
-            "#[distributed] cannot be used on an `extern` function: remove the ABI",
-        ));
-    }
-    Ok(())
-}
-
 /// The rewrites of DESIGN.md's table.
 struct Rewrite {
     krate: TokenStream,
@@ -64,8 +39,10 @@ impl VisitMut for Rewrite {
                     || (path_ends_with(&call.func, &["Device", "Cuda"])
                         && call.args.len() == 1) =>
             {
+                // The requested device is still evaluated (and its imports used):
+                // the rank's device replaces it.
                 let span = call.span();
-                Some(syn::parse2(quote_spanned!(span=> #k::__private::device())).unwrap())
+                Some(syn::parse2(quote_spanned!(span=> #k::__private::device(#call))).unwrap())
             }
             Expr::MethodCall(m) => {
                 let recv = &m.receiver;
@@ -162,12 +139,18 @@ pub fn expand(options: Options, mut func: ItemFn) -> TokenStream {
         krate: krate.clone(),
     }
     .visit_block_mut(&mut func.block);
+    Returns {
+        krate: krate.clone(),
+    }
+    .visit_block_mut(&mut func.block);
     let block = &func.block;
+    let finish = finish(&krate);
     func.block = Box::new(parse_quote!({
         #[allow(unused_imports)]
         use #krate::__private::{
-            ShardKnown as _, ShardOther as _, VarStoreMutKnown as _, VarStoreMutOther as _,
-            VarStoreRefKnown as _, VarStoreRefOther as _,
+            ExitKnown as _, ExitOther as _, ShardKnown as _, ShardOther as _,
+            VarStoreMutKnown as _, VarStoreMutOther as _, VarStoreRefKnown as _,
+            VarStoreRefOther as _,
         };
         let __tchd_session = #krate::__private::enter(#krate::__private::Options {
             backend: #backend,
@@ -176,7 +159,47 @@ pub fn expand(options: Options, mut func: ItemFn) -> TokenStream {
             find_unused_parameters: #find_unused,
             timeout_secs: #timeout,
         });
-        #block
+        let __tchd_out = #block;
+        #finish
+        __tchd_out
     }));
     quote!(#func)
+}
+
+/// Run on every normal exit from the function: the exit barrier, unless the
+/// function returns an `Err` (a rank that failed leaves at once, so that the
+/// launcher sees it and stops the others instead of all waiting for it).
+fn finish(krate: &TokenStream) -> TokenStream {
+    quote!(__tchd_session.finish((&#krate::__private::Probe::new(&__tchd_out)).__tchd_failed());)
+}
+
+/// `return x` → `return { let __tchd_out = x; <finish>; __tchd_out }`, except in
+/// closures and nested items, whose `return`s are their own.
+struct Returns {
+    krate: TokenStream,
+}
+
+impl VisitMut for Returns {
+    fn visit_expr_mut(&mut self, expr: &mut Expr) {
+        match expr {
+            Expr::Closure(_) | Expr::Async(_) | Expr::Const(_) => return,
+            Expr::Return(r) => {
+                if let Some(value) = &mut r.expr {
+                    self.visit_expr_mut(value);
+                }
+                let value = match &r.expr {
+                    Some(v) => quote!(#v),
+                    None => quote!(()),
+                };
+                let finish = finish(&self.krate);
+                r.expr = Some(Box::new(parse_quote!({
+                    let __tchd_out = #value;
+                    #finish
+                    __tchd_out
+                })));
+            }
+            _ => visit_mut::visit_expr_mut(self, expr),
+        }
+    }
+    fn visit_item_mut(&mut self, _: &mut syn::Item) {}
 }

@@ -5,6 +5,7 @@ use proc_macro::TokenStream;
 
 mod attr;
 mod expand;
+mod validate;
 
 /// Turns a single-GPU `tch` training function into data-parallel training.
 ///
@@ -44,7 +45,7 @@ fn entry(
         }
     };
     let result = syn::parse2::<attr::Options>(args).and_then(|options| {
-        expand::validate(&func)?;
+        validate::validate(&func)?;
         Ok(expand::expand(options, func))
     });
     match result {

@@ -241,11 +241,15 @@ impl Context {
     }
 
     /// The start-up banner printed by rank 0, e.g.
-    /// `tch-distributed: backend gloo, world size 2, local world size 2, device cpu,
+    /// `tch-distributed: backend gloo, world size 2, local world size 2, devices cpu,
     /// rendezvous 127.0.0.1:29500, timeout 1800 s`.
     pub fn banner(&self) -> String {
         let device = match self.device {
-            Device::Cuda(_) => "cuda:LOCAL_RANK".to_string(),
+            // One device per local rank.
+            Device::Cuda(_) => (0..self.local_world_size)
+                .map(|i| format!("cuda:{i}"))
+                .collect::<Vec<_>>()
+                .join(" "),
             other => format!("{other:?}").to_lowercase(),
         };
         let rendezvous = match &self.master {
@@ -253,7 +257,7 @@ impl Context {
             None => "in-process (single process)".to_string(),
         };
         format!(
-            "tch-distributed: backend {}, world size {}, local world size {}, device {}, rendezvous {}, timeout {} s",
+            "tch-distributed: backend {}, world size {}, local world size {}, devices {}, rendezvous {}, timeout {} s",
             self.backend(),
             self.world_size,
             self.local_world_size,

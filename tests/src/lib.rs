@@ -29,6 +29,28 @@ pub fn tchrun() -> PathBuf {
     path
 }
 
+/// The workspace example `name` built next to the test executables
+/// (`target/<profile>/examples/<name>`).
+///
+/// Panics, saying how to build it, when it is missing: `cargo test -p
+/// tch-distributed-tests` does not build the examples package.
+pub fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    // target/<profile>/deps/<test> -> target/<profile>/examples/<name>
+    let path = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .join("examples")
+        .join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: run `cargo build --workspace --examples` first",
+        path.display()
+    );
+    path
+}
+
 /// The venv's `torchrun`, when the project's `.venv` exists.
 pub fn torchrun() -> Option<PathBuf> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/torchrun");

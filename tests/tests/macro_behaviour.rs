@@ -1,25 +1,33 @@
-//! `#[distributed]` on a function written in single-GPU style, as real 1- and 3-rank
-//! runs (work in progress of the macro issue: these are the behaviours already in).
+//! `#[distributed]` on a function written in single-GPU style (`macro_worker`), as real
+//! 1-, 2- and 3-rank runs: under `tchrun`, launching its own ranks, and without the
+//! attribute.
 
 use std::collections::BTreeSet;
 use std::fs;
+use std::path::Path;
+use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{run_tchrun, scratch_dir};
+use tch_distributed_tests::{run_tchrun, run_with, scratch_dir, Run};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_macro_worker");
+const TIMEOUT: Duration = Duration::from_secs(90);
 
-#[test]
-fn three_ranks_get_disjoint_equal_shards_identical_parameters_and_one_printer() {
-    let dir = scratch_dir("macro");
-    let d = dir.to_str().unwrap();
-    // 30 samples, batch 4: 8 batches per epoch; groups of 3 ranks leave 2 batches out.
-    let run = run_tchrun(
-        &dir,
-        &["--nproc-per-node", "3", WORKER, d, "30"],
-        Duration::from_secs(90),
-        |_, _| {},
-    );
+/// The sample ids each rank saw in `epoch`, from `seen{rank}.txt`.
+fn seen(dir: &Path, rank: usize, epoch: usize) -> Vec<i64> {
+    let log = fs::read_to_string(dir.join(format!("seen{rank}.txt"))).unwrap();
+    let line = log
+        .lines()
+        .find(|l| l.starts_with(&format!("epoch {epoch}:")))
+        .unwrap_or_else(|| panic!("rank {rank} logged no epoch {epoch}:\n{log}"));
+    line.split(['[', ']', ','])
+        .filter_map(|s| s.trim().parse().ok())
+        .collect()
+}
+
+/// Checks a finished `world`-rank run of `macro_worker` over `rows` samples in
+/// batches of 4 (the smaller last batch kept).
+fn check_run(run: &Run, dir: &Path, world: usize, rows: i64) {
     run.assert_success();
     assert_eq!(
         run.stdout.matches("epoch 0 done").count(),
@@ -27,41 +35,49 @@ fn three_ranks_get_disjoint_equal_shards_identical_parameters_and_one_printer() 
         "only rank 0 prints:\n{}",
         run.stdout
     );
+    let banner = format!("tch-distributed: backend gloo, world size {world}");
     assert_eq!(
-        run.stdout
-            .matches("tch-distributed: backend gloo, world size 3")
-            .count(),
+        run.stdout.matches(&banner).count(),
         1,
         "banner once:\n{}",
         run.stdout
     );
+    assert!(run.stdout.contains("bucket cap 25 MiB"), "{}", run.stdout);
 
-    let mut params = BTreeSet::new();
+    let batches = (rows as usize).div_ceil(4);
+    let per_rank = batches.div_ceil(world);
     for epoch in 0..2 {
-        let mut union = BTreeSet::new();
-        let mut total = 0;
-        for rank in 0..3 {
-            let log = fs::read_to_string(dir.join(format!("seen{rank}.txt"))).unwrap();
-            assert!(
-                log.contains("steps 4"),
-                "rank {rank} ran a different number of steps:\n{log}"
-            );
-            let line = log
-                .lines()
-                .find(|l| l.starts_with(&format!("epoch {epoch}:")))
-                .unwrap();
-            let ids: Vec<i64> = line
-                .split(['[', ']', ','])
-                .filter_map(|s| s.trim().parse().ok())
-                .collect();
-            total += ids.len();
-            union.extend(ids);
+        let mut all = Vec::new();
+        for rank in 0..world {
+            all.extend(seen(dir, rank, epoch));
         }
-        assert_eq!(total, 24, "epoch {epoch}: 6 of 8 batches of 4 are used");
-        assert_eq!(union.len(), total, "epoch {epoch}: shards overlap");
-        assert!(union.iter().all(|i| (0..30).contains(i)));
+        let distinct: BTreeSet<i64> = all.iter().copied().collect();
+        assert_eq!(
+            distinct,
+            (0..rows).collect(),
+            "epoch {epoch}: the shards cover the epoch"
+        );
+        // Batches are dealt round-robin; a final incomplete round is completed with
+        // whole batches from the start of the epoch (full batches of 4).
+        let padding = per_rank * world - batches;
+        assert_eq!(
+            all.len() - distinct.len(),
+            4 * padding,
+            "epoch {epoch}: disjoint but for {padding} padding batches"
+        );
     }
-    for rank in 0..3 {
+    assert_ne!(
+        seen(dir, 0, 0),
+        seen(dir, 0, 1),
+        "the shuffle differs between epochs"
+    );
+    let mut params = BTreeSet::new();
+    for rank in 0..world {
+        let log = fs::read_to_string(dir.join(format!("seen{rank}.txt"))).unwrap();
+        assert!(
+            log.contains(&format!("steps {}", 2 * per_rank)),
+            "rank {rank} ran a different number of steps:\n{log}"
+        );
         params.insert(fs::read_to_string(dir.join(format!("params{rank}.txt"))).unwrap());
     }
     assert_eq!(
@@ -69,7 +85,7 @@ fn three_ranks_get_disjoint_equal_shards_identical_parameters_and_one_printer() 
         1,
         "ranks ended with different parameters: {params:?}"
     );
-    let entries: Vec<_> = fs::read_dir(&dir)
+    let entries: Vec<_> = fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
@@ -78,4 +94,89 @@ fn three_ranks_get_disjoint_equal_shards_identical_parameters_and_one_printer() 
         !entries.iter().any(|e| e.starts_with(".tmp-")),
         "a temporary file was left: {entries:?}"
     );
+    let saved = tch::Tensor::read_safetensors(dir.join("model.safetensors")).unwrap();
+    assert_eq!(saved.len(), 2, "weight and bias: {saved:?}");
+}
+
+#[test]
+fn three_ranks_uneven_data() {
+    let dir = scratch_dir("macro3");
+    // 30 samples, batch 4: 8 batches (the last of 2); 3 ranks get 3 each, with one
+    // batch repeated.
+    let d = dir.to_str().unwrap();
+    let run = run_tchrun(
+        &dir,
+        &["--nproc-per-node", "3", WORKER, d, "30"],
+        TIMEOUT,
+        |_, _| {},
+    );
+    check_run(&run, &dir, 3, 30);
+}
+
+#[test]
+fn two_ranks_launched_by_the_program_itself() {
+    let dir = scratch_dir("macro2");
+    // 26 samples: 7 batches; 2 ranks get 4 each.
+    let mut cmd = Command::new(WORKER);
+    cmd.args([dir.to_str().unwrap(), "26"])
+        .env("TCH_DISTRIBUTED_NPROC", "2");
+    let run = run_with(cmd, &dir, TIMEOUT, |_, _| {});
+    assert!(
+        run.stderr.contains("starting 2 ranks"),
+        "no launcher environment: the program starts its ranks\n{}",
+        run.stderr
+    );
+    check_run(&run, &dir, 2, 26);
+}
+
+#[test]
+fn a_failing_rank_fails_the_job_fast() {
+    let dir = scratch_dir("macro-fail");
+    let mut cmd = Command::new(WORKER);
+    cmd.args([dir.to_str().unwrap(), "40"])
+        .env("TCH_DISTRIBUTED_NPROC", "2")
+        .env("FAIL_RANK", "1");
+    let run = run_with(cmd, &dir, TIMEOUT, |_, _| {});
+    assert!(!run.status.success(), "{run:?}");
+    assert!(
+        run.stderr.contains("rank 1 fails on purpose") && run.stderr.contains("rank 1"),
+        "{}",
+        run.stderr
+    );
+    assert!(
+        run.elapsed < Duration::from_secs(30),
+        "rank 0 was not stopped: {:?}",
+        run.elapsed
+    );
+}
+
+#[test]
+fn one_process_without_launcher_is_bit_identical_to_the_plain_function() {
+    let with = scratch_dir("macro1");
+    let plain = scratch_dir("plain1");
+    for (dir, extra) in [(&with, None), (&plain, Some("--plain"))] {
+        let mut cmd = Command::new(WORKER);
+        cmd.args([dir.to_str().unwrap(), "30"])
+            .args(extra)
+            .env("SEED", "7")
+            .env_remove("TCH_DISTRIBUTED_NPROC");
+        run_with(cmd, dir, TIMEOUT, |_, _| {}).assert_success();
+    }
+    for file in ["seen0.txt", "params0.txt"] {
+        assert_eq!(
+            fs::read_to_string(with.join(file)).unwrap(),
+            fs::read_to_string(plain.join(file)).unwrap(),
+            "{file} differs with and without #[distributed]"
+        );
+    }
+    let read = |dir: &Path| {
+        let mut named = tch::Tensor::read_safetensors(dir.join("model.safetensors")).unwrap();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        named
+    };
+    let (a, b) = (read(&with), read(&plain));
+    for ((na, ta), (nb, tb)) in a.iter().zip(&b) {
+        assert_eq!(na, nb);
+        assert!(ta.equal(tb), "{na} differs");
+    }
 }

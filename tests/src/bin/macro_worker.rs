@@ -1,21 +1,39 @@
 //! Worker for the `#[distributed]` tests: plain single-GPU tch code plus the attribute.
-//! `macro_worker OUT_DIR ROWS` trains a linear model for 2 epochs over `ROWS` samples
-//! (batch 4, shuffled, smaller last batch kept) and writes, per rank, the sample ids it
-//! saw per epoch to `OUT_DIR/seen{rank}.txt`, its final parameters to
+//! `macro_worker OUT_DIR ROWS [--plain]` trains a linear model for 2 epochs over `ROWS`
+//! samples (batch 4, shuffled, smaller last batch kept) and writes, per rank, the
+//! sample ids it saw per epoch to `OUT_DIR/seen{rank}.txt`, its final parameters to
 //! `OUT_DIR/params{rank}.txt`, and the model to `OUT_DIR/model.safetensors`.
+//! `--plain` runs the same function without the attribute. With `SEED=s` in the
+//! environment it seeds libtorch's generator first (unseeded, libtorch draws a seed
+//! at random); with `FAIL_RANK=r`, rank `r` returns an error after its first step.
 
 use tch::data::Iter2;
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
-#[tch_distributed::distributed]
-fn train(out: &str, rows: i64) -> anyhow::Result<()> {
+/// Defines the training function twice from one body: once with the attribute.
+macro_rules! train {
+    (($out:ident, $rows:ident) $($body:tt)*) => {
+        #[tch_distributed::distributed]
+        fn train($out: &str, $rows: i64) -> anyhow::Result<()> { $($body)* }
+
+        fn train_plain($out: &str, $rows: i64) -> anyhow::Result<()> { $($body)* }
+    };
+}
+
+train! {
+    (out, rows)
+    if let Some(seed) = std::env::var("SEED").ok().and_then(|s| s.parse().ok()) {
+        tch::manual_seed(seed);
+    }
     let device = Device::cuda_if_available();
     let xs = Tensor::arange(rows, (Kind::Float, Device::Cpu)).view([rows, 1]);
     let ys = &xs * 2.0 + 1.0;
     let vs = nn::VarStore::new(device);
     let net = nn::linear(vs.root(), 1, 1, Default::default());
     let mut opt = nn::Sgd::default().build(&vs, 1e-4)?;
+    let rank = tch_distributed::current().map(|c| c.rank()).unwrap_or(0);
+    let fail = std::env::var("FAIL_RANK").ok().and_then(|r| r.parse::<usize>().ok());
     let mut log = String::new();
     let mut steps = 0;
     for epoch in 0..2 {
@@ -29,16 +47,21 @@ fn train(out: &str, rows: i64) -> anyhow::Result<()> {
                     .into_iter()
                     .map(|v| v as i64),
             );
+            // Draws as much randomness as dropout on this batch would: the ranks'
+            // generators drift apart on the smaller last batch.
+            let noise = Tensor::rand_like(&bx) * 0.0;
             let loss = net
-                .forward(&bx.to_device(device))
+                .forward(&(bx + noise).to_device(device))
                 .mse_loss(&by.to_device(device), tch::Reduction::Mean);
             opt.backward_step(&loss);
             steps += 1;
+            if fail == Some(rank) {
+                anyhow::bail!("rank {rank} fails on purpose");
+            }
         }
         log.push_str(&format!("epoch {epoch}: {seen:?}\n"));
         println!("epoch {epoch} done");
     }
-    let rank = tch_distributed::current().map(|c| c.rank()).unwrap_or(0);
     log.push_str(&format!("steps {steps}\n"));
     std::fs::write(format!("{out}/seen{rank}.txt"), log)?;
     let params: Vec<f32> = vs
@@ -54,5 +77,10 @@ fn train(out: &str, rows: i64) -> anyhow::Result<()> {
 fn main() -> anyhow::Result<()> {
     tch::set_num_threads(1);
     let args: Vec<String> = std::env::args().collect();
-    train(&args[1], args[2].parse()?)
+    let (out, rows) = (&args[1], args[2].parse()?);
+    if args.get(3).map(String::as_str) == Some("--plain") {
+        train_plain(out, rows)
+    } else {
+        train(out, rows)
+    }
 }
