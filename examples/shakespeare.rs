@@ -1,12 +1,17 @@
-//! A character-level LSTM language model trained data-parallel on tinyshakespeare,
-//! in the spirit of tch-rs's `char-rnn` example.
+//! A character-level LSTM language model on tinyshakespeare, in the spirit of tch-rs's
+//! `char-rnn` example: plain single-GPU tch code plus one attribute, `#[distributed]`,
+//! on the training function.
 //!
 //! ```text
-//! tchrun --nproc-per-node 2 target/release/examples/shakespeare --data data/tinyshakespeare.txt
+//! cargo run --release --example shakespeare -- --data data/tinyshakespeare.txt   # one process (or every GPU)
+//! TCH_DISTRIBUTED_NPROC=2 cargo run --release --example shakespeare -- --data …  # 2 CPU ranks, self-launched
+//! tchrun --nproc-per-node 2 target/release/examples/shakespeare --data …
+//! torchrun --standalone --nproc-per-node 2 --no-python target/release/examples/shakespeare --data …
 //! ```
 //!
-//! Run alone (no launcher) it trains on one process exactly as plain tch would.
-//! Rank 0 prints the loss and throughput, writes the checkpoint and samples text.
+//! Under `#[distributed]` each rank trains on its own share of every epoch's batches,
+//! the gradients are averaged during backward, and only rank 0 prints and writes the
+//! checkpoint. Removing the attribute gives back the single-process program.
 
 use anyhow::{Context as _, Result};
 use clap::Parser;
@@ -14,7 +19,6 @@ use std::time::Instant;
 use tch::data::TextData;
 use tch::nn::{self, Module, OptimizerConfig, RNN};
 use tch::{Device, Kind, Tensor};
-use tch_distributed::{DistributedDataParallel, ReduceOp};
 
 #[derive(Parser, Debug)]
 #[command(about = "Character-level LSTM on tinyshakespeare, data-parallel over tch-distributed")]
@@ -22,10 +26,11 @@ struct Args {
     /// The training text.
     #[arg(long, default_value = "data/tinyshakespeare.txt")]
     data: std::path::PathBuf,
-    /// Optimizer steps (each rank runs every step on its own batches).
+    /// Optimizer steps (every rank runs each step on its own batch).
     #[arg(long, default_value_t = 300)]
     steps: usize,
-    /// Sequences per rank and step (the global batch is this times the world size).
+    /// Sequences per step and process (under `#[distributed]` the global batch is
+    /// this times the world size).
     #[arg(long, default_value_t = 32)]
     batch_size: i64,
     /// Characters per sequence.
@@ -40,7 +45,7 @@ struct Args {
     /// Print every this many steps.
     #[arg(long, default_value_t = 20)]
     log_every: usize,
-    /// Where rank 0 writes the trained weights (safetensors).
+    /// Where the trained weights are written (safetensors; by rank 0).
     #[arg(long, default_value = "shakespeare.safetensors")]
     checkpoint: std::path::PathBuf,
     /// Seed of the initial weights and of the data order.
@@ -86,14 +91,10 @@ impl CharLstm {
     }
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
-    let ctx = tch_distributed::init()?;
-    let (rank, world) = (ctx.rank(), ctx.world_size());
-    let device = ctx.device();
-    if ctx.is_main_process() {
-        println!("{}", ctx.banner());
-    }
+#[tch_distributed::distributed]
+fn train(args: &Args) -> Result<()> {
+    tch::manual_seed(args.seed);
+    let device = Device::cuda_if_available();
     let data = TextData::new(&args.data).with_context(|| {
         format!(
             "reading {} (the README's run command downloads it; or pass --data PATH)",
@@ -101,79 +102,66 @@ fn main() -> Result<()> {
         )
     })?;
     let labels = data.labels();
-
-    tch::manual_seed(args.seed);
     let vs = nn::VarStore::new(device);
     let model = CharLstm::new(&vs.root(), labels, args.hidden);
     let mut opt = nn::Adam::default().build(&vs, args.lr)?;
-    let ddp = DistributedDataParallel::new(&vs, ctx.process_group(), Default::default())?;
-    if ctx.is_main_process() {
-        let params: i64 = vs
-            .trainable_variables()
-            .iter()
-            .map(|t| t.numel() as i64)
-            .sum();
-        println!(
-            "{} characters, {labels} labels, {params} parameters, global batch {} ({} per rank)",
-            data.data().size()[0],
-            args.batch_size * world as i64,
-            args.batch_size
-        );
-    }
+    let params: i64 = vs
+        .trainable_variables()
+        .iter()
+        .map(|t| t.numel() as i64)
+        .sum();
+    println!(
+        "{} characters, {labels} labels, {params} parameters, batch {}",
+        data.data().size()[0],
+        args.batch_size
+    );
 
-    // Every rank draws the same shuffle (same seed); rank r takes batches r, r+W, …
-    let mut batches = {
-        tch::manual_seed(args.seed + 1);
-        data.iter_shuffle(args.seq_len + 1, args.batch_size)
-            .skip(rank)
-            .step_by(world)
-    };
     let start = Instant::now();
-    let mut window = (Instant::now(), 0.0, 0usize);
-    for step in 1..=args.steps {
-        let batch = batches
-            .next()
-            .context("the text is too short for this many steps")?
-            .to_kind(Kind::Int64)
-            .to_device(device);
-        let xs = batch.narrow(1, 0, args.seq_len);
-        let ys = batch.narrow(1, 1, args.seq_len);
-        let logits = model.forward(&xs);
-        let loss = logits
-            .view([-1, labels])
-            .cross_entropy_for_logits(&ys.reshape([-1]));
-        ddp.backward_step_clip_norm(&mut opt, &loss, 0.5)?;
+    let (mut window, mut loss_sum, mut losses) = (Instant::now(), 0.0, 0);
+    let mut step = 0;
+    'training: for epoch in 1.. {
+        for batch in data.iter_shuffle(args.seq_len + 1, args.batch_size) {
+            let batch = batch.to_kind(Kind::Int64).to_device(device);
+            let xs = batch.narrow(1, 0, args.seq_len);
+            let ys = batch.narrow(1, 1, args.seq_len);
+            let logits = model.forward(&xs);
+            let loss = logits
+                .view([-1, labels])
+                .cross_entropy_for_logits(&ys.reshape([-1]));
+            opt.backward_step_clip_norm(&loss, 0.5);
 
-        window.1 += loss.double_value(&[]);
-        window.2 += 1;
-        if step % args.log_every == 0 || step == args.steps {
-            // The mean loss over ranks, so the log shows the global picture.
-            let mut mean = Tensor::from_slice(&[window.1 / window.2 as f64]);
-            ctx.process_group().all_reduce(&mut mean, ReduceOp::Avg)?;
-            let tokens = (window.2 as i64 * args.batch_size * args.seq_len * world as i64) as f64;
-            if ctx.is_main_process() {
+            step += 1;
+            loss_sum += loss.double_value(&[]);
+            losses += 1;
+            if step % args.log_every == 0 || step == args.steps {
+                let tokens = (losses as i64 * args.batch_size * args.seq_len) as f64;
                 println!(
-                    "step {step:5} | loss {:.4} | {:.0} tokens/s | {:.1} s",
-                    mean.double_value(&[0]),
-                    tokens / window.0.elapsed().as_secs_f64(),
+                    "epoch {epoch} step {step:5} | loss {:.4} | {:.0} tokens/s per process | {:.1} s",
+                    loss_sum / losses as f64,
+                    tokens / window.elapsed().as_secs_f64(),
                     start.elapsed().as_secs_f64()
                 );
+                (window, loss_sum, losses) = (Instant::now(), 0.0, 0);
             }
-            window = (Instant::now(), 0.0, 0);
+            if step == args.steps {
+                break 'training;
+            }
         }
     }
     let elapsed = start.elapsed().as_secs_f64();
-    let total_tokens = (args.steps as i64 * args.batch_size * args.seq_len * world as i64) as f64;
-    tch_distributed::save_var_store(&ctx, &vs, &args.checkpoint)?;
-    if ctx.is_main_process() {
-        println!(
-            "trained {} steps in {elapsed:.1} s: {:.0} tokens/s over {world} rank(s); wrote {}",
-            args.steps,
-            total_tokens / elapsed,
-            args.checkpoint.display()
-        );
-        let sample = tch::no_grad(|| model.sample(&data, 200, device));
-        println!("sample:\n{sample}");
-    }
+    let tokens = (args.steps as i64 * args.batch_size * args.seq_len) as f64;
+    vs.save(&args.checkpoint)?;
+    println!(
+        "trained {} steps in {elapsed:.1} s: {:.0} tokens/s per process; wrote {}",
+        args.steps,
+        tokens / elapsed,
+        args.checkpoint.display()
+    );
+    let sample = tch::no_grad(|| model.sample(&data, 200, device));
+    println!("sample:\n{sample}");
     Ok(())
+}
+
+fn main() -> Result<()> {
+    train(&Args::parse())
 }

@@ -16,7 +16,9 @@ if [ ! -f "$DATA" ]; then
   fi
 fi
 
-cargo build --release --quiet -p tch-distributed --bin tchrun -p tch-distributed-examples --example shakespeare
+cargo build --release --quiet -p tch-distributed-examples --example shakespeare
 export TCH_DISTRIBUTED_BACKEND=gloo
-exec target/release/tchrun --nproc-per-node 2 target/release/examples/shakespeare \
+# No launcher: the #[distributed] training function starts its own 2 ranks.
+export TCH_DISTRIBUTED_NPROC=2
+exec target/release/examples/shakespeare \
   --data "$DATA" --checkpoint "$ROOT/data/shakespeare.safetensors" "$@"

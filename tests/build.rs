@@ -3,5 +3,7 @@
 fn main() {
     if let Ok(dir) = std::env::var("DEP_TCH_DISTRIBUTED_LIBTORCH_LIB") {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
+        // For the trybuild cases, which are built outside this crate.
+        println!("cargo:rustc-env=TCHD_LIBTORCH_LIB={dir}");
     }
 }

@@ -18,7 +18,15 @@ pub struct Options {
     pub krate: Option<syn::Path>,
 }
 
-fn number(input: ParseStream, what: &str) -> syn::Result<(f64, Span)> {
+/// Parses the option's value, or says what it should look like.
+fn expect<T: Parse>(input: ParseStream, example: &str) -> syn::Result<T> {
+    let span = input.span();
+    input
+        .parse()
+        .map_err(|_| syn::Error::new(span, format!("expected `{example}`")))
+}
+
+fn number(input: ParseStream, what: &str, example: &str) -> syn::Result<(f64, Span)> {
     if input.peek(LitInt) {
         let lit: LitInt = input.parse()?;
         Ok((lit.base10_parse::<f64>()?, lit.span()))
@@ -26,7 +34,9 @@ fn number(input: ParseStream, what: &str) -> syn::Result<(f64, Span)> {
         let lit: LitFloat = input.parse()?;
         Ok((lit.base10_parse::<f64>()?, lit.span()))
     } else {
-        Err(input.error(format!("`{what}` takes a number, e.g. `{what} = 25`")))
+        Err(input.error(format!(
+            "`{what}` takes a number, e.g. `{what} = {example}`"
+        )))
     }
 }
 
@@ -48,10 +58,22 @@ impl Parse for Options {
                     format!("duplicate option `{name}`; valid options: {VALID}"),
                 ));
             }
+            if !VALID.split(", ").any(|v| v == name) {
+                return Err(syn::Error::new(
+                    key.span(),
+                    format!("unknown option `{name}`; valid options: {VALID}"),
+                ));
+            }
+            if !input.peek(Token![=]) {
+                return Err(syn::Error::new(
+                    key.span(),
+                    format!("option `{name}` needs a value: `{name} = …`"),
+                ));
+            }
             input.parse::<Token![=]>()?;
             match name.as_str() {
                 "backend" => {
-                    let lit: LitStr = input.parse()?;
+                    let lit: LitStr = expect(input, "backend = \"gloo\" or backend = \"nccl\"")?;
                     let value = lit.value();
                     if value != "gloo" && value != "nccl" {
                         return Err(syn::Error::new(
@@ -62,7 +84,7 @@ impl Parse for Options {
                     options.backend = Some(value);
                 }
                 "nproc_per_node" => {
-                    let lit: LitInt = input.parse()?;
+                    let lit: LitInt = expect(input, "nproc_per_node = 2")?;
                     let n: usize = lit.base10_parse()?;
                     if n == 0 {
                         return Err(syn::Error::new(
@@ -73,36 +95,39 @@ impl Parse for Options {
                     options.nproc_per_node = Some(n);
                 }
                 "bucket_cap_mb" => {
-                    let (mb, span) = number(input, "bucket_cap_mb")?;
-                    if !(mb > 0.0) {
+                    let (mb, span) = number(input, "bucket_cap_mb", "25")?;
+                    if mb.is_nan() || mb <= 0.0 {
                         return Err(syn::Error::new(span, "`bucket_cap_mb` must be a positive number of MiB (PyTorch's default is 25)"));
                     }
                     options.bucket_cap_mb = Some(mb);
                 }
                 "find_unused_parameters" => {
-                    let lit: LitBool = input.parse()?;
+                    let lit: LitBool = expect(input, "find_unused_parameters = true or … = false")?;
                     options.find_unused_parameters = lit.value;
                 }
                 "timeout" => {
-                    let (secs, span) = number(input, "timeout")?;
-                    if !(secs > 0.0) {
+                    let (secs, span) = number(input, "timeout", "600")?;
+                    if secs.is_nan() || secs <= 0.0 {
                         return Err(syn::Error::new(
                             span,
-                            "`timeout` must be a positive number of seconds",
+                            "`timeout` must be a positive number of seconds, e.g. `timeout = 600`",
                         ));
                     }
                     options.timeout = Some(secs);
                 }
                 "crate" => {
-                    let lit: LitStr = input.parse()?;
-                    options.krate = Some(lit.parse()?);
+                    let lit: LitStr = expect(input, "crate = \"path::to::tch_distributed\"")?;
+                    options.krate = Some(lit.parse().map_err(|_| {
+                        syn::Error::new(
+                            lit.span(),
+                            format!(
+                                "{:?} is not a path: write the path under which tch-distributed is a dependency, e.g. `crate = \"my_tchd\"`",
+                                lit.value()
+                            ),
+                        )
+                    })?);
                 }
-                _ => {
-                    return Err(syn::Error::new(
-                        key.span(),
-                        format!("unknown option `{name}`; valid options: {VALID}"),
-                    ));
-                }
+                _ => unreachable!("checked against VALID above"),
             }
             seen.push(name);
             if !input.is_empty() {

@@ -83,7 +83,7 @@ impl VisitMut for Rewrite {
                 // Iter2 behind `.shuffle()`) must live as long as the loop.
                 let new_iter: Expr =
                     parse_quote!((&#k::__private::Probe::new(#iter)).__tchd_iter());
-                f.expr = Box::new(new_iter);
+                *f.expr = new_iter;
                 None
             }
             Expr::Macro(m) if is_print(&m.mac) => {
@@ -145,7 +145,7 @@ pub fn expand(options: Options, mut func: ItemFn) -> TokenStream {
     .visit_block_mut(&mut func.block);
     let block = &func.block;
     let finish = finish(&krate);
-    func.block = Box::new(parse_quote!({
+    *func.block = parse_quote!({
         #[allow(unused_imports)]
         use #krate::__private::{
             ExitKnown as _, ExitOther as _, ShardKnown as _, ShardOther as _,
@@ -162,7 +162,7 @@ pub fn expand(options: Options, mut func: ItemFn) -> TokenStream {
         let __tchd_out = #block;
         #finish
         __tchd_out
-    }));
+    });
     quote!(#func)
 }
 
@@ -182,7 +182,7 @@ struct Returns {
 impl VisitMut for Returns {
     fn visit_expr_mut(&mut self, expr: &mut Expr) {
         match expr {
-            Expr::Closure(_) | Expr::Async(_) | Expr::Const(_) => return,
+            Expr::Closure(_) | Expr::Async(_) | Expr::Const(_) => {}
             Expr::Return(r) => {
                 if let Some(value) = &mut r.expr {
                     self.visit_expr_mut(value);

@@ -72,6 +72,7 @@ pub fn validate(func: &ItemFn) -> syn::Result<()> {
         rank_names: rank_dependent_locals(func),
         depth: 0,
         condition: String::new(),
+        what: "",
         errors: &mut errors,
     };
     branches.visit_block(&func.block);
@@ -138,21 +139,28 @@ struct RankBranches<'e> {
     rank_names: BTreeSet<String>,
     /// How many rank-dependent branches enclose the current node.
     depth: usize,
-    /// The innermost rank-dependent condition, for the message.
+    /// The innermost rank-dependent condition, and what it governs, for the message.
     condition: String,
+    what: &'static str,
     errors: &'e mut Vec<syn::Error>,
 }
 
 impl RankBranches<'_> {
-    fn branch(&mut self, condition: &Expr, body: impl FnOnce(&mut Self)) {
+    fn branch(&mut self, condition: &Expr, what: &'static str, body: impl FnOnce(&mut Self)) {
         if mentions(condition.to_token_stream(), &self.rank_names) {
             let text = condition.to_token_stream().to_string();
-            let text = text.replace(" . ", ".").replace(" (", "(");
+            let text = text
+                .replace(" . ", ".")
+                .replace(" (", "(")
+                .replace(" .. ", "..")
+                .replace("! ", "!");
             let outer = std::mem::replace(&mut self.condition, text);
+            let outer_what = std::mem::replace(&mut self.what, what);
             self.depth += 1;
             body(self);
             self.depth -= 1;
             self.condition = outer;
+            self.what = outer_what;
         } else {
             body(self);
         }
@@ -162,7 +170,7 @@ impl RankBranches<'_> {
 impl<'ast> Visit<'ast> for RankBranches<'_> {
     fn visit_expr_if(&mut self, e: &'ast syn::ExprIf) {
         self.visit_expr(&e.cond);
-        self.branch(&e.cond, |v| {
+        self.branch(&e.cond, "a branch that only some ranks take", |v| {
             v.visit_block(&e.then_branch);
             if let Some((_, els)) = &e.else_branch {
                 v.visit_expr(els);
@@ -172,17 +180,27 @@ impl<'ast> Visit<'ast> for RankBranches<'_> {
 
     fn visit_expr_match(&mut self, e: &'ast syn::ExprMatch) {
         self.visit_expr(&e.expr);
-        self.branch(&e.expr, |v| e.arms.iter().for_each(|arm| v.visit_arm(arm)));
+        self.branch(&e.expr, "a branch that only some ranks take", |v| {
+            e.arms.iter().for_each(|arm| v.visit_arm(arm))
+        });
     }
 
     fn visit_expr_while(&mut self, e: &'ast syn::ExprWhile) {
         self.visit_expr(&e.cond);
-        self.branch(&e.cond, |v| v.visit_block(&e.body));
+        self.branch(
+            &e.cond,
+            "a loop that runs a different number of times on each rank",
+            |v| v.visit_block(&e.body),
+        );
     }
 
     fn visit_expr_for_loop(&mut self, e: &'ast syn::ExprForLoop) {
         self.visit_expr(&e.expr);
-        self.branch(&e.expr, |v| v.visit_block(&e.body));
+        self.branch(
+            &e.expr,
+            "a loop that runs a different number of times on each rank",
+            |v| v.visit_block(&e.body),
+        );
     }
 
     fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
@@ -192,12 +210,14 @@ impl<'ast> Visit<'ast> for RankBranches<'_> {
         }
         let method = m.method.to_string();
         if let Some(why) = collective(&method, m.args.len()) {
-            self.errors.push(syn::Error::new(
-                m.span(),
+            let call = if m.args.is_empty() { "()" } else { "(…)" };
+            self.errors.push(syn::Error::new_spanned(
+                m,
                 format!(
-                    "`.{method}(…)` inside a branch that only some ranks take (`{}`) would hang: \
-                     {why}, and the ranks that skip the branch never join. Move it out of the branch \
+                    "`.{method}{call}` inside {} (`{}`) would hang: \
+                     {why}, and the ranks that skip it never join. Move it out \
                      so that every rank calls it{}",
+                    self.what,
                     self.condition,
                     if method == "save" || method == "load" {
                         "; for a type other than VarStore, call it as `Type::method(&value, path)`, which #[distributed] leaves alone"

@@ -18,6 +18,7 @@
 #[path = "private.rs"]
 pub mod __private;
 mod checkpoint;
+mod data;
 mod ddp;
 mod env;
 mod error;
@@ -28,6 +29,7 @@ mod process_group;
 mod store;
 
 pub use checkpoint::{load_var_store, save_var_store};
+pub use data::{shard, Sharded};
 pub use ddp::{DdpOptions, DdpStats, DistributedDataParallel, NoSync};
 pub use env::LaunchEnv;
 pub use error::{Error, Result};
@@ -36,6 +38,7 @@ pub use process_group::{Backend, ProcessGroup, ReduceOp};
 pub use store::Store;
 
 #[doc(inline)]
+#[doc = include_str!("distributed.md")]
 pub use tch_distributed_macros::distributed;
 
 /// The README's Rust code, compiled as a doc test so that it stays true.

@@ -1,0 +1,6 @@
+#[tch_distributed::distributed]
+async fn train() {}
+
+fn main() {
+    let _ = train();
+}

@@ -1,0 +1,6 @@
+#[tch_distributed::distributed(backend = gloo)]
+fn train() {}
+
+fn main() {
+    train();
+}

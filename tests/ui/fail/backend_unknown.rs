@@ -1,0 +1,6 @@
+#[tch_distributed::distributed(backend = "mpi")]
+fn train() {}
+
+fn main() {
+    train();
+}

@@ -1,0 +1,6 @@
+#[tch_distributed::distributed]
+const fn train() {}
+
+fn main() {
+    train();
+}

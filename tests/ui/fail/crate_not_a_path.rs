@@ -1,0 +1,6 @@
+#[tch_distributed::distributed(crate = "not a path")]
+fn train() {}
+
+fn main() {
+    train();
+}

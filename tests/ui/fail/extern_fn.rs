@@ -1,0 +1,6 @@
+#[tch_distributed::distributed]
+extern "C" fn train() {}
+
+fn main() {
+    train();
+}

@@ -1,0 +1,4 @@
+#[tch_distributed::distributed]
+struct Trainer;
+
+fn main() {}

@@ -1,0 +1,6 @@
+#[tch_distributed::distributed(nproc_per_node = "4")]
+fn train() {}
+
+fn main() {
+    train();
+}

@@ -1,0 +1,6 @@
+#[tch_distributed::distributed(world_size = 4)]
+fn train() {}
+
+fn main() {
+    train();
+}

@@ -1,0 +1,10 @@
+// `timeout = 60`: seconds a collective may wait before it fails.
+#[tch_distributed::distributed(timeout = 60)]
+fn train() -> String {
+    tch_distributed::current().unwrap().banner()
+}
+
+fn main() {
+    let banner = train();
+    assert!(banner.contains("timeout 60 s"), "{banner}");
+}

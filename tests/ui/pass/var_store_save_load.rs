@@ -1,0 +1,27 @@
+// `vs.save(p)` and `vs.load(p)` on a `VarStore` (and through `&VarStore`) become the
+// rank-aware versions; `save` on a `Tensor` is left alone.
+use tch::nn::{self, VarStore};
+use tch::{Device, Kind, Tensor};
+
+#[tch_distributed::distributed]
+fn train(dir: &std::path::Path) -> anyhow::Result<()> {
+    let mut vs = VarStore::new(Device::Cpu);
+    let _net = nn::linear(vs.root(), 2, 2, Default::default());
+    vs.save(dir.join("a.safetensors"))?;
+    let by_ref: &VarStore = &vs;
+    by_ref.save(dir.join("b.safetensors"))?;
+    vs.load(dir.join("a.safetensors"))?;
+    Tensor::ones([2], (Kind::Float, Device::Cpu)).save(dir.join("t.pt"))?;
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    let dir = std::env::temp_dir().join(format!("ui-save-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    train(&dir)?;
+    for f in ["a.safetensors", "b.safetensors", "t.pt"] {
+        assert!(dir.join(f).exists(), "{f}");
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
