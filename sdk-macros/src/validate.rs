@@ -134,6 +134,9 @@ fn rank_dependent_locals(func: &ItemFn) -> BTreeSet<String> {
     }
 }
 
+const BRANCH: &str = "a branch that only some ranks take";
+const LOOP: &str = "a loop that runs a different number of times on each rank";
+
 /// Finds collectives inside `if`/`match`/`while` whose condition depends on the rank.
 struct RankBranches<'e> {
     rank_names: BTreeSet<String>,
@@ -170,7 +173,7 @@ impl RankBranches<'_> {
 impl<'ast> Visit<'ast> for RankBranches<'_> {
     fn visit_expr_if(&mut self, e: &'ast syn::ExprIf) {
         self.visit_expr(&e.cond);
-        self.branch(&e.cond, "a branch that only some ranks take", |v| {
+        self.branch(&e.cond, BRANCH, |v| {
             v.visit_block(&e.then_branch);
             if let Some((_, els)) = &e.else_branch {
                 v.visit_expr(els);
@@ -180,27 +183,19 @@ impl<'ast> Visit<'ast> for RankBranches<'_> {
 
     fn visit_expr_match(&mut self, e: &'ast syn::ExprMatch) {
         self.visit_expr(&e.expr);
-        self.branch(&e.expr, "a branch that only some ranks take", |v| {
+        self.branch(&e.expr, BRANCH, |v| {
             e.arms.iter().for_each(|arm| v.visit_arm(arm))
         });
     }
 
     fn visit_expr_while(&mut self, e: &'ast syn::ExprWhile) {
         self.visit_expr(&e.cond);
-        self.branch(
-            &e.cond,
-            "a loop that runs a different number of times on each rank",
-            |v| v.visit_block(&e.body),
-        );
+        self.branch(&e.cond, LOOP, |v| v.visit_block(&e.body));
     }
 
     fn visit_expr_for_loop(&mut self, e: &'ast syn::ExprForLoop) {
         self.visit_expr(&e.expr);
-        self.branch(
-            &e.expr,
-            "a loop that runs a different number of times on each rank",
-            |v| v.visit_block(&e.body),
-        );
+        self.branch(&e.expr, LOOP, |v| v.visit_block(&e.body));
     }
 
     fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {

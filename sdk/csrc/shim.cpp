@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -349,3 +350,13 @@ int tdc_reducer_buckets(tdc_reducer* reducer, int64_t* sizes, int cap, int* coun
 }
 
 } // extern "C"
+
+int tdc_randperm(int64_t n, uint64_t seed, tdc_tensor out) {
+  TDC_PROTECT(1, {
+    // A generator of its own, as DistributedSampler's `torch.Generator()`: the
+    // global generators are left untouched.
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    tensor(out).copy_(at::randperm(n, gen, at::TensorOptions().dtype(at::kLong)));
+    return 0;
+  })
+}

@@ -80,6 +80,10 @@ int tdc_reducer_prepare_for_backward(tdc_reducer* reducer, tdc_tensor* outputs, 
 // which holds `cap` entries).
 int tdc_reducer_buckets(tdc_reducer* reducer, int64_t* sizes, int cap, int* count);
 
+/* Data: `out` (int64, 1-D, n elements) receives the permutation that PyTorch's
+ * `torch.randperm(n, generator=torch.Generator().manual_seed(seed))` draws. */
+int tdc_randperm(int64_t n, uint64_t seed, tdc_tensor out);
+
 #ifdef __cplusplus
 }
 #endif

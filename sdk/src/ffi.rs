@@ -113,6 +113,8 @@ extern "C" {
         cap: c_int,
         count: *mut c_int,
     ) -> c_int;
+
+    pub fn tdc_randperm(n: i64, seed: u64, out: Tensor) -> c_int;
 }
 
 /// Takes this thread's last shim error (or a placeholder when none was recorded).

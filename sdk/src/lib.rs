@@ -29,7 +29,7 @@ mod process_group;
 mod store;
 
 pub use checkpoint::{load_var_store, save_var_store};
-pub use data::{shard, Sharded};
+pub use data::{shard, DistributedSampler, Sharded};
 pub use ddp::{DdpOptions, DdpStats, DistributedDataParallel, NoSync};
 pub use env::LaunchEnv;
 pub use error::{Error, Result};

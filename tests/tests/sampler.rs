@@ -1,0 +1,94 @@
+//! `DistributedSampler` against PyTorch's own, run by the project's venv python (the
+//! test says so and checks nothing else when there is no venv, as with `LIBTORCH`).
+
+use std::path::Path;
+use std::process::Command;
+
+use tch_distributed::DistributedSampler;
+
+const CASES: &[(usize, usize, u64, u64, bool, bool)] = &[
+    // (len, world_size, seed, epoch, shuffle, drop_last)
+    (10, 3, 0, 0, true, false),
+    (10, 3, 7, 2, true, true),
+    (13, 4, 1, 5, true, false),
+    (5, 4, 3, 1, false, false),
+    (29_500, 8, 42, 3, true, false),
+    (1, 2, 0, 0, true, false),
+];
+
+#[test]
+fn same_indices_and_steps_as_pytorch() {
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+    if !python.exists() {
+        eprintln!(
+            "no venv python at {}: comparison with PyTorch skipped",
+            python.display()
+        );
+        return;
+    }
+    let script = r#"
+import sys, torch
+from torch.utils.data.distributed import DistributedSampler
+for line in sys.stdin:
+    n, w, seed, epoch, shuffle, drop = line.split()
+    for r in range(int(w)):
+        s = DistributedSampler(range(int(n)), num_replicas=int(w), rank=r, shuffle=shuffle == "true",
+                               seed=int(seed), drop_last=drop == "true")
+        s.set_epoch(int(epoch))
+        print(len(s), ",".join(map(str, s)))
+"#;
+    let input: String = CASES
+        .iter()
+        .map(|(n, w, seed, epoch, shuffle, drop)| {
+            format!("{n} {w} {seed} {epoch} {shuffle} {drop}\n")
+        })
+        .collect();
+    let mut child = Command::new(&python)
+        .args(["-c", script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), input.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let mut lines = std::str::from_utf8(&out.stdout).unwrap().lines();
+    for &(n, w, seed, epoch, shuffle, drop) in CASES {
+        for rank in 0..w {
+            let mut sampler = DistributedSampler::new(n, rank, w)
+                .unwrap()
+                .seed(seed)
+                .shuffle(shuffle)
+                .drop_last(drop);
+            sampler.set_epoch(epoch);
+            let ours = sampler.indices().unwrap();
+            let line = lines.next().expect("a line per rank");
+            let (len, indices) = line.split_once(' ').unwrap_or((line, ""));
+            let theirs: Vec<usize> = indices
+                .split(',')
+                .filter(|s| !s.is_empty())
+                .map(|s| s.parse().unwrap())
+                .collect();
+            assert_eq!(sampler.num_samples(), len.parse::<usize>().unwrap());
+            assert_eq!(
+                ours, theirs,
+                "len {n}, world {w}, rank {rank}, seed {seed}, epoch {epoch}"
+            );
+        }
+    }
+}
+
+#[test]
+fn steps_per_epoch_shrink_with_world_size_as_the_guides_say() {
+    // 29,500 samples at batch 4: 7,375 steps on 1 rank, 3,687 on 2, 1,843 on 4, 921 on 8
+    // (the guides' figures: `drop_last` in the sampler and for the last partial batch).
+    for (world, steps) in [(1, 7375), (2, 3687), (4, 1843), (8, 921)] {
+        let sampler = DistributedSampler::new(29_500, 0, world)
+            .unwrap()
+            .drop_last(true);
+        assert_eq!(sampler.num_samples() / 4, steps, "world size {world}");
+    }
+    // Padded instead (the default), a rank can get one more batch: ceil(29,500 / 8) = 3,688.
+    let padded = DistributedSampler::new(29_500, 0, 8).unwrap();
+    assert_eq!(padded.num_samples() / 4, 922);
+}
