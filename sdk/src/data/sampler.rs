@@ -1,4 +1,4 @@
-//! Splitting data across ranks.
+//! `DistributedSampler`, as PyTorch's.
 
 use tch::{Device, Kind, Tensor};
 
@@ -118,6 +118,16 @@ impl DistributedSampler {
         self.num_samples() * self.world_size
     }
 
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
     /// The dataset's length.
     pub fn len(&self) -> usize {
         self.len
@@ -177,134 +187,9 @@ impl DistributedSampler {
     }
 }
 
-/// Deals the batches of `batches` across the ranks of the current job; see
-/// [`Sharded`]. `#[distributed]` wraps the `for` loops over tch's data iterators in it.
-///
-/// ```no_run
-/// # fn main() -> anyhow::Result<()> {
-/// let data = tch::data::TextData::new("input.txt")?;
-/// let _ctx = tch_distributed::init()?;
-/// for batch in tch_distributed::shard(data.iter_shuffle(65, 32)) {
-///     // this rank's batches: [32, 65] each
-/// #   let _ = batch;
-/// }
-/// # Ok(()) }
-/// ```
-pub fn shard<I: IntoIterator>(batches: I) -> Sharded<I::IntoIter> {
-    Sharded::new(batches.into_iter())
-}
-
-/// An iterator split across ranks, batch by batch, as Accelerate's `even_batches`
-/// data loader: batches are dealt round-robin (rank `r` gets batches `r`,
-/// `r + world_size`, …), and a final incomplete round is completed with the first
-/// batches of the epoch, so every rank yields `ceil(batches / world_size)` batches
-/// and no rank waits on a collective that the others never reach. The shards are
-/// disjoint except for those `world_size - batches % world_size` repeated batches,
-/// and together they cover the epoch. Every rank must see the same sequence of
-/// batches (the same data and shuffle seed; `#[distributed]` seeds every rank alike).
-pub struct Sharded<I: Iterator> {
-    inner: I,
-    rank: usize,
-    world_size: usize,
-    /// The first batches of the epoch (at most `rank` of them, all dealt to lower
-    /// ranks), kept to complete a final incomplete round.
-    first: Vec<I::Item>,
-    /// How many batches `inner` has yielded.
-    seen: usize,
-    done: bool,
-    /// The seed libtorch's generators get when the loop ends (see `Drop`).
-    reseed: Option<i64>,
-}
-
-impl<I: Iterator> Sharded<I> {
-    /// Shards `inner` for this process's rank in the current job (a world of one,
-    /// where nothing is dropped or repeated, when there is none).
-    pub fn new(inner: I) -> Self {
-        let (rank, world_size) = init::current()
-            .map(|c| (c.rank(), c.world_size()))
-            .unwrap_or((0, 1));
-        Self::for_rank(inner, rank, world_size)
-    }
-
-    /// Shards `inner` for `rank` of `world_size` ranks.
-    pub fn for_rank(inner: I, rank: usize, world_size: usize) -> Self {
-        // Drawn while every rank's generator is in the same state (as at the start
-        // of the function), so every rank draws the same seed.
-        let reseed = (world_size > 1).then(|| {
-            Tensor::randint(i64::MAX, [1], (tch::Kind::Int64, Device::Cpu)).int64_value(&[0])
-        });
-        Sharded {
-            inner,
-            rank,
-            world_size,
-            first: Vec::new(),
-            seen: 0,
-            done: false,
-            reseed,
-        }
-    }
-}
-
-impl<I: Iterator> Iterator for Sharded<I> {
-    type Item = I::Item;
-    fn next(&mut self) -> Option<I::Item> {
-        if self.done {
-            return None;
-        }
-        let mut got = 0;
-        for i in 0..self.world_size {
-            let Some(item) = self.inner.next() else {
-                break;
-            };
-            self.seen += 1;
-            got += 1;
-            if i == self.rank {
-                return self.skip_rest(i, item);
-            }
-            if self.seen <= self.rank {
-                self.first.push(item);
-            }
-        }
-        self.done = true;
-        if got == 0 || self.first.is_empty() {
-            // The epoch ended on a round boundary (or was empty).
-            return None;
-        }
-        // An incomplete round: this rank takes one of the epoch's first batches,
-        // as the ranks after the last real batch do in turn.
-        let k = (self.rank - got) % self.seen;
-        Some(self.first.swap_remove(k))
-    }
-}
-
-/// During the loop, the ranks' random generators drift apart whenever they draw
-/// different amounts (dropout on a smaller last batch). The next shuffle must be the
-/// same on every rank, so when the loop ends every rank reseeds libtorch's
-/// generators with the seed they all drew when the loop started.
-impl<I: Iterator> Drop for Sharded<I> {
-    fn drop(&mut self) {
-        if let Some(seed) = self.reseed {
-            tch::manual_seed(seed);
-        }
-    }
-}
-
-impl<I: Iterator> Sharded<I> {
-    /// Consumes the rest of the round after this rank's batch at position `i`.
-    fn skip_rest(&mut self, i: usize, mine: I::Item) -> Option<I::Item> {
-        for _ in i + 1..self.world_size {
-            if self.inner.next().is_none() {
-                break;
-            }
-            self.seen += 1;
-        }
-        Some(mine)
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::{DistributedSampler, Sharded};
+    use super::DistributedSampler;
     use std::collections::BTreeSet;
 
     fn all_ranks(
@@ -378,43 +263,5 @@ mod tests {
         assert!(DistributedSampler::new(10, 0, 0).is_err());
         let e = DistributedSampler::new(0, 0, 1).unwrap_err().to_string();
         assert!(e.contains("empty"), "{e}");
-    }
-
-    #[test]
-    fn shards_are_even_disjoint_but_for_padding_and_cover_the_epoch() {
-        for world in 1..=5 {
-            for batches in 0..13usize {
-                let per_rank = batches.div_ceil(world);
-                let mut all = Vec::new();
-                for rank in 0..world {
-                    let mine: Vec<usize> = Sharded::for_rank(0..batches, rank, world).collect();
-                    assert_eq!(
-                        mine.len(),
-                        per_rank,
-                        "world {world}, {batches} batches, rank {rank}"
-                    );
-                    // Round-robin until the data runs out.
-                    for (j, b) in mine.iter().enumerate() {
-                        if rank + j * world < batches {
-                            assert_eq!(*b, rank + j * world);
-                        }
-                    }
-                    all.extend(mine);
-                }
-                all.sort();
-                let mut distinct = all.clone();
-                distinct.dedup();
-                assert_eq!(
-                    distinct,
-                    (0..batches).collect::<Vec<_>>(),
-                    "cover the epoch"
-                );
-                assert_eq!(
-                    all.len() - distinct.len(),
-                    per_rank * world - batches,
-                    "padding only"
-                );
-            }
-        }
     }
 }

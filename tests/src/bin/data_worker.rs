@@ -1,0 +1,62 @@
+//! Worker for the data tests, run under `tchrun`.
+//!
+//! - `data_worker loader OUT N BATCH`: a `DataLoader` over samples `0..N` (batch
+//!   `BATCH`, 2 epochs). Each rank writes the sample ids of each epoch to
+//!   `OUT/seen{rank}.txt`, and the accuracy of a fixed "prediction" over the whole
+//!   dataset, gathered batch by batch with `gather_for_metrics`, to
+//!   `OUT/metric{rank}.txt`.
+//! - `data_worker uneven`: rank r builds a loader over `10 + r` samples (must fail).
+
+use std::fmt::Write as _;
+
+use tch::{Device, Kind, Tensor};
+use tch_distributed::{DataLoader, TensorDataset};
+
+/// A deterministic stand-in for a model: right for samples whose id is not 1 mod 3.
+fn correct(ids: &Tensor) -> Tensor {
+    ids.remainder(3).ne(1).to_kind(Kind::Float)
+}
+
+fn main() -> anyhow::Result<()> {
+    tch::set_num_threads(1);
+    let args: Vec<String> = std::env::args().collect();
+    let ctx = tch_distributed::init()?;
+    let rank = ctx.rank();
+    match args[1].as_str() {
+        "loader" => {
+            let (out, n, batch): (&str, i64, usize) =
+                (&args[2], args[3].parse()?, args[4].parse()?);
+            let ids = Tensor::arange(n, (Kind::Int64, Device::Cpu));
+            let loader = DataLoader::new(TensorDataset::new(&ids, &ids)?, batch)?.num_workers(1);
+            let mut log = format!("steps per epoch {}\n", loader.len());
+            let mut gathered = Vec::new();
+            for epoch in 0..2 {
+                let mut seen = Vec::new();
+                for b in &loader {
+                    let (x, _) = b?;
+                    seen.extend(Vec::<i64>::try_from(&x)?);
+                    if epoch == 0 {
+                        gathered.push(loader.gather_for_metrics(&correct(&x))?);
+                    }
+                }
+                writeln!(log, "epoch {epoch}: {seen:?}")?;
+            }
+            std::fs::write(format!("{out}/seen{rank}.txt"), log)?;
+            let all = Tensor::cat(&gathered, 0);
+            let metric = format!(
+                "{} {}",
+                all.size()[0],
+                all.mean(Kind::Float).double_value(&[])
+            );
+            std::fs::write(format!("{out}/metric{rank}.txt"), metric)?;
+        }
+        "uneven" => {
+            let n = 10 + rank as i64;
+            let ids = Tensor::arange(n, (Kind::Int64, Device::Cpu));
+            DataLoader::new(TensorDataset::new(&ids, &ids)?, 4)?;
+            println!("rank {rank}: built a loader over uneven data");
+        }
+        other => anyhow::bail!("unknown mode {other}"),
+    }
+    Ok(())
+}
