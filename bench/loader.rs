@@ -74,14 +74,26 @@ fn main() -> anyhow::Result<()> {
     let text = tch::data::TextData::new(&path)?;
     std::fs::remove_dir_all(&dir)?;
     let text = TextDataset::new(&text, 64)?;
-    time("text", || DataLoader::new(text.clone(), 32).unwrap(), args.epochs);
+    time(
+        "text",
+        || DataLoader::new(text.clone(), 32).unwrap(),
+        args.epochs,
+    );
 
     let n = 60_000;
     let pixels = Tensor::randint(256, [n, 1, 28, 28], (Kind::Uint8, Device::Cpu));
     let labels = Tensor::randint(10, [n], (Kind::Int64, Device::Cpu));
     let floats = TensorDataset::new(&(pixels.to_kind(Kind::Float) / 255.0), &labels)?;
-    time("images", || DataLoader::new(floats.clone(), 256).unwrap(), args.epochs);
+    time(
+        "images",
+        || DataLoader::new(floats.clone(), 256).unwrap(),
+        args.epochs,
+    );
     let raw = Decode(TensorDataset::new(&pixels, &labels)?);
-    time("images+decode", || DataLoader::new(raw.clone(), 256).unwrap(), args.epochs);
+    time(
+        "images+decode",
+        || DataLoader::new(raw.clone(), 256).unwrap(),
+        args.epochs,
+    );
     Ok(())
 }

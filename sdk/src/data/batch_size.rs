@@ -11,7 +11,7 @@ pub fn per_rank_batch_size(global: usize, world_size: usize) -> Result<usize> {
     if world_size == 0 {
         return Err(Error::Config("the world size must be at least 1".into()));
     }
-    if global == 0 || global % world_size != 0 {
+    if global == 0 || global.checked_rem(world_size) != Some(0) {
         let below = global / world_size * world_size;
         let above = below + world_size;
         return Err(Error::Config(format!(
