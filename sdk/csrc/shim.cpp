@@ -10,6 +10,10 @@
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+#include <sstream>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -357,6 +361,48 @@ int tdc_randperm(int64_t n, uint64_t seed, tdc_tensor out) {
     // global generators are left untouched.
     auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
     tensor(out).copy_(at::randperm(n, gen, at::TensorOptions().dtype(at::kLong)));
+    return 0;
+  })
+}
+
+int tdc_optimizer_save(void* opt, uint8_t** data, size_t* len) {
+  TDC_PROTECT(1, {
+    torch::serialize::OutputArchive archive;
+    static_cast<torch::optim::Optimizer*>(opt)->save(archive);
+    std::ostringstream out;
+    archive.save_to(out);
+    const std::string bytes = out.str();
+    *len = bytes.size();
+    *data = static_cast<uint8_t*>(malloc(bytes.empty() ? 1 : bytes.size()));
+    if (!bytes.empty()) memcpy(*data, bytes.data(), bytes.size());
+    return 0;
+  })
+}
+
+int tdc_optimizer_load(void* opt, const uint8_t* data, size_t len) {
+  TDC_PROTECT(1, {
+    std::istringstream in(std::string(reinterpret_cast<const char*>(data), len));
+    torch::serialize::InputArchive archive;
+    archive.load_from(in);
+    static_cast<torch::optim::Optimizer*>(opt)->load(archive);
+    return 0;
+  })
+}
+
+int tdc_cpu_rng_state(tdc_tensor* out) {
+  TDC_PROTECT(1, {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    *out = new torch::Tensor(gen.get_state());
+    return 0;
+  })
+}
+
+int tdc_set_cpu_rng_state(tdc_tensor state) {
+  TDC_PROTECT(1, {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(tensor(state));
     return 0;
   })
 }

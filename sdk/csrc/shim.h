@@ -84,6 +84,16 @@ int tdc_reducer_buckets(tdc_reducer* reducer, int64_t* sizes, int cap, int* coun
  * `torch.randperm(n, generator=torch.Generator().manual_seed(seed))` draws. */
 int tdc_randperm(int64_t n, uint64_t seed, tdc_tensor out);
 
+/* Checkpoints. `opt` is torch-sys's `C_optimizer*`, a `torch::optim::Optimizer*`.
+ * The state is libtorch's own optimizer archive (`Optimizer::save`), returned in a
+ * malloc'ed buffer that the caller frees. */
+int tdc_optimizer_save(void* opt, uint8_t** data, size_t* len);
+int tdc_optimizer_load(void* opt, const uint8_t* data, size_t len);
+/* The default CPU generator's state as a new uint8 tensor in `*out` (a
+ * `torch::Tensor*` the caller owns), and setting it back. */
+int tdc_cpu_rng_state(tdc_tensor* out);
+int tdc_set_cpu_rng_state(tdc_tensor state);
+
 #ifdef __cplusplus
 }
 #endif

@@ -115,6 +115,11 @@ extern "C" {
     ) -> c_int;
 
     pub fn tdc_randperm(n: i64, seed: u64, out: Tensor) -> c_int;
+
+    pub fn tdc_optimizer_save(opt: *mut c_void, data: *mut *mut u8, len: *mut usize) -> c_int;
+    pub fn tdc_optimizer_load(opt: *mut c_void, data: *const u8, len: usize) -> c_int;
+    pub fn tdc_cpu_rng_state(out: *mut Tensor) -> c_int;
+    pub fn tdc_set_cpu_rng_state(state: Tensor) -> c_int;
 }
 
 /// Takes this thread's last shim error (or a placeholder when none was recorded).

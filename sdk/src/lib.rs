@@ -25,6 +25,7 @@ mod error;
 mod ffi;
 mod init;
 pub mod launch;
+mod optim;
 mod process_group;
 mod store;
 
@@ -37,6 +38,7 @@ pub use ddp::{DdpOptions, DdpStats, DistributedDataParallel, NoSync};
 pub use env::LaunchEnv;
 pub use error::{Error, Result};
 pub use init::{current, init, init_with, Context, InitOptions, DEFAULT_TIMEOUT};
+pub use optim::{Optimizer, OptimizerKind};
 pub use process_group::{Backend, ProcessGroup, ReduceOp};
 pub use store::Store;
 

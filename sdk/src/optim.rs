@@ -1,0 +1,398 @@
+//! `Optimizer`: libtorch's own `torch::optim` optimizers, as `tch::nn::Optimizer` runs
+//! them, with their state reachable for checkpoints and the DDP they step through.
+
+use std::sync::{Arc, Mutex};
+
+use tch::nn::{self, VarStore, Variables};
+use tch::Tensor;
+
+use crate::ddp::DistributedDataParallel;
+use crate::error::{Error, Result};
+use crate::ffi;
+
+/// An optimizer configuration of tch (`nn::Sgd`, `nn::Adam`, `nn::AdamW`,
+/// `nn::RmsProp`) that the SDK can build: the same libtorch optimizer as
+/// `OptimizerConfig::build`, created through torch-sys.
+pub trait OptimizerKind {
+    /// A new libtorch optimizer with no parameters.
+    #[doc(hidden)]
+    fn create(&self, lr: f64) -> *mut torch_sys::C_optimizer;
+}
+
+impl OptimizerKind for nn::Sgd {
+    fn create(&self, lr: f64) -> *mut torch_sys::C_optimizer {
+        unsafe {
+            torch_sys::ato_sgd(
+                lr,
+                self.momentum,
+                self.dampening,
+                self.wd,
+                self.nesterov as i32,
+            )
+        }
+    }
+}
+
+impl OptimizerKind for nn::Adam {
+    fn create(&self, lr: f64) -> *mut torch_sys::C_optimizer {
+        unsafe { torch_sys::ato_adam(lr, self.beta1, self.beta2, self.wd, self.eps, self.amsgrad) }
+    }
+}
+
+impl OptimizerKind for nn::AdamW {
+    fn create(&self, lr: f64) -> *mut torch_sys::C_optimizer {
+        unsafe { torch_sys::ato_adamw(lr, self.beta1, self.beta2, self.wd, self.eps, self.amsgrad) }
+    }
+}
+
+impl OptimizerKind for nn::RmsProp {
+    fn create(&self, lr: f64) -> *mut torch_sys::C_optimizer {
+        unsafe {
+            torch_sys::ato_rms_prop(
+                lr,
+                self.alpha,
+                self.eps,
+                self.wd,
+                self.momentum,
+                self.centered as i32,
+            )
+        }
+    }
+}
+
+/// torch-sys's error convention: the last error, if any, as `Err`.
+fn torch_sys_result() -> Result<()> {
+    let ptr = unsafe { torch_sys::get_and_reset_last_err() };
+    if ptr.is_null() {
+        return Ok(());
+    }
+    let msg = unsafe { std::ffi::CStr::from_ptr(ptr) }
+        .to_string_lossy()
+        .into_owned();
+    unsafe { libc::free(ptr as *mut libc::c_void) };
+    Err(Error::Torch(msg))
+}
+
+/// A gradient-descent optimizer over a `VarStore`'s trainable variables, with the
+/// methods of `tch::nn::Optimizer` and the same arithmetic (it is the same libtorch
+/// optimizer, fed the variables in the same order), plus:
+///
+/// - in a job of several ranks, the backward steps go through the
+///   [`DistributedDataParallel`] it holds ([`distributed`](Self::distributed)), so the
+///   gradients it steps on are averaged over the ranks;
+/// - its state (moments, step counts, learning rates) can be saved and loaded
+///   ([`state`](Self::state), [`load_state`](Self::load_state)), with libtorch's own
+///   optimizer serialization.
+pub struct Optimizer {
+    raw: *mut torch_sys::C_optimizer,
+    variables: Arc<Mutex<Variables>>,
+    in_optimizer: usize,
+    ddp: Option<DistributedDataParallel>,
+}
+
+// The libtorch optimizer is used from one thread at a time (`&mut self`).
+unsafe impl Send for Optimizer {}
+
+impl Optimizer {
+    /// Builds `config` with learning rate `lr` over `vs`'s trainable variables, as
+    /// `config.build(&vs, lr)` does in tch.
+    ///
+    /// Errors with [`Error::Torch`] when libtorch rejects the options.
+    pub fn new(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Self> {
+        let raw = config.create(lr);
+        torch_sys_result()?;
+        let mut opt = Optimizer {
+            raw,
+            variables: vs.variables_.clone(),
+            in_optimizer: 0,
+            ddp: None,
+        };
+        opt.add_missing_variables()?;
+        Ok(opt)
+    }
+
+    /// Steps through `ddp`: backward steps all-reduce the gradients first.
+    pub fn distributed(mut self, ddp: DistributedDataParallel) -> Self {
+        self.ddp = Some(ddp);
+        self
+    }
+
+    /// The DDP this optimizer steps through, if any.
+    pub fn ddp(&self) -> Option<&DistributedDataParallel> {
+        self.ddp.as_ref()
+    }
+
+    /// Variables created after the optimizer join it, as in tch.
+    fn add_missing_variables(&mut self) -> Result<()> {
+        let v = self.variables.lock().expect("variable store lock");
+        for var in &v.trainable_variables[self.in_optimizer.min(v.trainable_variables.len())..] {
+            unsafe {
+                torch_sys::ato_add_parameters(self.raw, var.tensor.as_ptr() as *mut _, var.group)
+            };
+            torch_sys_result()?;
+        }
+        self.in_optimizer = v.trainable_variables.len();
+        Ok(())
+    }
+
+    fn call(&mut self, f: unsafe extern "C" fn(*mut torch_sys::C_optimizer)) -> Result<()> {
+        self.add_missing_variables()?;
+        unsafe { f(self.raw) };
+        torch_sys_result()
+    }
+
+    /// Zeroes (sets to none) the gradients of the tracked variables.
+    pub fn zero_grad(&mut self) -> Result<()> {
+        self.call(torch_sys::ato_zero_grad)
+    }
+
+    /// One optimizer step on the current gradients.
+    pub fn step(&mut self) -> Result<()> {
+        self.call(torch_sys::ato_step)
+    }
+
+    /// Clips every gradient element to `[-max, max]`, as tch's `clip_grad_value`.
+    pub fn clip_grad_value(&self, max: f64) {
+        for var in self.trainable_variables() {
+            let mut grad = var.grad();
+            if grad.defined() {
+                let _ = grad.clamp_(-max, max);
+            }
+        }
+    }
+
+    /// Scales the gradients so that their global L2 norm is at most `max`, with tch's
+    /// arithmetic (`max / (norm + 1e-6)`); returns the norm before clipping. Under
+    /// DDP the gradients are the averaged ones, so every rank clips alike.
+    pub fn clip_grad_norm(&self, max: f64) -> f64 {
+        tch::no_grad(|| {
+            let grads: Vec<Tensor> = self
+                .trainable_variables()
+                .iter()
+                .map(Tensor::grad)
+                .filter(Tensor::defined)
+                .collect();
+            if grads.is_empty() {
+                return 0.0;
+            }
+            let norms: Vec<Tensor> = grads.iter().map(|g| g.norm()).collect();
+            let total = Tensor::stack(&norms, 0).norm().double_value(&[]);
+            let coef = max / (total + 1e-6);
+            if coef < 1.0 {
+                for mut g in grads {
+                    let _ = g.g_mul_scalar_(coef);
+                }
+            }
+            total
+        })
+    }
+
+    fn backward(&mut self, loss: &Tensor) -> Result<()> {
+        self.add_missing_variables()?;
+        unsafe { torch_sys::ato_zero_grad(self.raw) };
+        torch_sys_result()?;
+        match &self.ddp {
+            Some(ddp) => ddp.backward(loss),
+            None => {
+                loss.f_backward()?;
+                Ok(())
+            }
+        }
+    }
+
+    /// `zero_grad`, backward (averaging the gradients under DDP), `step`.
+    pub fn backward_step(&mut self, loss: &Tensor) -> Result<()> {
+        self.backward(loss)?;
+        self.step()
+    }
+
+    /// [`backward_step`](Self::backward_step) with the gradients clipped to
+    /// `[-max, max]` before the step.
+    pub fn backward_step_clip(&mut self, loss: &Tensor, max: f64) -> Result<()> {
+        self.backward(loss)?;
+        self.clip_grad_value(max);
+        self.step()
+    }
+
+    /// [`backward_step`](Self::backward_step) with the gradients' global norm clipped
+    /// to `max` before the step.
+    pub fn backward_step_clip_norm(&mut self, loss: &Tensor, max: f64) -> Result<()> {
+        self.backward(loss)?;
+        self.clip_grad_norm(max);
+        self.step()
+    }
+
+    /// Sets the learning rate of every parameter group.
+    pub fn set_lr(&mut self, lr: f64) -> Result<()> {
+        unsafe { torch_sys::ato_set_learning_rate(self.raw, lr) };
+        torch_sys_result()
+    }
+
+    /// Sets the learning rate of parameter group `group`.
+    pub fn set_lr_group(&mut self, group: usize, lr: f64) -> Result<()> {
+        unsafe { torch_sys::ato_set_learning_rate_group(self.raw, group, lr) };
+        torch_sys_result()
+    }
+
+    /// Sets the momentum of every parameter group (SGD, RMSprop).
+    pub fn set_momentum(&mut self, momentum: f64) -> Result<()> {
+        unsafe { torch_sys::ato_set_momentum(self.raw, momentum) };
+        torch_sys_result()
+    }
+
+    /// Sets the weight decay of every parameter group.
+    pub fn set_weight_decay(&mut self, weight_decay: f64) -> Result<()> {
+        unsafe { torch_sys::ato_set_weight_decay(self.raw, weight_decay) };
+        torch_sys_result()
+    }
+
+    /// The trainable variables, in the order the optimizer holds them.
+    pub fn trainable_variables(&self) -> Vec<Tensor> {
+        let v = self.variables.lock().expect("variable store lock");
+        v.trainable_variables
+            .iter()
+            .map(|var| var.tensor.shallow_clone())
+            .collect()
+    }
+
+    /// The optimizer's state (per-parameter moments and step counts, the parameter
+    /// groups' options such as the learning rate) in libtorch's optimizer archive
+    /// format, as `torch::save(optimizer, …)` writes it in C++.
+    pub fn state(&mut self) -> Result<Vec<u8>> {
+        self.add_missing_variables()?;
+        let mut data = std::ptr::null_mut();
+        let mut len = 0;
+        ffi::check(unsafe { ffi::tdc_optimizer_save(self.raw as *mut _, &mut data, &mut len) })
+            .map_err(|e| Error::Torch(format!("saving the optimizer state: {e}")))?;
+        let bytes = unsafe { std::slice::from_raw_parts(data, len).to_vec() };
+        unsafe { libc::free(data as *mut libc::c_void) };
+        Ok(bytes)
+    }
+
+    /// Restores a state from [`state`](Self::state), for an optimizer of the same kind
+    /// over variables of the same shapes in the same order.
+    ///
+    /// Errors with [`Error::Torch`] when the bytes are not such a state.
+    pub fn load_state(&mut self, state: &[u8]) -> Result<()> {
+        self.add_missing_variables()?;
+        ffi::check(unsafe {
+            ffi::tdc_optimizer_load(self.raw as *mut _, state.as_ptr(), state.len())
+        })
+        .map_err(|e| Error::Torch(format!("loading the optimizer state: {e}")))
+    }
+}
+
+impl Drop for Optimizer {
+    fn drop(&mut self) {
+        unsafe { torch_sys::ato_free(self.raw) };
+    }
+}
+
+impl std::fmt::Debug for Optimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.debug_struct("Optimizer")
+            .field("variables", &self.in_optimizer)
+            .field("distributed", &self.ddp.is_some())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::nn::{Module, OptimizerConfig};
+    use tch::{Device, Kind};
+
+    /// A linear model with fixed weights and inputs (no global RNG: tests run in
+    /// parallel threads).
+    fn fixture() -> (VarStore, nn::Linear, Tensor) {
+        let vs = VarStore::new(Device::Cpu);
+        let net = nn::linear(vs.root(), 3, 2, Default::default());
+        tch::no_grad(|| {
+            for (i, mut v) in vs.trainable_variables().into_iter().enumerate() {
+                let n = v.numel() as i64;
+                let values = Tensor::linspace(-0.5, 0.5 + i as f64, n, (Kind::Float, Device::Cpu));
+                v.copy_(&values.view(v.size().as_slice()));
+            }
+        });
+        let xs = Tensor::linspace(-2.0, 3.0, 24, (Kind::Float, Device::Cpu)).view([8, 3]);
+        (vs, net, xs)
+    }
+
+    fn loss(net: &nn::Linear, xs: &Tensor) -> Tensor {
+        (net.forward(xs) - 1.0).square().mean(Kind::Float)
+    }
+
+    fn params(vs: &VarStore) -> Vec<Vec<f32>> {
+        vs.trainable_variables()
+            .iter()
+            .map(|t| Vec::<f32>::try_from(t.view([-1])).unwrap())
+            .collect()
+    }
+
+    fn ours(kind: &str, vs: &VarStore) -> Optimizer {
+        match kind {
+            "sgd" => Optimizer::new(
+                &nn::Sgd {
+                    momentum: 0.9,
+                    ..Default::default()
+                },
+                vs,
+                0.1,
+            ),
+            _ => Optimizer::new(&nn::Adam::default(), vs, 0.01),
+        }
+        .unwrap()
+    }
+
+    #[test]
+    fn steps_are_bit_identical_to_tch() {
+        for kind in ["sgd", "adam"] {
+            let (vs, net, xs) = fixture();
+            let mut opt = ours(kind, &vs);
+            for _ in 0..5 {
+                opt.backward_step(&loss(&net, &xs)).unwrap();
+            }
+            let (tvs, tnet, _) = fixture();
+            let mut topt = match kind {
+                "sgd" => nn::Sgd {
+                    momentum: 0.9,
+                    ..Default::default()
+                }
+                .build(&tvs, 0.1),
+                _ => nn::Adam::default().build(&tvs, 0.01),
+            }
+            .unwrap();
+            for _ in 0..5 {
+                topt.backward_step(&loss(&tnet, &xs));
+            }
+            assert_eq!(params(&vs), params(&tvs), "{kind}");
+        }
+    }
+
+    #[test]
+    fn state_round_trips_and_resumes_exactly() {
+        for kind in ["sgd", "adam"] {
+            // 10 steps straight == 5 steps, save, reload into a fresh optimizer, 5 more.
+            let (vs, net, xs) = fixture();
+            let mut straight = ours(kind, &vs);
+            for _ in 0..10 {
+                straight.backward_step(&loss(&net, &xs)).unwrap();
+            }
+            let (rvs, rnet, _) = fixture();
+            let mut first = ours(kind, &rvs);
+            for _ in 0..5 {
+                first.backward_step(&loss(&rnet, &xs)).unwrap();
+            }
+            let state = first.state().unwrap();
+            drop(first);
+            let mut resumed = ours(kind, &rvs);
+            resumed.load_state(&state).unwrap();
+            for _ in 0..5 {
+                resumed.backward_step(&loss(&rnet, &xs)).unwrap();
+            }
+            assert_eq!(params(&vs), params(&rvs), "{kind}: resumed bit for bit");
+            assert!(resumed.load_state(b"not a state").is_err());
+        }
+    }
+}
