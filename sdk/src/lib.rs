@@ -32,7 +32,7 @@ mod store;
 pub use checkpoint::{load_var_store, save_var_store};
 pub use data::{
     global_batch_size, per_rank_batch_size, shard, Batch, Batches, DataLoader, Dataset,
-    DistributedSampler, LrScaling, Sharded, TensorDataset, TextDataset,
+    DistributedSampler, LoaderPosition, LrScaling, Sharded, TensorDataset, TextDataset,
 };
 pub use ddp::{DdpOptions, DdpStats, DistributedDataParallel, NoSync};
 pub use env::LaunchEnv;

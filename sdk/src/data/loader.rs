@@ -50,6 +50,21 @@ pub struct DataLoader<D: Dataset> {
     /// Rows of this rank's epoch that the last batch held (start, count), for
     /// `gather_for_metrics`.
     last_batch: Cell<(usize, usize)>,
+    /// Where training stands: the epoch being read and the batches of it yielded.
+    position: Cell<(u64, usize)>,
+    /// Batches the next loop skips (set when resuming mid-epoch).
+    skip: Cell<usize>,
+}
+
+/// Where a [`DataLoader`] stands, for checkpoints: the epoch being read and how many
+/// samples of it all ranks together have consumed. Resuming with another world size
+/// skips the same number of samples, rounded down to whole batches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoaderPosition {
+    /// The epoch in progress (or the next one, at an epoch boundary).
+    pub epoch: u64,
+    /// Samples of that epoch consumed over all ranks (padding included).
+    pub samples_in_epoch: u64,
 }
 
 impl<D: Dataset> DataLoader<D> {
@@ -82,6 +97,8 @@ impl<D: Dataset> DataLoader<D> {
             pin_memory: true,
             next_epoch: Cell::new(0),
             last_batch: Cell::new((0, 0)),
+            position: Cell::new((0, 0)),
+            skip: Cell::new(0),
         })
     }
 
@@ -146,6 +163,33 @@ impl<D: Dataset> DataLoader<D> {
         self.next_epoch.get()
     }
 
+    /// Where training stands, for a checkpoint: after the last batch of an epoch it
+    /// is the start of the next one.
+    pub fn position(&self) -> LoaderPosition {
+        let (epoch, batches) = self.position.get();
+        if batches >= self.len() {
+            return LoaderPosition {
+                epoch: epoch + 1,
+                samples_in_epoch: 0,
+            };
+        }
+        LoaderPosition {
+            epoch,
+            samples_in_epoch: (batches * self.batch_size * self.sampler.world_size()) as u64,
+        }
+    }
+
+    /// Continues from `position` (from [`position`](Self::position), possibly saved
+    /// with another world size): the next loop reads that epoch's order, skipping the
+    /// batches already consumed.
+    pub fn resume(&self, position: LoaderPosition) {
+        let per_batch = (self.batch_size * self.sampler.world_size()) as u64;
+        self.next_epoch.set(position.epoch);
+        self.skip
+            .set((position.samples_in_epoch / per_batch) as usize);
+        self.position.set((position.epoch, self.skip.get()));
+    }
+
     /// Steps (batches) per epoch on every rank: `ceil(ceil(len / world_size) /
     /// batch_size)`, or with `drop_last` `floor(floor(len / world_size) / batch_size)`.
     /// It shrinks with the world size, e.g. 29,500 samples at batch 4 with `drop_last`:
@@ -178,6 +222,8 @@ impl<D: Dataset> DataLoader<D> {
     pub fn iter(&self) -> Batches<'_, D> {
         let epoch = self.next_epoch.get();
         self.next_epoch.set(epoch + 1);
+        let skip = self.skip.replace(0);
+        self.position.set((epoch, skip));
         let mut sampler = self.sampler.clone();
         sampler.set_epoch(epoch);
         let plan = sampler.indices().map(|indices| {
@@ -188,7 +234,8 @@ impl<D: Dataset> DataLoader<D> {
             if self.drop_last && batches.last().is_some_and(|b| b.len() < self.batch_size) {
                 batches.pop();
             }
-            batches
+            // Resuming mid-epoch: the batches already consumed are not read again.
+            batches.split_off(skip.min(batches.len()))
         });
         let pin = (self.pin_memory && self.device.is_cuda()).then_some(self.device);
         let (batches, source) = match plan {
@@ -208,8 +255,9 @@ impl<D: Dataset> DataLoader<D> {
         Batches {
             loader: self,
             batches,
+            skipped: skip,
             next: 0,
-            row: 0,
+            row: skip * self.batch_size,
             pin,
             source,
         }
@@ -356,7 +404,9 @@ fn pinned<B: Batch>(batch: B, pin: Option<Device>) -> B {
 /// One epoch of a [`DataLoader`]'s batches on this rank.
 pub struct Batches<'a, D: Dataset> {
     loader: &'a DataLoader<D>,
+    /// The epoch's batches left after `skipped` ones (resuming mid-epoch).
     batches: Vec<Vec<usize>>,
+    skipped: usize,
     next: usize,
     /// Rows of this rank's epoch yielded so far.
     row: usize,
@@ -403,6 +453,9 @@ impl<D: Dataset> Iterator for Batches<'_, D> {
                 b.map_tensors(&mut |t| t.to_device_(device, t.kind(), true, false))
             }
         });
+        self.loader
+            .position
+            .set((self.loader.position.get().0, self.skipped + self.next));
         if let Ok(b) = &batch {
             let rows = b.rows() as usize;
             self.loader.last_batch.set((self.row, rows));
@@ -487,6 +540,43 @@ mod tests {
         let dropped = loader(10, 4).drop_last(true);
         assert_eq!(dropped.len(), 2);
         assert_eq!(epoch(&dropped).len(), 2);
+    }
+
+    #[test]
+    fn resume_continues_mid_epoch_with_the_same_batches() {
+        for workers in [0, 2] {
+            let straight = loader(50, 4).num_workers(workers);
+            let _ = epoch(&straight);
+            let second = epoch(&straight);
+
+            let interrupted = loader(50, 4).num_workers(workers);
+            let _ = epoch(&interrupted);
+            assert_eq!(
+                interrupted.position(),
+                LoaderPosition {
+                    epoch: 1,
+                    samples_in_epoch: 0
+                }
+            );
+            let mut it = interrupted.iter();
+            for _ in 0..3 {
+                it.next().unwrap().unwrap();
+            }
+            drop(it);
+            let pos = interrupted.position();
+            assert_eq!(
+                pos,
+                LoaderPosition {
+                    epoch: 1,
+                    samples_in_epoch: 12
+                }
+            );
+
+            let resumed = loader(50, 4).num_workers(workers);
+            resumed.resume(pos);
+            assert_eq!(epoch(&resumed), second[3..].to_vec(), "{workers} workers");
+            assert_eq!(resumed.epoch(), 2);
+        }
     }
 
     #[test]

@@ -12,7 +12,7 @@ mod sampler;
 
 pub use batch_size::{global_batch_size, per_rank_batch_size, LrScaling};
 pub use dataset::{Batch, Dataset, TensorDataset, TextDataset};
-pub use loader::{Batches, DataLoader};
+pub use loader::{Batches, DataLoader, LoaderPosition};
 pub use sampler::DistributedSampler;
 
 /// Deals the batches of `batches` across the ranks of the current job; see
