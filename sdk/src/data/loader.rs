@@ -560,7 +560,7 @@ mod tests {
             );
             let mut it = interrupted.iter();
             for _ in 0..3 {
-                it.next().unwrap().unwrap();
+                let _batch = it.next().unwrap().unwrap();
             }
             drop(it);
             let pos = interrupted.position();

@@ -1,5 +1,5 @@
-//! Writing a `VarStore` to disk from a data-parallel job: rank 0 writes, atomically,
-//! between barriers.
+//! Checkpoints from a data-parallel job: a `VarStore` file written by rank 0,
+//! atomically, between barriers; and whole training states (`Checkpointer`).
 
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
@@ -8,6 +8,10 @@ use tch::nn::VarStore;
 
 use crate::error::{Error, Result};
 use crate::init::Context;
+
+mod state;
+
+pub use state::{Checkpointer, TrainState};
 
 /// Saves `vs` to `path` the way a data-parallel job must: after a barrier (every
 /// rank has finished the step), rank 0 writes `path` atomically — to a temporary

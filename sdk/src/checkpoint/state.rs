@@ -1,0 +1,469 @@
+//! `Checkpointer`: whole training states in directories that are complete or absent.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File};
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use tch::nn::VarStore;
+use tch::Tensor;
+
+use crate::data::LoaderPosition;
+use crate::error::{Error, Result};
+use crate::ffi;
+use crate::init::{self, Context};
+use crate::optim::Optimizer;
+use crate::process_group::ReduceOp;
+
+/// The manifest that marks a checkpoint complete: every file's size and FNV-1a hash.
+const COMPLETE: &str = "COMPLETE";
+const MODEL: &str = "model.safetensors";
+const OPTIMIZER: &str = "optimizer.pt";
+const STATE: &str = "state.json";
+
+/// Where training stands, saved with the model and optimizer.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TrainState {
+    /// Optimizer steps taken.
+    pub step: u64,
+    /// The data loader's position (epoch, samples of it consumed over all ranks).
+    pub epoch: u64,
+    pub samples_in_epoch: u64,
+    /// The world size that wrote the checkpoint (filled in by `save_state`).
+    pub world_size: usize,
+    /// The run's configuration, free-form (e.g. the command-line arguments), for
+    /// the record and for checking that a resumed run matches.
+    pub config: serde_json::Value,
+}
+
+impl TrainState {
+    /// The data loader's position, for [`DataLoader::resume`](crate::DataLoader::resume).
+    pub fn loader_position(&self) -> LoaderPosition {
+        LoaderPosition {
+            epoch: self.epoch,
+            samples_in_epoch: self.samples_in_epoch,
+        }
+    }
+
+    /// Sets the loader's position from [`DataLoader::position`](crate::DataLoader::position).
+    pub fn with_loader_position(mut self, position: LoaderPosition) -> Self {
+        self.epoch = position.epoch;
+        self.samples_in_epoch = position.samples_in_epoch;
+        self
+    }
+}
+
+/// Saves and restores everything a resumed run needs, as Accelerate's `save_state` /
+/// `load_state`, in `root/step-NNNNNNNNNN/`:
+///
+/// | file | written by | contents |
+/// |---|---|---|
+/// | `model.safetensors` | rank 0 | parameters and buffers, named as `VarStore::save` names them (loads in 1 rank, N ranks, or PyTorch's `safetensors.torch.load_file`) |
+/// | `optimizer.pt` | rank 0 | the optimizer's state in libtorch's optimizer archive (moments, step counts, learning rates) |
+/// | `state.json` | rank 0 | [`TrainState`]: step, epoch, samples consumed, world size, configuration |
+/// | `rank-R.safetensors` | rank R | that rank's CPU random-generator state |
+/// | `COMPLETE` | rank 0, last | every file's size and hash |
+///
+/// A save goes to `root/.tmp-step-N/`; every rank fsyncs its files; after all ranks
+/// agree that they succeeded, rank 0 writes `COMPLETE`, fsyncs it, and renames the
+/// directory into place. A crash, a full disk or a killed rank at any point leaves
+/// the previous checkpoints as they were. `keep_last(K)` removes older checkpoints
+/// only once the new one is in place.
+///
+/// `root` must be on a filesystem that every rank sees (a local disk for one
+/// machine, a shared one for several).
+#[derive(Clone, Debug)]
+pub struct Checkpointer {
+    root: PathBuf,
+    keep_last: Option<usize>,
+}
+
+fn io(what: &str, path: &Path) -> impl FnOnce(std::io::Error) -> Error {
+    let context = format!("{what} {}", path.display());
+    move |source| Error::Io { context, source }
+}
+
+/// FNV-1a, 64 bits: detects torn and corrupted files.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = File::create(path).map_err(io("creating", path))?;
+    f.write_all(bytes).map_err(io("writing", path))?;
+    f.sync_all().map_err(io("syncing", path))
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io("syncing directory", dir))
+}
+
+fn rank_file(rank: usize) -> String {
+    format!("rank-{rank}.safetensors")
+}
+
+/// Whether every rank's `ok` is true (one all-reduce; a job of one needs none).
+fn all_ok(ctx: Option<&Context>, ok: bool) -> Result<bool> {
+    match ctx {
+        Some(ctx) if ctx.world_size() > 1 => {
+            let mut flag = Tensor::from_slice(&[ok as i64]);
+            ctx.process_group().all_reduce(&mut flag, ReduceOp::Min)?;
+            Ok(flag.int64_value(&[0]) == 1)
+        }
+        _ => Ok(ok),
+    }
+}
+
+fn cpu_rng_state() -> Result<Tensor> {
+    let mut out: ffi::Tensor = std::ptr::null_mut();
+    ffi::check(unsafe { ffi::tdc_cpu_rng_state(&mut out) }).map_err(Error::Torch)?;
+    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+}
+
+fn set_cpu_rng_state(state: &Tensor) -> Result<()> {
+    ffi::check(unsafe { ffi::tdc_set_cpu_rng_state(ffi::tensor(state)) }).map_err(Error::Torch)
+}
+
+/// A checkpoint read into memory and checked, not yet applied.
+struct Loaded {
+    state: TrainState,
+    model: Vec<(String, Tensor)>,
+    optimizer: Vec<u8>,
+    rng: Option<Tensor>,
+}
+
+impl Checkpointer {
+    /// Checkpoints under `root` (created on the first save), all kept.
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Checkpointer {
+            root: root.into(),
+            keep_last: None,
+        }
+    }
+
+    /// Keep only the newest `k` complete checkpoints (at least 1).
+    pub fn keep_last(mut self, k: usize) -> Self {
+        self.keep_last = Some(k.max(1));
+        self
+    }
+
+    /// The directory of the checkpoint at `step`.
+    pub fn path_of(&self, step: u64) -> PathBuf {
+        self.root.join(format!("step-{step:010}"))
+    }
+
+    /// The checkpoint directories under `root`, newest first, complete or not.
+    pub fn list(&self) -> Vec<(u64, PathBuf)> {
+        let mut found: Vec<(u64, PathBuf)> = fs::read_dir(&self.root)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().into_string().ok()?;
+                let step = name.strip_prefix("step-")?.parse().ok()?;
+                Some((step, e.path()))
+            })
+            .collect();
+        found.sort_by_key(|f| std::cmp::Reverse(f.0));
+        found
+    }
+
+    /// Saves a checkpoint of `vs`, `opt` and `state` (with `state.world_size` set to
+    /// the job's) as `root/step-{state.step}`; returns its path. A collective: every
+    /// rank calls it at the same step.
+    ///
+    /// Errors: [`Error::Io`] naming the path that could not be written (the disk is
+    /// full, permission denied), on every rank, with the previous checkpoints
+    /// intact; [`Error::Collective`] when a rank does not take part.
+    pub fn save_state(
+        &self,
+        vs: &VarStore,
+        opt: &mut Optimizer,
+        state: &TrainState,
+    ) -> Result<PathBuf> {
+        let ctx = init::current();
+        let (rank, world_size) = ctx
+            .as_ref()
+            .map(|c| (c.rank(), c.world_size()))
+            .unwrap_or((0, 1));
+        let final_dir = self.path_of(state.step);
+        let tmp = self.root.join(format!(
+            ".tmp-{}",
+            final_dir.file_name().unwrap().to_string_lossy()
+        ));
+
+        // Rank 0 makes an empty temporary directory; the others wait for it.
+        let made = if rank == 0 {
+            (|| {
+                fs::create_dir_all(&self.root).map_err(io("creating", &self.root))?;
+                if tmp.exists() {
+                    fs::remove_dir_all(&tmp).map_err(io("removing the stale", &tmp))?;
+                }
+                fs::create_dir(&tmp).map_err(io("creating", &tmp))
+            })()
+        } else {
+            Ok(())
+        };
+        Self::agree(ctx.as_ref(), made, rank, "preparing", &tmp)?;
+
+        // Every rank writes its own files; rank 0 the replicated ones too.
+        let written = (|| {
+            let rng = cpu_rng_state()?;
+            let path = tmp.join(rank_file(rank));
+            Tensor::write_safetensors(&[("cpu", &rng)], &path)
+                .map_err(|e| Error::Torch(format!("writing {}: {e}", path.display())))?;
+            File::open(&path)
+                .and_then(|f| f.sync_all())
+                .map_err(io("syncing", &path))?;
+            if rank == 0 {
+                let model = tmp.join(MODEL);
+                vs.save(&model)
+                    .map_err(|e| Error::Torch(format!("writing {}: {e}", model.display())))?;
+                File::open(&model)
+                    .and_then(|f| f.sync_all())
+                    .map_err(io("syncing", &model))?;
+                write_synced(&tmp.join(OPTIMIZER), &opt.state()?)?;
+                let state = TrainState {
+                    world_size,
+                    ..state.clone()
+                };
+                let json = serde_json::to_vec_pretty(&state)
+                    .map_err(|e| Error::Config(format!("encoding the training state: {e}")))?;
+                write_synced(&tmp.join(STATE), &json)?;
+            }
+            Ok(())
+        })();
+        Self::agree(ctx.as_ref(), written, rank, "writing", &tmp)?;
+
+        // All files are durable: mark complete, move into place, prune.
+        let finished = if rank == 0 {
+            self.finish(&tmp, &final_dir)
+        } else {
+            Ok(())
+        };
+        Self::agree(ctx.as_ref(), finished, rank, "completing", &tmp)?;
+        Ok(final_dir)
+    }
+
+    /// Turns one phase's local result into the job's: every rank learns whether all
+    /// succeeded, and all fail together (removing the temporary directory) if not.
+    fn agree(
+        ctx: Option<&Context>,
+        local: Result<()>,
+        rank: usize,
+        phase: &str,
+        tmp: &Path,
+    ) -> Result<()> {
+        if all_ok(ctx, local.is_ok())? {
+            return Ok(());
+        }
+        if rank == 0 {
+            let _ = fs::remove_dir_all(tmp);
+        }
+        Err(local.err().unwrap_or_else(|| {
+            Error::Config(format!(
+                "checkpoint {}: another rank failed while {phase} (see its error); the previous checkpoints are intact",
+                tmp.display()
+            ))
+        }))
+    }
+
+    fn finish(&self, tmp: &Path, final_dir: &Path) -> Result<()> {
+        let mut manifest = BTreeMap::new();
+        for entry in fs::read_dir(tmp).map_err(io("listing", tmp))? {
+            let path = entry.map_err(io("listing", tmp))?.path();
+            let bytes = fs::read(&path).map_err(io("reading back", &path))?;
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            manifest.insert(name, (bytes.len(), format!("{:016x}", fnv1a(&bytes))));
+        }
+        let json = serde_json::to_vec_pretty(&manifest)
+            .map_err(|e| Error::Config(format!("encoding the manifest: {e}")))?;
+        write_synced(&tmp.join(COMPLETE), &json)?;
+        sync_dir(tmp)?;
+        // Saving the same step again: the old one stays until the new one is in place.
+        let old = self.root.join(format!(
+            ".old-{}",
+            final_dir.file_name().unwrap().to_string_lossy()
+        ));
+        let replacing = final_dir.exists();
+        if replacing {
+            let _ = fs::remove_dir_all(&old);
+            fs::rename(final_dir, &old).map_err(io("moving aside", final_dir))?;
+        }
+        fs::rename(tmp, final_dir)
+            .map_err(io("renaming the finished checkpoint onto", final_dir))?;
+        sync_dir(&self.root)?;
+        if replacing {
+            let _ = fs::remove_dir_all(&old);
+        }
+        if let Some(k) = self.keep_last {
+            let complete: Vec<PathBuf> = self
+                .list()
+                .into_iter()
+                .filter(|(_, p)| p.join(COMPLETE).exists())
+                .map(|(_, p)| p)
+                .collect();
+            for stale in complete.iter().skip(k) {
+                fs::remove_dir_all(stale).map_err(io("pruning", stale))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads and checks one checkpoint for this rank.
+    fn read(&self, dir: &Path, rank: usize, world_size: usize, vs: &VarStore) -> Result<Loaded> {
+        let marker = dir.join(COMPLETE);
+        let manifest: BTreeMap<String, (usize, String)> = serde_json::from_slice(
+            &fs::read(&marker)
+                .map_err(|_| Error::Config("incomplete (no COMPLETE marker)".into()))?,
+        )
+        .map_err(|e| Error::Config(format!("unreadable COMPLETE marker: {e}")))?;
+        let read = |name: &str| -> Result<Vec<u8>> {
+            let path = dir.join(name);
+            let bytes = fs::read(&path).map_err(io("reading", &path))?;
+            match manifest.get(name) {
+                Some((len, hash))
+                    if *len == bytes.len() && *hash == format!("{:016x}", fnv1a(&bytes)) =>
+                {
+                    Ok(bytes)
+                }
+                Some(_) => Err(Error::Config(format!(
+                    "{name} is corrupt (its size or hash differs from the manifest)"
+                ))),
+                None => Err(Error::Config(format!("{name} is not in the manifest"))),
+            }
+        };
+        let state: TrainState = serde_json::from_slice(&read(STATE)?)
+            .map_err(|e| Error::Config(format!("{STATE}: {e}")))?;
+        read(MODEL)?;
+        let model = Tensor::read_safetensors(dir.join(MODEL))
+            .map_err(|e| Error::Config(format!("{MODEL}: {e}")))?;
+        let expected = vs.variables();
+        for (name, var) in &expected {
+            match model.iter().find(|(n, _)| n == name) {
+                Some((_, t)) if t.size() == var.size() => {}
+                Some((_, t)) => {
+                    return Err(Error::Config(format!(
+                        "{MODEL}: `{name}` has shape {:?}, the model {:?}",
+                        t.size(),
+                        var.size()
+                    )))
+                }
+                None => return Err(Error::Config(format!("{MODEL}: no variable `{name}`"))),
+            }
+        }
+        let optimizer = read(OPTIMIZER)?;
+        // Per-rank random state applies only to the same rank in the same world size.
+        let rng = if state.world_size == world_size {
+            read(&rank_file(rank))?;
+            let tensors = Tensor::read_safetensors(dir.join(rank_file(rank)))
+                .map_err(|e| Error::Config(format!("{}: {e}", rank_file(rank))))?;
+            tensors
+                .into_iter()
+                .find(|(n, _)| n == "cpu")
+                .map(|(_, t)| t)
+        } else {
+            None
+        };
+        Ok(Loaded {
+            state,
+            model,
+            optimizer,
+            rng,
+        })
+    }
+
+    /// Restores the newest usable checkpoint into `vs`, `opt` and this rank's random
+    /// generator, and returns its [`TrainState`]; `Ok(None)` when `root` holds no
+    /// checkpoint (a fresh start). Incomplete and corrupt checkpoints are skipped with
+    /// a warning (on stderr, by rank 0) that names them and says why. A collective:
+    /// the ranks agree on one checkpoint that every one of them can read.
+    ///
+    /// Resuming with another world size is allowed: the model and optimizer are
+    /// replicated state, the loader's position is in samples
+    /// ([`TrainState::loader_position`]), and each rank's random generator keeps its
+    /// current state instead of the saved one.
+    ///
+    /// Errors: [`Error::Config`] when checkpoints exist but none is usable (the
+    /// message lists each one and why).
+    pub fn load_state(&self, vs: &mut VarStore, opt: &mut Optimizer) -> Result<Option<TrainState>> {
+        let ctx = init::current();
+        let (rank, world_size) = ctx
+            .as_ref()
+            .map(|c| (c.rank(), c.world_size()))
+            .unwrap_or((0, 1));
+        // Rank 0's listing, so that every rank tries the same candidates in order.
+        let mut steps: Vec<i64> = self.list().iter().map(|(s, _)| *s as i64).collect();
+        if let Some(ctx) = ctx.as_ref().filter(|c| c.world_size() > 1) {
+            let mut count = Tensor::from_slice(&[steps.len() as i64]);
+            ctx.process_group().broadcast(&mut count, 0)?;
+            let n = count.int64_value(&[0]) as usize;
+            if n == 0 {
+                return Ok(None);
+            }
+            steps.resize(n, -1);
+            let mut all = Tensor::from_slice(&steps);
+            ctx.process_group().broadcast(&mut all, 0)?;
+            steps = Vec::<i64>::try_from(&all)?;
+        }
+        if steps.is_empty() {
+            return Ok(None);
+        }
+        let mut skipped = Vec::new();
+        for step in steps {
+            let dir = self.path_of(step as u64);
+            let loaded = self.read(&dir, rank, world_size, vs);
+            if !all_ok(ctx.as_ref(), loaded.is_ok())? {
+                let why = match &loaded {
+                    Err(e) => e.to_string(),
+                    Ok(_) => "unreadable on another rank".into(),
+                };
+                if rank == 0 {
+                    eprintln!(
+                        "tch-distributed: skipping checkpoint {}: {why}",
+                        dir.display()
+                    );
+                } else if loaded.is_err() {
+                    eprintln!(
+                        "tch-distributed: rank {rank} cannot use checkpoint {}: {why}",
+                        dir.display()
+                    );
+                }
+                skipped.push(format!("{} ({why})", dir.display()));
+                continue;
+            }
+            let loaded = loaded.expect("checked above");
+            tch::no_grad(|| -> Result<()> {
+                let mut vars = vs.variables();
+                for (name, value) in &loaded.model {
+                    if let Some(var) = vars.get_mut(name) {
+                        var.f_copy_(&value.to_device(var.device()))?;
+                    }
+                }
+                Ok(())
+            })?;
+            opt.load_state(&loaded.optimizer)?;
+            if let Some(rng) = &loaded.rng {
+                set_cpu_rng_state(rng)?;
+            }
+            if rank == 0 && !skipped.is_empty() {
+                eprintln!(
+                    "tch-distributed: resumed from {} (step {})",
+                    dir.display(),
+                    loaded.state.step
+                );
+            }
+            return Ok(Some(loaded.state));
+        }
+        Err(Error::Config(format!(
+            "no usable checkpoint in {}: {}. Remove them to start afresh, or point the run at another directory",
+            self.root.display(),
+            skipped.join("; ")
+        )))
+    }
+}

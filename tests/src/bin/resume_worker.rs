@@ -1,0 +1,99 @@
+//! Worker for the checkpoint tests, run under `tchrun`:
+//! `resume_worker OUT CKPT STEPS sgd|adam`
+//!
+//! Trains a small MLP with dropout over a `DataLoader` (40 samples, batch 4, so 5
+//! steps per epoch on 2 ranks), saving a checkpoint every 4 steps (`keep_last(2)`)
+//! and resuming from the newest usable one at start. With `KILL_AT=s` and
+//! `KILL_RANK=r`, rank r SIGKILLs itself after step s. At the end every rank writes
+//! its parameters to `OUT/final{rank}.safetensors`, then takes two more steps on a
+//! fixed batch without dropout and writes the parameters to
+//! `OUT/probe{rank}.safetensors`: they depend on the optimizer's state (moments,
+//! step counts), whose archive bytes are not comparable (libtorch keys the state by
+//! tensor addresses).
+
+use tch::nn::{self, ModuleT};
+use tch::{Device, Kind, Tensor};
+use tch_distributed::{
+    Checkpointer, DataLoader, DdpOptions, DistributedDataParallel, Optimizer, TensorDataset,
+    TrainState,
+};
+
+fn main() -> anyhow::Result<()> {
+    tch::set_num_threads(1);
+    let args: Vec<String> = std::env::args().collect();
+    let (out, ckpt, steps, kind) = (&args[1], &args[2], args[3].parse::<u64>()?, &args[4]);
+    let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
+    let ctx = tch_distributed::init()?;
+    let rank = ctx.rank();
+    tch::manual_seed(0);
+
+    let xs = Tensor::linspace(-1.0, 1.0, 40 * 6, (Kind::Float, Device::Cpu)).view([40, 6]);
+    let ys = xs.sum_dim_intlist(1, true, Kind::Float).sin();
+    let loader = DataLoader::new(TensorDataset::new(&xs, &ys)?, 4)?;
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let net = nn::seq_t()
+        .add(nn::linear(vs.root() / "l1", 6, 16, Default::default()))
+        .add_fn(|x| x.relu())
+        .add_fn_t(|x, train| x.dropout(0.2, train))
+        .add(nn::linear(vs.root() / "l2", 16, 1, Default::default()));
+    let ddp = DistributedDataParallel::new(&vs, ctx.process_group(), DdpOptions::default())?;
+    let mut opt = match kind.as_str() {
+        "sgd" => Optimizer::new(
+            &nn::Sgd {
+                momentum: 0.9,
+                ..Default::default()
+            },
+            &vs,
+            0.05,
+        )?,
+        _ => Optimizer::new(&nn::Adam::default(), &vs, 0.01)?,
+    }
+    .distributed(ddp);
+
+    let checkpoints = Checkpointer::new(ckpt).keep_last(2);
+    let mut step = 0;
+    if let Some(state) = checkpoints.load_state(&mut vs, &mut opt)? {
+        step = state.step;
+        loader.resume(state.loader_position());
+        if rank == 0 {
+            println!("resumed at step {step}, epoch {}", state.epoch);
+        }
+    }
+    'training: while step < steps {
+        for batch in &loader {
+            let (x, y) = batch?;
+            let loss = net.forward_t(&x, true).mse_loss(&y, tch::Reduction::Mean);
+            opt.backward_step(&loss)?;
+            step += 1;
+            if step % 4 == 0 {
+                let state = TrainState {
+                    step,
+                    config: serde_json::json!({ "optimizer": kind }),
+                    ..Default::default()
+                }
+                .with_loader_position(loader.position());
+                checkpoints.save_state(&vs, &mut opt, &state)?;
+            }
+            if env("KILL_AT") == Some(step) && env("KILL_RANK") == Some(rank as u64) {
+                unsafe { libc::raise(libc::SIGKILL) };
+            }
+            if step == steps {
+                break 'training;
+            }
+        }
+    }
+    let write = |name: &str| {
+        let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        Tensor::write_safetensors(&named, format!("{out}/{name}{rank}.safetensors"))
+    };
+    write("final")?;
+    for _ in 0..2 {
+        let loss = net
+            .forward_t(&xs, false)
+            .mse_loss(&ys, tch::Reduction::Mean);
+        opt.backward_step(&loss)?;
+    }
+    write("probe")?;
+    Ok(())
+}

@@ -1,0 +1,139 @@
+//! `Checkpointer` across real ranks (`resume_worker` under `tchrun`): exact resume
+//! after a killed rank, skipping incomplete and corrupt checkpoints.
+
+use std::fs;
+use std::path::Path;
+use std::time::Duration;
+
+use std::process::Command;
+
+use tch_distributed_tests::{run_with, scratch_dir, tchrun, Run};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_resume_worker");
+const TIMEOUT: Duration = Duration::from_secs(120);
+
+fn train(dir: &Path, ckpt: &str, steps: &str, kind: &str, kill_at: Option<&str>) -> Run {
+    let mut cmd = Command::new(tchrun());
+    cmd.args([
+        "--nproc-per-node",
+        "2",
+        WORKER,
+        dir.to_str().unwrap(),
+        ckpt,
+        steps,
+        kind,
+    ]);
+    if let Some(step) = kill_at {
+        // tchrun passes its environment to the ranks.
+        cmd.env("KILL_AT", step).env("KILL_RANK", "1");
+    }
+    run_with(cmd, dir, TIMEOUT, |_, _| {})
+}
+
+fn params(dir: &Path, file: &str) -> Vec<(String, tch::Tensor)> {
+    let mut named = tch::Tensor::read_safetensors(dir.join(format!("{file}.safetensors"))).unwrap();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named
+}
+
+fn assert_equal(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)], what: &str) {
+    assert_eq!(a.len(), b.len());
+    for ((na, ta), (nb, tb)) in a.iter().zip(b) {
+        assert_eq!(na, nb);
+        assert!(ta.equal(tb), "{what}: `{na}` differs");
+    }
+}
+
+/// Final parameters, and the parameters after two more steps (which depend on the
+/// optimizer's state), are bit-for-bit equal between the runs and the ranks.
+fn assert_same(a: &Path, b: &Path, what: &str) {
+    for file in ["final0", "probe0"] {
+        assert_equal(
+            &params(a, file),
+            &params(b, file),
+            &format!("{what}: {file}"),
+        );
+    }
+    for dir in [a, b] {
+        assert_equal(
+            &params(dir, "probe0"),
+            &params(dir, "probe1"),
+            &format!("{what}: ranks"),
+        );
+    }
+}
+
+#[test]
+fn resume_after_a_killed_rank_is_bit_for_bit() {
+    for kind in ["sgd", "adam"] {
+        // Uninterrupted: 13 steps (checkpoints at 4, 8, 12).
+        let straight = scratch_dir(&format!("straight-{kind}"));
+        let ckpt = straight.join("ckpt");
+        train(&straight, ckpt.to_str().unwrap(), "13", kind, None).assert_success();
+
+        // Rank 1 is SIGKILLed after step 6; the relaunch resumes from step 4, in the
+        // middle of epoch 0 (5 steps per epoch).
+        let killed = scratch_dir(&format!("killed-{kind}"));
+        let ckpt = killed.join("ckpt");
+        let run = train(&killed, ckpt.to_str().unwrap(), "13", kind, Some("6"));
+        assert!(!run.status.success(), "the kill fails the job");
+        let run = train(&killed, ckpt.to_str().unwrap(), "13", kind, None);
+        run.assert_success();
+        assert!(
+            run.stdout.contains("resumed at step 4, epoch 0"),
+            "{}",
+            run.stdout
+        );
+        assert_same(&straight, &killed, kind);
+        // keep_last(2): only steps 8 and 12 remain.
+        let mut left: Vec<String> = fs::read_dir(&ckpt)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["step-0000000008", "step-0000000012"], "{kind}");
+    }
+}
+
+#[test]
+fn incomplete_and_corrupt_checkpoints_are_skipped_with_a_warning() {
+    let dir = scratch_dir("corrupt");
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    train(&dir, c, "8", "adam", None).assert_success();
+    // What a crash mid-save can leave (a temporary directory), a checkpoint without
+    // its COMPLETE marker, and a corrupt newest complete one.
+    fs::create_dir_all(ckpt.join(".tmp-step-0000000012")).unwrap();
+    fs::create_dir_all(ckpt.join("step-0000000016")).unwrap();
+    fs::write(ckpt.join("step-0000000016/state.json"), "{}").unwrap();
+    let model = ckpt.join("step-0000000008/model.safetensors");
+    let mut bytes = fs::read(&model).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    fs::write(&model, bytes).unwrap();
+
+    // Resumed at 4, one step more: no new checkpoint replaces the damaged ones.
+    let run = train(&dir, c, "5", "adam", None);
+    run.assert_success();
+    assert!(run.stdout.contains("resumed at step 4"), "{}", run.stdout);
+    for skipped in [
+        "step-0000000016: incomplete",
+        "step-0000000008: model.safetensors is corrupt",
+    ] {
+        assert!(
+            run.stderr.contains(skipped),
+            "warns about {skipped}:\n{}",
+            run.stderr
+        );
+    }
+
+    // Nothing usable left: a clear error.
+    fs::write(ckpt.join("step-0000000004/optimizer.pt"), "garbage").unwrap();
+    let run = train(&dir, c, "5", "adam", None);
+    assert!(!run.status.success());
+    assert!(
+        run.stderr.contains("no usable checkpoint in"),
+        "{}",
+        run.stderr
+    );
+}
