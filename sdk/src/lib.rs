@@ -29,7 +29,9 @@ mod optim;
 mod process_group;
 mod store;
 
-pub use checkpoint::{load_var_store, save_var_store, Checkpointer, TrainState};
+pub use checkpoint::{
+    load_var_store, preempted_exit_code, save_var_store, Checkpointer, Preemption, TrainState,
+};
 pub use data::{
     global_batch_size, per_rank_batch_size, shard, Batch, Batches, DataLoader, Dataset,
     DistributedSampler, LoaderPosition, LrScaling, Sharded, TensorDataset, TextDataset,

@@ -137,3 +137,69 @@ fn incomplete_and_corrupt_checkpoints_are_skipped_with_a_warning() {
         run.stderr
     );
 }
+
+#[test]
+fn sigterm_checkpoints_at_the_next_step_and_exits_143() {
+    let dir = scratch_dir("preempt");
+    let ckpt = dir.join("ckpt");
+    let mut cmd = Command::new(tchrun());
+    cmd.args([
+        "--nproc-per-node",
+        "2",
+        WORKER,
+        dir.to_str().unwrap(),
+        ckpt.to_str().unwrap(),
+    ])
+    .args(["1000000", "adam"]);
+    let run = run_with(cmd, &dir, TIMEOUT, |pid, dir| {
+        // Once training is under way, preempt the job (tchrun forwards the signal).
+        let progress = dir.join("progress");
+        while fs::read_to_string(&progress)
+            .unwrap_or_default()
+            .trim()
+            .parse::<u64>()
+            .unwrap_or(0)
+            < 6
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    });
+    assert_eq!(run.status.code(), Some(143), "{run:?}");
+    assert!(run.elapsed < Duration::from_secs(60), "{:?}", run.elapsed);
+    let saved: Vec<String> = fs::read_dir(&ckpt)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    let preempted = run
+        .stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("rank 0: preempted at step "))
+        .unwrap_or_else(|| panic!("no preemption message:\n{}", run.stderr));
+    let step: u64 = preempted.split(',').next().unwrap().parse().unwrap();
+    let name = format!("step-{step:010}");
+    assert!(saved.contains(&name), "{name} in {saved:?}");
+    assert!(ckpt.join(&name).join("COMPLETE").exists());
+    // Both ranks stopped at the same step.
+    assert!(
+        run.stderr
+            .contains(&format!("rank 1: preempted at step {step},")),
+        "{}",
+        run.stderr
+    );
+    // And the run resumes from it.
+    let run = train(
+        &dir,
+        ckpt.to_str().unwrap(),
+        &(step + 1).to_string(),
+        "adam",
+        None,
+    );
+    run.assert_success();
+    assert!(
+        run.stdout.contains(&format!("resumed at step {step},")),
+        "{}",
+        run.stdout
+    );
+}

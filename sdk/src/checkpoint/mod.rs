@@ -9,8 +9,10 @@ use tch::nn::VarStore;
 use crate::error::{Error, Result};
 use crate::init::Context;
 
+mod preemption;
 mod state;
 
+pub use preemption::{preempted_exit_code, Preemption};
 pub use state::{Checkpointer, TrainState};
 
 /// Saves `vs` to `path` the way a data-parallel job must: after a barrier (every

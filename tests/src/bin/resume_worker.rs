@@ -4,7 +4,9 @@
 //! Trains a small MLP with dropout over a `DataLoader` (40 samples, batch 4, so 5
 //! steps per epoch on 2 ranks), saving a checkpoint every 4 steps (`keep_last(2)`)
 //! and resuming from the newest usable one at start. With `KILL_AT=s` and
-//! `KILL_RANK=r`, rank r SIGKILLs itself after step s. At the end every rank writes
+//! `KILL_RANK=r`, rank r SIGKILLs itself after step s. On SIGTERM/SIGINT the ranks
+//! checkpoint at the end of the step and exit with 128 + the signal. Rank 0 writes
+//! the last finished step to `OUT/progress`. At the end every rank writes
 //! its parameters to `OUT/final{rank}.safetensors`, then takes two more steps on a
 //! fixed batch without dropout and writes the parameters to
 //! `OUT/probe{rank}.safetensors`: they depend on the optimizer's state (moments,
@@ -14,8 +16,8 @@
 use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Tensor};
 use tch_distributed::{
-    Checkpointer, DataLoader, DdpOptions, DistributedDataParallel, Optimizer, TensorDataset,
-    TrainState,
+    Checkpointer, DataLoader, DdpOptions, DistributedDataParallel, Optimizer, Preemption,
+    TensorDataset, TrainState,
 };
 
 fn main() -> anyhow::Result<()> {
@@ -51,6 +53,7 @@ fn main() -> anyhow::Result<()> {
     .distributed(ddp);
 
     let checkpoints = Checkpointer::new(ckpt).keep_last(2);
+    let preemption = Preemption::install()?;
     let mut step = 0;
     if let Some(state) = checkpoints.load_state(&mut vs, &mut opt)? {
         step = state.step;
@@ -65,14 +68,27 @@ fn main() -> anyhow::Result<()> {
             let loss = net.forward_t(&x, true).mse_loss(&y, tch::Reduction::Mean);
             opt.backward_step(&loss)?;
             step += 1;
-            if step % 4 == 0 {
-                let state = TrainState {
+            let state = || {
+                TrainState {
                     step,
                     config: serde_json::json!({ "optimizer": kind }),
                     ..Default::default()
                 }
-                .with_loader_position(loader.position());
-                checkpoints.save_state(&vs, &mut opt, &state)?;
+                .with_loader_position(loader.position())
+            };
+            if step % 4 == 0 {
+                checkpoints.save_state(&vs, &mut opt, &state())?;
+            }
+            if let Some(signal) = preemption.requested()? {
+                let path = checkpoints.save_state(&vs, &mut opt, &state())?;
+                eprintln!(
+                    "rank {rank}: preempted at step {step}, saved {}",
+                    path.display()
+                );
+                std::process::exit(tch_distributed::preempted_exit_code(signal));
+            }
+            if rank == 0 {
+                std::fs::write(format!("{out}/progress"), step.to_string())?;
             }
             if env("KILL_AT") == Some(step) && env("KILL_RANK") == Some(rank as u64) {
                 unsafe { libc::raise(libc::SIGKILL) };
