@@ -1,21 +1,27 @@
 # Sourced by the other scripts: makes libtorch available to cargo.
 #
 # With LIBTORCH set, that libtorch is used as is. Otherwise a project-local
-# virtualenv `.venv` gets torch==2.11.0 (the version tch 0.24 requires) plus the CUDA
-# headers that the NCCL backend compiles against, on first use only (about 3 minutes
-# and 4.6 GB); later runs find it ready and do nothing.
+# virtualenv `.venv` gets torch==2.11.0 (the version tch 0.24 requires), the CUDA
+# headers that the NCCL backend compiles against, and safetensors for the tests that
+# compare with PyTorch, on first use only (about 3 minutes and 4.6 GB); later runs find
+# it ready and do nothing.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TORCH_VERSION=2.11.0
 CUDA_HEADERS='cuda-toolkit[nvcc,cccl]==13.0.2'
+# The Python side of the tests that compare with PyTorch (safetensors.torch).
+PY_TEST_DEPS='safetensors==0.5.3'
+REQUIREMENTS="torch==$TORCH_VERSION $CUDA_HEADERS $PY_TEST_DEPS"
 
 if [ -z "${LIBTORCH:-}" ]; then
   VENV="$ROOT/.venv"
-  MARKER="$VENV/.tch-distributed-torch-$TORCH_VERSION"
+  # One marker per requirement list: a changed list installs what is new.
+  MARKER="$VENV/.tch-distributed-$(echo "$REQUIREMENTS" | cksum | cut -d' ' -f1)"
   if [ ! -f "$MARKER" ]; then
-    echo "setup: installing torch==$TORCH_VERSION and CUDA headers into $VENV (first run only: ~3 min, ~4.6 GB)" >&2
-    python3 -m venv "$VENV"
-    "$VENV/bin/pip" install --quiet --disable-pip-version-check "torch==$TORCH_VERSION" "$CUDA_HEADERS"
+    echo "setup: installing $REQUIREMENTS into $VENV (first run only: ~3 min, ~4.6 GB)" >&2
+    [ -x "$VENV/bin/pip" ] || python3 -m venv "$VENV"
+    # shellcheck disable=SC2086
+    "$VENV/bin/pip" install --quiet --disable-pip-version-check $REQUIREMENTS
     touch "$MARKER"
   fi
   export VIRTUAL_ENV="$VENV"

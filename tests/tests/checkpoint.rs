@@ -203,3 +203,68 @@ fn sigterm_checkpoints_at_the_next_step_and_exits_143() {
         run.stdout
     );
 }
+
+#[test]
+fn a_two_rank_checkpoint_loads_in_one_process_and_in_pytorch() {
+    let dir = scratch_dir("portable");
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    train(&dir, c, "8", "adam", None).assert_success();
+
+    // One process, no launcher: resumes at step 8 (world size 2 → 1) and stops there.
+    let one = scratch_dir("portable-one");
+    let mut cmd = Command::new(WORKER);
+    cmd.args([one.to_str().unwrap(), c, "8", "adam"])
+        .env_remove("TCH_DISTRIBUTED_NPROC");
+    let run = run_with(cmd, &one, TIMEOUT, |_, _| {});
+    run.assert_success();
+    assert!(run.stdout.contains("resumed at step 8"), "{}", run.stdout);
+    assert_equal(&params(&dir, "final0"), &params(&one, "final0"), "1 rank");
+    // Two more full-batch steps: averaging two ranks' identical gradients is exact,
+    // so one process continues exactly as the two ranks did.
+    assert_equal(
+        &params(&dir, "probe0"),
+        &params(&one, "probe0"),
+        "1 rank, probe",
+    );
+
+    // PyTorch reads the same values with safetensors.torch.
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+    if !python.exists() {
+        eprintln!(
+            "no venv python at {}: PyTorch check skipped",
+            python.display()
+        );
+        return;
+    }
+    let model = ckpt.join("step-0000000008/model.safetensors");
+    let script = "import sys\nfrom safetensors.torch import load_file\n\
+        for name, t in sorted(load_file(sys.argv[1]).items()):\n    \
+        print(name, ' '.join(repr(v) for v in t.flatten().tolist()))\n";
+    let out = Command::new(&python)
+        .args(["-c", script, model.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let theirs: Vec<(String, Vec<f64>)> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|line| {
+            let mut fields = line.split(' ');
+            let name = fields.next().unwrap().to_string();
+            (name, fields.map(|v| v.parse().unwrap()).collect())
+        })
+        .collect();
+    let ours: Vec<(String, Vec<f64>)> = params(&dir, "final0")
+        .into_iter()
+        .map(|(name, t)| {
+            let values: Vec<f32> = Vec::try_from(t.view([-1])).unwrap();
+            (name, values.into_iter().map(f64::from).collect())
+        })
+        .collect();
+    assert_eq!(theirs, ours, "PyTorch reads the parameters bit for bit");
+}
