@@ -268,3 +268,32 @@ fn a_two_rank_checkpoint_loads_in_one_process_and_in_pytorch() {
         .collect();
     assert_eq!(theirs, ours, "PyTorch reads the parameters bit for bit");
 }
+
+#[test]
+fn a_failed_save_names_the_path_and_keeps_the_previous_checkpoint() {
+    let dir = scratch_dir("unwritable");
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    train(&dir, c, "5", "sgd", None).assert_success();
+    // The save at step 8 cannot make its temporary directory (as with a full disk or
+    // a denied permission, which root here would not see).
+    let blocker = ckpt.join(".tmp-step-0000000008");
+    fs::write(&blocker, "in the way").unwrap();
+    let run = train(&dir, c, "9", "sgd", None);
+    assert!(!run.status.success());
+    assert!(
+        run.stderr.contains(blocker.to_str().unwrap()),
+        "the error names the path:\n{}",
+        run.stderr
+    );
+    assert!(
+        run.stderr.contains("another rank failed while preparing"),
+        "{}",
+        run.stderr
+    );
+    // The previous checkpoint is intact and the run resumes from it.
+    fs::remove_file(&blocker).unwrap();
+    let run = train(&dir, c, "5", "sgd", None);
+    run.assert_success();
+    assert!(run.stdout.contains("resumed at step 4"), "{}", run.stdout);
+}
