@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
+#include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/input-archive.h>
@@ -403,6 +404,16 @@ int tdc_set_cpu_rng_state(tdc_tensor state) {
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_state(tensor(state));
+    return 0;
+  })
+}
+
+int tdc_amp_unscale(tdc_tensor* grads, int n, tdc_tensor found_inf, tdc_tensor inv_scale) {
+  TDC_PROTECT(1, {
+    std::vector<at::Tensor> ts;
+    ts.reserve(n);
+    for (int i = 0; i < n; i++) ts.push_back(tensor(grads[i]));
+    at::_amp_foreach_non_finite_check_and_unscale_(ts, tensor(found_inf), tensor(inv_scale));
     return 0;
   })
 }

@@ -94,6 +94,11 @@ int tdc_optimizer_load(void* opt, const uint8_t* data, size_t len);
 int tdc_cpu_rng_state(tdc_tensor* out);
 int tdc_set_cpu_rng_state(tdc_tensor state);
 
+/* Mixed precision: `at::_amp_foreach_non_finite_check_and_unscale_` over `n`
+ * gradients of one device and dtype (multiplied by `inv_scale`; `found_inf` set to 1
+ * when one holds an inf or NaN), as PyTorch's GradScaler.unscale_. */
+int tdc_amp_unscale(tdc_tensor* grads, int n, tdc_tensor found_inf, tdc_tensor inv_scale);
+
 #ifdef __cplusplus
 }
 #endif

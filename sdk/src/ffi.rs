@@ -120,6 +120,13 @@ extern "C" {
     pub fn tdc_optimizer_load(opt: *mut c_void, data: *const u8, len: usize) -> c_int;
     pub fn tdc_cpu_rng_state(out: *mut Tensor) -> c_int;
     pub fn tdc_set_cpu_rng_state(state: Tensor) -> c_int;
+
+    pub fn tdc_amp_unscale(
+        grads: *const Tensor,
+        n: c_int,
+        found_inf: Tensor,
+        inv_scale: Tensor,
+    ) -> c_int;
 }
 
 /// Takes this thread's last shim error (or a placeholder when none was recorded).

@@ -17,6 +17,7 @@
 #[doc(hidden)]
 #[path = "private.rs"]
 pub mod __private;
+mod amp;
 mod checkpoint;
 mod data;
 mod ddp;
@@ -29,6 +30,7 @@ mod optim;
 mod process_group;
 mod store;
 
+pub use amp::GradScaler;
 pub use checkpoint::{
     load_var_store, preempted_exit_code, save_var_store, Checkpointer, Preemption, TrainState,
 };

@@ -1,0 +1,246 @@
+//! Mixed precision: `GradScaler`, with the semantics of PyTorch's.
+
+use tch::{Device, Kind, Tensor};
+
+use crate::error::{Error, Result};
+use crate::ffi;
+use crate::init;
+use crate::optim::Optimizer;
+use crate::process_group::ReduceOp;
+
+/// Loss scaling for fp16 training, as PyTorch's `torch.amp.GradScaler`, on libtorch's
+/// own kernels (`_amp_foreach_non_finite_check_and_unscale_`,
+/// `_amp_update_scale_`):
+///
+/// - the loss is multiplied by the scale (initially 2^16) before backward;
+/// - [`step`](Self::step) unscales the gradients and skips the optimizer step when one
+///   holds an inf or NaN. In a job of several ranks the found-inf flag is
+///   all-reduced, so every rank skips the same steps;
+/// - [`update`](Self::update) halves the scale after a skipped step, and doubles it
+///   after 2,000 clean steps in a row;
+/// - after [`max_consecutive_skips`](Self::max_consecutive_skips) skipped steps in a
+///   row (default 100) `update` returns an error instead of training on silently.
+///
+/// ```no_run
+/// # fn main() -> tch_distributed::Result<()> {
+/// # let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+/// # let mut opt = tch_distributed::Optimizer::new(&tch::nn::Sgd::default(), &vs, 0.1)?;
+/// # let loss = tch::Tensor::from(1.0f32);
+/// let mut scaler = tch_distributed::GradScaler::new();
+/// opt.zero_grad()?;
+/// scaler.scale(&loss).backward();
+/// scaler.unscale(&opt)?;          // optional: to clip the true gradients
+/// opt.clip_grad_norm(1.0);
+/// scaler.step(&mut opt)?;         // skipped when the gradients overflowed
+/// scaler.update()?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct GradScaler {
+    /// float32 [1].
+    scale: Tensor,
+    /// int32 [1]: clean steps since the last change of scale.
+    growth_tracker: Tensor,
+    growth_factor: f64,
+    backoff_factor: f64,
+    growth_interval: i64,
+    max_consecutive_skips: usize,
+    /// This step's found-inf flag (float32 [1]), once unscaled.
+    found_inf: Option<Tensor>,
+    skipped_in_a_row: usize,
+}
+
+impl Default for GradScaler {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl GradScaler {
+    /// PyTorch's defaults: scale 2^16, growth ×2 every 2,000 clean steps, backoff ×0.5.
+    pub fn new() -> Self {
+        GradScaler {
+            scale: Tensor::from_slice(&[65536.0f32]),
+            growth_tracker: Tensor::zeros([1], (Kind::Int, Device::Cpu)),
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+            max_consecutive_skips: 100,
+            found_inf: None,
+            skipped_in_a_row: 0,
+        }
+    }
+
+    /// The initial scale.
+    pub fn init_scale(mut self, scale: f64) -> Self {
+        self.scale = Tensor::from_slice(&[scale as f32]).to_device(self.scale.device());
+        self
+    }
+
+    /// The factor the scale grows by after `growth_interval` clean steps (default 2).
+    pub fn growth_factor(mut self, factor: f64) -> Self {
+        self.growth_factor = factor;
+        self
+    }
+
+    /// The factor the scale shrinks by after a skipped step (default 0.5).
+    pub fn backoff_factor(mut self, factor: f64) -> Self {
+        self.backoff_factor = factor;
+        self
+    }
+
+    /// Clean steps in a row before the scale grows (default 2,000).
+    pub fn growth_interval(mut self, steps: i64) -> Self {
+        self.growth_interval = steps;
+        self
+    }
+
+    /// Skipped steps in a row after which `update` fails (default 100).
+    pub fn max_consecutive_skips(mut self, steps: usize) -> Self {
+        self.max_consecutive_skips = steps.max(1);
+        self
+    }
+
+    /// The current scale.
+    pub fn scale_value(&self) -> f64 {
+        self.scale.double_value(&[0])
+    }
+
+    fn to_device(&mut self, device: Device) {
+        if self.scale.device() != device {
+            self.scale = self.scale.to_device(device);
+            self.growth_tracker = self.growth_tracker.to_device(device);
+        }
+    }
+
+    /// `loss × scale`, to call `backward` on.
+    pub fn scale(&mut self, loss: &Tensor) -> Tensor {
+        self.to_device(loss.device());
+        loss * &self.scale
+    }
+
+    /// Divides the gradients of `opt`'s variables by the scale, in place, and records
+    /// whether one holds an inf or NaN on any rank (one all-reduce). Call it at most
+    /// once per step, after backward, to clip or inspect the true gradients;
+    /// [`step`](Self::step) calls it otherwise.
+    ///
+    /// Errors: [`Error::Config`] when called twice in a step; [`Error::Torch`] or
+    /// [`Error::Collective`] when the kernels or the all-reduce fail.
+    pub fn unscale(&mut self, opt: &Optimizer) -> Result<()> {
+        if self.found_inf.is_some() {
+            return Err(Error::Config(
+                "GradScaler::unscale was already called for this step: call it once, between backward and step".into(),
+            ));
+        }
+        let grads: Vec<Tensor> = opt
+            .trainable_variables()
+            .iter()
+            .map(Tensor::grad)
+            .filter(Tensor::defined)
+            .collect();
+        let device = grads
+            .first()
+            .map(Tensor::device)
+            .unwrap_or(self.scale.device());
+        self.to_device(device);
+        let inv_scale = self
+            .scale
+            .to_kind(Kind::Double)
+            .reciprocal()
+            .to_kind(Kind::Float);
+        let mut found = Tensor::zeros([1], (Kind::Float, device));
+        // One call per (device, dtype) group, as PyTorch groups them.
+        let mut groups: Vec<((Device, Kind), Vec<Tensor>)> = Vec::new();
+        for g in grads {
+            let key = (g.device(), g.kind());
+            match groups.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, v)) => v.push(g),
+                None => groups.push((key, vec![g])),
+            }
+        }
+        for ((dev, _), group) in &groups {
+            let found_here = Tensor::zeros([1], (Kind::Float, *dev));
+            let ptrs = ffi::tensors(group);
+            ffi::check(unsafe {
+                ffi::tdc_amp_unscale(
+                    ptrs.as_ptr(),
+                    ptrs.len() as i32,
+                    ffi::tensor(&found_here),
+                    ffi::tensor(&inv_scale.to_device(*dev)),
+                )
+            })
+            .map_err(|e| Error::Torch(format!("unscaling the gradients: {e}")))?;
+            let _ = found.f_add_(&found_here.to_device(device))?;
+        }
+        if let Some(ctx) = init::current().filter(|c| c.world_size() > 1) {
+            let mut flag = found.to_device(ctx.device());
+            ctx.process_group().all_reduce(&mut flag, ReduceOp::Max)?;
+            self.found_inf = Some(flag.to_device(device));
+        } else {
+            self.found_inf = Some(found);
+        }
+        Ok(())
+    }
+
+    /// Unscales (unless [`unscale`](Self::unscale) already did) and runs `opt.step()`
+    /// unless a gradient on any rank held an inf or NaN; returns whether it stepped.
+    pub fn step(&mut self, opt: &mut Optimizer) -> Result<bool> {
+        if self.found_inf.is_none() {
+            self.unscale(opt)?;
+        }
+        let overflow = self
+            .found_inf
+            .as_ref()
+            .map(|f| f.double_value(&[0]) > 0.0)
+            .unwrap_or(false);
+        if !overflow {
+            opt.step()?;
+        }
+        Ok(!overflow)
+    }
+
+    /// Updates the scale for the next step from this step's found-inf flag: ×0.5
+    /// after an overflow, ×2 after `growth_interval` clean steps in a row.
+    ///
+    /// Errors with [`Error::Config`] when called before `step`, and when
+    /// `max_consecutive_skips` steps in a row have overflowed.
+    pub fn update(&mut self) -> Result<()> {
+        let found = self.found_inf.take().ok_or_else(|| {
+            Error::Config("GradScaler::update before step: call step (or unscale) first".into())
+        })?;
+        let overflow = found.double_value(&[0]) > 0.0;
+        let _ = self.scale.f_internal_amp_update_scale_(
+            &self.growth_tracker,
+            &found,
+            self.growth_factor,
+            self.backoff_factor,
+            self.growth_interval,
+        )?;
+        self.skipped_in_a_row = if overflow {
+            self.skipped_in_a_row + 1
+        } else {
+            0
+        };
+        if self.skipped_in_a_row >= self.max_consecutive_skips {
+            return Err(Error::Config(format!(
+                "fp16: {} steps in a row had inf or NaN gradients and were skipped (the scale is now {}): \
+                 the loss has diverged or overflows fp16. Use bf16 (mixed_precision = \"bf16\"), lower the learning rate, or check the data",
+                self.skipped_in_a_row,
+                self.scale_value()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The state a checkpoint keeps: the scale and the clean steps since it changed.
+    pub fn state(&self) -> (f64, i64) {
+        (self.scale_value(), self.growth_tracker.int64_value(&[0]))
+    }
+
+    /// Restores a state from [`state`](Self::state).
+    pub fn load_state(&mut self, (scale, growth_tracker): (f64, i64)) {
+        let device = self.scale.device();
+        self.scale = Tensor::from_slice(&[scale as f32]).to_device(device);
+        self.growth_tracker = Tensor::from_slice(&[growth_tracker as i32]).to_device(device);
+    }
+}
