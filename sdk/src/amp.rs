@@ -106,7 +106,7 @@ impl GradScaler {
         self.scale.double_value(&[0])
     }
 
-    fn to_device(&mut self, device: Device) {
+    fn move_to(&mut self, device: Device) {
         if self.scale.device() != device {
             self.scale = self.scale.to_device(device);
             self.growth_tracker = self.growth_tracker.to_device(device);
@@ -115,7 +115,7 @@ impl GradScaler {
 
     /// `loss × scale`, to call `backward` on.
     pub fn scale(&mut self, loss: &Tensor) -> Tensor {
-        self.to_device(loss.device());
+        self.move_to(loss.device());
         loss * &self.scale
     }
 
@@ -142,7 +142,7 @@ impl GradScaler {
             .first()
             .map(Tensor::device)
             .unwrap_or(self.scale.device());
-        self.to_device(device);
+        self.move_to(device);
         let inv_scale = self
             .scale
             .to_kind(Kind::Double)
