@@ -32,6 +32,10 @@ pub struct TrainState {
     pub samples_in_epoch: u64,
     /// The world size that wrote the checkpoint (filled in by `save_state`).
     pub world_size: usize,
+    /// The fp16 loss scaler's state ([`GradScaler::state`](crate::GradScaler::state)),
+    /// when training uses one.
+    #[serde(default)]
+    pub grad_scaler: Option<(f64, i64)>,
     /// The run's configuration, free-form (e.g. the command-line arguments), for
     /// the record and for checking that a resumed run matches.
     pub config: serde_json::Value,
@@ -465,5 +469,38 @@ impl Checkpointer {
             self.root.display(),
             skipped.join("; ")
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn train_state_round_trips_with_the_grad_scaler() {
+        let state = TrainState {
+            step: 7,
+            epoch: 1,
+            samples_in_epoch: 96,
+            world_size: 2,
+            grad_scaler: Some((32768.0, 5)),
+            config: serde_json::json!({ "lr": 0.1 }),
+        };
+        let json = serde_json::to_vec(&state).unwrap();
+        assert_eq!(serde_json::from_slice::<TrainState>(&json).unwrap(), state);
+        let without: TrainState = serde_json::from_str(
+            r#"{"step":1,"epoch":0,"samples_in_epoch":0,"world_size":1,"config":null}"#,
+        )
+        .unwrap();
+        assert_eq!(without.grad_scaler, None);
+        let mut scaler = crate::GradScaler::new();
+        scaler.load_state((512.0, 3));
+        assert_eq!(scaler.state(), (512.0, 3));
+    }
+
+    #[test]
+    fn fnv1a_detects_a_flipped_bit() {
+        assert_ne!(fnv1a(b"checkpoint"), fnv1a(b"checkpoinu"));
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
     }
 }
