@@ -4,8 +4,24 @@
 #include "internal.hpp"
 
 #ifdef TDC_WITH_NCCL
+#include <ATen/cuda/CUDAContext.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
+
+extern "C" int tdc_cuda_capability(int device, int* major, int* minor) {
+  TDC_PROTECT(1, {
+#ifdef TDC_WITH_NCCL
+    const cudaDeviceProp* props = at::cuda::getDeviceProperties(device);
+    *major = props->major;
+    *minor = props->minor;
+    return 0;
+#else
+    (void)device, (void)major, (void)minor;
+    throw std::runtime_error(
+        "this build of tch-distributed has no CUDA support (libtorch without CUDA, or the CUDA headers were not found at build time)");
+#endif
+  })
+}
 
 namespace tdc {
 

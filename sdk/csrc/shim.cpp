@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/input-archive.h>
@@ -414,6 +415,28 @@ int tdc_amp_unscale(tdc_tensor* grads, int n, tdc_tensor found_inf, tdc_tensor i
     ts.reserve(n);
     for (int i = 0; i < n; i++) ts.push_back(tensor(grads[i]));
     at::_amp_foreach_non_finite_check_and_unscale_(ts, tensor(found_inf), tensor(inv_scale));
+    return 0;
+  })
+}
+
+int tdc_autocast_enter(int device_type, int dtype, int* prev_enabled, int* prev_dtype) {
+  TDC_PROTECT(1, {
+    const auto device = device_type == 1 ? at::kCUDA : at::kCPU;
+    *prev_enabled = at::autocast::is_autocast_enabled(device);
+    *prev_dtype = static_cast<int>(at::autocast::get_autocast_dtype(device));
+    at::autocast::set_autocast_enabled(device, true);
+    at::autocast::set_autocast_dtype(device, static_cast<at::ScalarType>(dtype));
+    at::autocast::increment_nesting();
+    return 0;
+  })
+}
+
+int tdc_autocast_exit(int device_type, int prev_enabled, int prev_dtype) {
+  TDC_PROTECT(1, {
+    const auto device = device_type == 1 ? at::kCUDA : at::kCPU;
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(device, prev_enabled != 0);
+    at::autocast::set_autocast_dtype(device, static_cast<at::ScalarType>(prev_dtype));
     return 0;
   })
 }

@@ -99,6 +99,14 @@ int tdc_set_cpu_rng_state(tdc_tensor state);
  * when one holds an inf or NaN), as PyTorch's GradScaler.unscale_. */
 int tdc_amp_unscale(tdc_tensor* grads, int n, tdc_tensor found_inf, tdc_tensor inv_scale);
 
+/* Autocast for a device type (0: CPU, 1: CUDA) to `dtype` (a c10::ScalarType code):
+ * enter returns the previous setting, which exit restores; leaving the outermost
+ * level clears the cast cache. */
+int tdc_autocast_enter(int device_type, int dtype, int* prev_enabled, int* prev_dtype);
+int tdc_autocast_exit(int device_type, int prev_enabled, int prev_dtype);
+/* The compute capability of CUDA device `device` (fails without CUDA support). */
+int tdc_cuda_capability(int device, int* major, int* minor);
+
 #ifdef __cplusplus
 }
 #endif

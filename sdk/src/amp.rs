@@ -1,4 +1,4 @@
-//! Mixed precision: `GradScaler`, with the semantics of PyTorch's.
+//! Mixed precision: autocast and `GradScaler`, with the semantics of PyTorch's.
 
 use tch::{Device, Kind, Tensor};
 
@@ -7,6 +7,102 @@ use crate::ffi;
 use crate::init;
 use crate::optim::Optimizer;
 use crate::process_group::ReduceOp;
+
+/// The precision of the forward pass, as Accelerate's `mixed_precision`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MixedPrecision {
+    /// float32 throughout.
+    No,
+    /// bfloat16 autocast: float32's range, so no loss scaling.
+    Bf16,
+    /// float16 autocast, with a [`GradScaler`] against underflowing gradients.
+    Fp16,
+}
+
+impl MixedPrecision {
+    /// `"no"`, `"bf16"`, `"fp16"` or `"auto"` ([`auto`](Self::auto)) for `device`;
+    /// returns the choice and why, for the banner.
+    ///
+    /// Errors with [`Error::Config`] for any other value.
+    pub fn parse(value: &str, device: Device) -> Result<(Self, String)> {
+        match value {
+            "no" => Ok((MixedPrecision::No, "asked for".into())),
+            "bf16" => Ok((MixedPrecision::Bf16, "asked for".into())),
+            "fp16" => Ok((MixedPrecision::Fp16, "asked for".into())),
+            "auto" => Self::auto(device),
+            other => Err(Error::Config(format!(
+                "mixed precision {other:?}: use \"no\", \"bf16\", \"fp16\" or \"auto\""
+            ))),
+        }
+    }
+
+    /// What `"auto"` picks: bf16 on CUDA devices of compute capability 8.0 or more
+    /// (A100, H100, RTX 30 and 40 series), fp16 on older ones, and on the CPU no mixed
+    /// precision (bf16 autocast on the CPU only when asked for: it is slower on most
+    /// CPUs). Returns the choice and why.
+    ///
+    /// Errors with [`Error::Torch`] when the device's properties cannot be read.
+    pub fn auto(device: Device) -> Result<(Self, String)> {
+        let Device::Cuda(index) = device else {
+            return Ok((MixedPrecision::No, "auto: CPU".into()));
+        };
+        let (mut major, mut minor) = (0, 0);
+        ffi::check(unsafe { ffi::tdc_cuda_capability(index as i32, &mut major, &mut minor) })
+            .map_err(Error::Torch)?;
+        let choice = if major >= 8 {
+            MixedPrecision::Bf16
+        } else {
+            MixedPrecision::Fp16
+        };
+        Ok((choice, format!("auto: compute capability {major}.{minor}")))
+    }
+
+    /// The autocast dtype, if any.
+    pub fn kind(self) -> Option<Kind> {
+        match self {
+            MixedPrecision::No => None,
+            MixedPrecision::Bf16 => Some(Kind::BFloat16),
+            MixedPrecision::Fp16 => Some(Kind::Half),
+        }
+    }
+}
+
+/// Runs `f` (the forward pass) under libtorch's autocast for `device`'s type at
+/// `precision`, as `torch.autocast(device_type, dtype)`: eligible ops (matmuls,
+/// convolutions) run in the low precision, the parameters stay float32. Nests, and
+/// restores the previous setting when `f` returns or panics.
+///
+/// Errors with [`Error::Torch`] when libtorch rejects the setting.
+pub fn autocast<T>(device: Device, precision: MixedPrecision, f: impl FnOnce() -> T) -> Result<T> {
+    // c10::ScalarType codes.
+    let dtype_code = match precision {
+        MixedPrecision::No => return Ok(f()),
+        MixedPrecision::Fp16 => 5,
+        MixedPrecision::Bf16 => 15,
+    };
+    struct Restore {
+        device_type: i32,
+        enabled: i32,
+        dtype: i32,
+    }
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            unsafe { ffi::tdc_autocast_exit(self.device_type, self.enabled, self.dtype) };
+        }
+    }
+    let device_type = i32::from(device.is_cuda());
+    let (mut enabled, mut dtype) = (0, 0);
+    ffi::check(unsafe {
+        ffi::tdc_autocast_enter(device_type, dtype_code, &mut enabled, &mut dtype)
+    })
+    .map_err(Error::Torch)?;
+    let _restore = Restore {
+        device_type,
+        enabled,
+        dtype,
+    };
+    Ok(f())
+}
 
 /// Loss scaling for fp16 training, as PyTorch's `torch.amp.GradScaler`, on libtorch's
 /// own kernels (`_amp_foreach_non_finite_check_and_unscale_`,
@@ -242,5 +338,58 @@ impl GradScaler {
         let device = self.scale.device();
         self.scale = Tensor::from_slice(&[scale as f32]).to_device(device);
         self.growth_tracker = Tensor::from_slice(&[growth_tracker as i32]).to_device(device);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::nn::{self, Module};
+
+    #[test]
+    fn bf16_autocast_on_the_cpu_casts_the_matmul_not_the_parameters() {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let lin = nn::linear(vs.root(), 4, 3, Default::default());
+        let x = Tensor::ones([2, 4], (Kind::Float, Device::Cpu));
+        let y = autocast(Device::Cpu, MixedPrecision::Bf16, || lin.forward(&x)).unwrap();
+        assert_eq!(y.kind(), Kind::BFloat16);
+        assert!(vs
+            .trainable_variables()
+            .iter()
+            .all(|v| v.kind() == Kind::Float));
+        assert_eq!(
+            lin.forward(&x).kind(),
+            Kind::Float,
+            "restored after the closure"
+        );
+        let nested = autocast(Device::Cpu, MixedPrecision::Bf16, || {
+            let _inner = autocast(Device::Cpu, MixedPrecision::Bf16, || lin.forward(&x)).unwrap();
+            lin.forward(&x)
+        })
+        .unwrap();
+        assert_eq!(
+            nested.kind(),
+            Kind::BFloat16,
+            "still on after a nested exit"
+        );
+        assert_eq!(lin.forward(&x).kind(), Kind::Float);
+        let no = autocast(Device::Cpu, MixedPrecision::No, || lin.forward(&x)).unwrap();
+        assert_eq!(no.kind(), Kind::Float);
+    }
+
+    #[test]
+    fn auto_and_parsing() {
+        assert_eq!(
+            MixedPrecision::auto(Device::Cpu).unwrap().0,
+            MixedPrecision::No
+        );
+        assert_eq!(
+            MixedPrecision::parse("bf16", Device::Cpu).unwrap().0,
+            MixedPrecision::Bf16
+        );
+        let e = MixedPrecision::parse("fp8", Device::Cpu)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"auto\""), "{e}");
     }
 }

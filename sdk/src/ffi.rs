@@ -121,6 +121,15 @@ extern "C" {
     pub fn tdc_cpu_rng_state(out: *mut Tensor) -> c_int;
     pub fn tdc_set_cpu_rng_state(state: Tensor) -> c_int;
 
+    pub fn tdc_autocast_enter(
+        device_type: c_int,
+        dtype: c_int,
+        prev_enabled: *mut c_int,
+        prev_dtype: *mut c_int,
+    ) -> c_int;
+    pub fn tdc_autocast_exit(device_type: c_int, prev_enabled: c_int, prev_dtype: c_int) -> c_int;
+    pub fn tdc_cuda_capability(device: c_int, major: *mut c_int, minor: *mut c_int) -> c_int;
+
     pub fn tdc_amp_unscale(
         grads: *const Tensor,
         n: c_int,
