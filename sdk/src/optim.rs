@@ -88,6 +88,11 @@ pub struct Optimizer {
     variables: Arc<Mutex<Variables>>,
     in_optimizer: usize,
     ddp: Option<DistributedDataParallel>,
+    /// Micro-batches per optimizer step, and how many of the current cycle are done.
+    accumulation_steps: usize,
+    micro_step: usize,
+    /// The next micro-step ends its cycle early (the data ran out).
+    sync_next: bool,
 }
 
 // The libtorch optimizer is used from one thread at a time (`&mut self`).
@@ -106,6 +111,9 @@ impl Optimizer {
             variables: vs.variables_.clone(),
             in_optimizer: 0,
             ddp: None,
+            accumulation_steps: 1,
+            micro_step: 0,
+            sync_next: false,
         };
         opt.add_missing_variables()?;
         Ok(opt)
@@ -115,6 +123,31 @@ impl Optimizer {
     pub fn distributed(mut self, ddp: DistributedDataParallel) -> Self {
         self.ddp = Some(ddp);
         self
+    }
+
+    /// Gradient accumulation, as Accelerate's `gradient_accumulation_steps`: each
+    /// backward step is one micro-batch; the loss is divided by `steps`; the first
+    /// `steps - 1` micro-batches of a cycle run under DDP's `no_sync` (no
+    /// all-reduce), and the last all-reduces the accumulated gradients, steps and
+    /// starts the next cycle. The effective batch is per-rank batch × `steps` × world
+    /// size. When the data ends mid-cycle, call [`sync_next`](Self::sync_next) before
+    /// the last micro-batch so that it still steps (its loss is still divided by
+    /// `steps`, as in Accelerate).
+    pub fn accumulate(mut self, steps: usize) -> Self {
+        self.accumulation_steps = steps.max(1);
+        self
+    }
+
+    /// Makes the next backward step end its accumulation cycle: it all-reduces and
+    /// steps even if the cycle is not full.
+    pub fn sync_next(&mut self) {
+        self.sync_next = true;
+    }
+
+    /// Whether the next backward step will all-reduce and step (Accelerate's
+    /// `sync_gradients`): always without accumulation.
+    pub fn is_sync_step(&self) -> bool {
+        self.sync_next || self.micro_step + 1 >= self.accumulation_steps
     }
 
     /// The DDP this optimizer steps through, if any.
@@ -187,39 +220,72 @@ impl Optimizer {
         })
     }
 
-    fn backward(&mut self, loss: &Tensor) -> Result<()> {
+    /// One micro-batch's backward: gradients zeroed at the start of a cycle, the loss
+    /// divided by the accumulation steps, the all-reduce only on the cycle's last
+    /// micro-batch. Returns whether this micro-batch ends the cycle.
+    fn backward(&mut self, loss: &Tensor) -> Result<bool> {
         self.add_missing_variables()?;
-        unsafe { torch_sys::ato_zero_grad(self.raw) };
-        torch_sys_result()?;
-        match &self.ddp {
-            Some(ddp) => ddp.backward(loss),
-            None => {
-                loss.f_backward()?;
-                Ok(())
-            }
+        let last = self.is_sync_step();
+        if self.micro_step == 0 {
+            unsafe { torch_sys::ato_zero_grad(self.raw) };
+            torch_sys_result()?;
         }
+        let scaled;
+        let loss = if self.accumulation_steps > 1 {
+            scaled = loss / self.accumulation_steps as f64;
+            &scaled
+        } else {
+            loss
+        };
+        match &self.ddp {
+            Some(ddp) if last => ddp.backward(loss)?,
+            Some(ddp) => {
+                let _local = ddp.no_sync();
+                ddp.backward(loss)?
+            }
+            None => loss.f_backward()?,
+        }
+        if last {
+            self.micro_step = 0;
+            self.sync_next = false;
+        } else {
+            self.micro_step += 1;
+        }
+        Ok(last)
     }
 
-    /// `zero_grad`, backward (averaging the gradients under DDP), `step`.
-    pub fn backward_step(&mut self, loss: &Tensor) -> Result<()> {
-        self.backward(loss)?;
-        self.step()
+    /// `zero_grad`, backward (averaging the gradients under DDP), `step`; with
+    /// [`accumulate`](Self::accumulate), one micro-batch of that. Returns whether the
+    /// optimizer stepped.
+    pub fn backward_step(&mut self, loss: &Tensor) -> Result<bool> {
+        if self.backward(loss)? {
+            self.step()?;
+            return Ok(true);
+        }
+        Ok(false)
     }
 
     /// [`backward_step`](Self::backward_step) with the gradients clipped to
     /// `[-max, max]` before the step.
-    pub fn backward_step_clip(&mut self, loss: &Tensor, max: f64) -> Result<()> {
-        self.backward(loss)?;
-        self.clip_grad_value(max);
-        self.step()
+    pub fn backward_step_clip(&mut self, loss: &Tensor, max: f64) -> Result<bool> {
+        if self.backward(loss)? {
+            self.clip_grad_value(max);
+            self.step()?;
+            return Ok(true);
+        }
+        Ok(false)
     }
 
     /// [`backward_step`](Self::backward_step) with the gradients' global norm clipped
-    /// to `max` before the step.
-    pub fn backward_step_clip_norm(&mut self, loss: &Tensor, max: f64) -> Result<()> {
-        self.backward(loss)?;
-        self.clip_grad_norm(max);
-        self.step()
+    /// to `max` before the step (on the averaged, accumulated gradients, so every rank
+    /// clips by the same norm).
+    pub fn backward_step_clip_norm(&mut self, loss: &Tensor, max: f64) -> Result<bool> {
+        if self.backward(loss)? {
+            self.clip_grad_norm(max);
+            self.step()?;
+            return Ok(true);
+        }
+        Ok(false)
     }
 
     /// Sets the learning rate of every parameter group.

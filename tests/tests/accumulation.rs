@@ -1,0 +1,57 @@
+//! Gradient accumulation through `Optimizer::accumulate` on 2 real ranks equals one
+//! big batch on one process, with one all-reduce per optimizer step.
+
+use std::fs;
+use std::process::Command;
+use std::time::Duration;
+
+use tch_distributed_tests::{run_tchrun, run_with, scratch_dir};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_accum_worker");
+
+fn parse(text: &str) -> Vec<f64> {
+    text.split(['[', ']', ','])
+        .filter_map(|s| s.trim().parse().ok())
+        .collect()
+}
+
+#[test]
+fn three_micro_batches_on_two_ranks_equal_one_batch_six_times_larger() {
+    let dir = scratch_dir("accum");
+    let d = dir.to_str().unwrap();
+    let run = run_tchrun(
+        &dir,
+        &["--nproc-per-node", "2", WORKER, d, "accum"],
+        Duration::from_secs(60),
+        |_, _| {},
+    );
+    run.assert_success();
+    let mut cmd = Command::new(WORKER);
+    cmd.args([d, "big"]).env_remove("TCH_DISTRIBUTED_NPROC");
+    run_with(cmd, &dir, Duration::from_secs(60), |_, _| {}).assert_success();
+
+    let big = parse(&fs::read_to_string(dir.join("params-big.txt")).unwrap());
+    assert!(!big.is_empty());
+    for rank in 0..2 {
+        let ours = parse(&fs::read_to_string(dir.join(format!("params{rank}.txt"))).unwrap());
+        let diff = ours
+            .iter()
+            .zip(&big)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(diff < 1e-6, "rank {rank}: max difference {diff}");
+        assert!(
+            run.stdout.contains(&format!(
+                "rank {rank}: stepped [false, false, true], synced 1, local 2"
+            )),
+            "one all-reduce per optimizer step:\n{}",
+            run.stdout
+        );
+        assert!(
+            run.stdout
+                .contains(&format!("rank {rank}: short cycle stepped true, synced 2")),
+            "{}",
+            run.stdout
+        );
+    }
+}
