@@ -57,6 +57,39 @@ pub fn torchrun() -> Option<PathBuf> {
     path.exists().then_some(path)
 }
 
+/// Runs `script` with the project venv's python (`python -c script args…`, `stdin`
+/// on its standard input) and returns its standard output; `None`, saying so on
+/// stderr, when there is no venv (libtorch from `LIBTORCH`), so that comparisons with
+/// PyTorch run wherever PyTorch is installed. Panics with python's stderr when the
+/// script fails.
+pub fn venv_python(script: &str, args: &[&str], stdin: &str) -> Option<String> {
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+    if !python.exists() {
+        eprintln!(
+            "no venv python at {}: comparison with PyTorch skipped",
+            python.display()
+        );
+        return None;
+    }
+    let mut child = Command::new(&python)
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", python.display()));
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), stdin.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "python failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(String::from_utf8(out.stdout).unwrap())
+}
+
 /// A fresh, empty scratch directory for one test.
 pub fn scratch_dir(name: &str) -> PathBuf {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);

@@ -1,14 +1,12 @@
 //! `GradScaler` against PyTorch's `torch.amp.GradScaler` (run by the venv's python) on
 //! the same gradient sequence, and its found-inf agreement across real ranks.
 
-use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
 use tch::nn::{self, VarStore};
 use tch::{Device, Kind, Tensor};
 use tch_distributed::{GradScaler, Optimizer};
-use tch_distributed_tests::{run_tchrun, scratch_dir};
+use tch_distributed_tests::{run_tchrun, scratch_dir, venv_python};
 
 /// Per step: the gradient the unscaled loss would give (inf and NaN included).
 const GRADS: &[[f32; 3]] = &[
@@ -55,14 +53,6 @@ fn same_scales_and_steps_as_pytorch() {
     );
     assert_eq!(ours[1].1, ours[0].1, "the inf step is skipped");
 
-    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-    if !python.exists() {
-        eprintln!(
-            "no venv python at {}: comparison with PyTorch skipped",
-            python.display()
-        );
-        return;
-    }
     let grads: Vec<String> = GRADS
         .iter()
         .map(|g| format!("[{}]", g.map(|v| format!("float('{v}')")).join(",")))
@@ -80,17 +70,10 @@ fn same_scales_and_steps_as_pytorch() {
              print(scaler.get_scale(), ' '.join(repr(v) for v in p.tolist()))\n",
         grads.join(",")
     );
-    let out = Command::new(&python)
-        .args(["-c", &script])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let theirs: Vec<(f64, Vec<f32>)> = String::from_utf8(out.stdout)
-        .unwrap()
+    let Some(stdout) = venv_python(&script, &[], "") else {
+        return;
+    };
+    let theirs: Vec<(f64, Vec<f32>)> = stdout
         .lines()
         .map(|l| {
             let mut f = l.split(' ');

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use std::process::Command;
 
-use tch_distributed_tests::{run_with, scratch_dir, tchrun, Run};
+use tch_distributed_tests::{run_with, scratch_dir, tchrun, venv_python, Run};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_resume_worker");
 const TIMEOUT: Duration = Duration::from_secs(120);
@@ -229,29 +229,14 @@ fn a_two_rank_checkpoint_loads_in_one_process_and_in_pytorch() {
     );
 
     // PyTorch reads the same values with safetensors.torch.
-    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-    if !python.exists() {
-        eprintln!(
-            "no venv python at {}: PyTorch check skipped",
-            python.display()
-        );
-        return;
-    }
     let model = ckpt.join("step-0000000008/model.safetensors");
     let script = "import sys\nfrom safetensors.torch import load_file\n\
         for name, t in sorted(load_file(sys.argv[1]).items()):\n    \
         print(name, ' '.join(repr(v) for v in t.flatten().tolist()))\n";
-    let out = Command::new(&python)
-        .args(["-c", script, model.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let theirs: Vec<(String, Vec<f64>)> = String::from_utf8(out.stdout)
-        .unwrap()
+    let Some(stdout) = venv_python(script, &[model.to_str().unwrap()], "") else {
+        return;
+    };
+    let theirs: Vec<(String, Vec<f64>)> = stdout
         .lines()
         .map(|line| {
             let mut fields = line.split(' ');

@@ -1,10 +1,8 @@
 //! `DistributedSampler` against PyTorch's own, run by the project's venv python (the
 //! test says so and checks nothing else when there is no venv, as with `LIBTORCH`).
 
-use std::path::Path;
-use std::process::Command;
-
 use tch_distributed::DistributedSampler;
+use tch_distributed_tests::venv_python;
 
 const CASES: &[(usize, usize, u64, u64, bool, bool)] = &[
     // (len, world_size, seed, epoch, shuffle, drop_last)
@@ -18,14 +16,6 @@ const CASES: &[(usize, usize, u64, u64, bool, bool)] = &[
 
 #[test]
 fn same_indices_and_steps_as_pytorch() {
-    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-    if !python.exists() {
-        eprintln!(
-            "no venv python at {}: comparison with PyTorch skipped",
-            python.display()
-        );
-        return;
-    }
     let script = r#"
 import sys, torch
 from torch.utils.data.distributed import DistributedSampler
@@ -43,16 +33,10 @@ for line in sys.stdin:
             format!("{n} {w} {seed} {epoch} {shuffle} {drop}\n")
         })
         .collect();
-    let mut child = Command::new(&python)
-        .args(["-c", script])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::io::Write::write_all(&mut child.stdin.take().unwrap(), input.as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success());
-    let mut lines = std::str::from_utf8(&out.stdout).unwrap().lines();
+    let Some(stdout) = venv_python(script, &[], &input) else {
+        return;
+    };
+    let mut lines = stdout.lines();
     for &(n, w, seed, epoch, shuffle, drop) in CASES {
         for rank in 0..w {
             let mut sampler = DistributedSampler::new(n, rank, w)
