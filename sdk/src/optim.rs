@@ -258,34 +258,37 @@ impl Optimizer {
     /// [`accumulate`](Self::accumulate), one micro-batch of that. Returns whether the
     /// optimizer stepped.
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<bool> {
-        if self.backward(loss)? {
-            self.step()?;
-            return Ok(true);
-        }
-        Ok(false)
+        self.backward_then_step(loss, |_| {})
     }
 
     /// [`backward_step`](Self::backward_step) with the gradients clipped to
     /// `[-max, max]` before the step.
     pub fn backward_step_clip(&mut self, loss: &Tensor, max: f64) -> Result<bool> {
-        if self.backward(loss)? {
-            self.clip_grad_value(max);
-            self.step()?;
-            return Ok(true);
-        }
-        Ok(false)
+        self.backward_then_step(loss, |opt| opt.clip_grad_value(max))
     }
 
     /// [`backward_step`](Self::backward_step) with the gradients' global norm clipped
     /// to `max` before the step (on the averaged, accumulated gradients, so every rank
     /// clips by the same norm).
     pub fn backward_step_clip_norm(&mut self, loss: &Tensor, max: f64) -> Result<bool> {
-        if self.backward(loss)? {
-            self.clip_grad_norm(max);
-            self.step()?;
-            return Ok(true);
+        self.backward_then_step(loss, |opt| {
+            opt.clip_grad_norm(max);
+        })
+    }
+
+    /// Backward; at the end of an accumulation cycle, `before_step` (clipping) then
+    /// the step.
+    fn backward_then_step(
+        &mut self,
+        loss: &Tensor,
+        before_step: impl FnOnce(&Self),
+    ) -> Result<bool> {
+        if !self.backward(loss)? {
+            return Ok(false);
         }
-        Ok(false)
+        before_step(self);
+        self.step()?;
+        Ok(true)
     }
 
     /// Sets the learning rate of every parameter group.
