@@ -1,5 +1,6 @@
 //! Gradient accumulation through `Optimizer::accumulate` on 2 real ranks equals one
-//! big batch on one process, with one all-reduce per optimizer step.
+//! big batch on one process, with one all-reduce per optimizer step; clipping sees
+//! the averaged gradients, so every rank clips by the same global norm.
 
 use std::fs;
 use std::process::Command;
@@ -54,4 +55,56 @@ fn three_micro_batches_on_two_ranks_equal_one_batch_six_times_larger() {
             run.stdout
         );
     }
+}
+
+/// `(norm, clipped norm)` per rank from the `clip` mode's output.
+fn norms(stdout: &str) -> Vec<(f64, f64)> {
+    let mut found: Vec<(usize, f64, f64)> = stdout
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("rank ")?;
+            let (rank, rest) = rest.split_once(": norm ")?;
+            let (norm, clipped) = rest.split_once(" clipped ")?;
+            Some((
+                rank.parse().ok()?,
+                norm.parse().ok()?,
+                clipped.parse().ok()?,
+            ))
+        })
+        .collect();
+    found.sort_by_key(|f| f.0);
+    found.into_iter().map(|(_, n, c)| (n, c)).collect()
+}
+
+#[test]
+fn every_rank_clips_by_the_global_norm_of_the_averaged_gradient() {
+    let dir = scratch_dir("clip");
+    let d = dir.to_str().unwrap();
+    let run = run_tchrun(
+        &dir,
+        &["--nproc-per-node", "2", WORKER, d, "clip"],
+        Duration::from_secs(60),
+        |_, _| {},
+    );
+    run.assert_success();
+    let ranks = norms(&run.stdout);
+    assert_eq!(ranks.len(), 2, "{}", run.stdout);
+    assert_eq!(ranks[0], ranks[1], "the same norm on every rank");
+
+    let mut cmd = Command::new(WORKER);
+    cmd.args([d, "clip"]).env_remove("TCH_DISTRIBUTED_NPROC");
+    let one = run_with(cmd, &dir, Duration::from_secs(60), |_, _| {});
+    one.assert_success();
+    let single = norms(&one.stdout)[0];
+    let (norm, clipped) = ranks[0];
+    assert!(
+        (norm - single.0).abs() < 1e-6 * single.0,
+        "{norm} vs one process {}",
+        single.0
+    );
+    assert!(norm > 0.05, "the test must clip: norm {norm}");
+    assert!(
+        (clipped - 0.05).abs() < 1e-5,
+        "clipped to the maximum: {clipped}"
+    );
 }

@@ -7,6 +7,9 @@
 //!   first optimizer step to `OUT/params{rank}.txt`.
 //! - `accum_worker OUT big` (one process): one step on all 12 samples at once, to
 //!   `OUT/params-big.txt`.
+//! - `accum_worker OUT clip` (under tchrun, 2 ranks, or one process for all 12
+//!   samples): prints the global gradient norm that `clip_grad_norm` sees after the
+//!   averaging backward, and the clipped norm.
 
 use tch::nn::{self, Module, VarStore};
 use tch::{Device, Kind, Tensor};
@@ -38,6 +41,26 @@ fn main() -> anyhow::Result<()> {
         Ok(format!("{values:?}"))
     };
     match mode {
+        "clip" => {
+            let ddp =
+                DistributedDataParallel::new(&vs, ctx.process_group(), DdpOptions::default())?;
+            let mut opt = Optimizer::new(&nn::Sgd::default(), &vs, 0.1)?.distributed(ddp);
+            let (world, rank) = (ctx.world_size() as i64, ctx.rank() as i64);
+            let n = 12 / world;
+            let (x, y) = (xs.narrow(0, n * rank, n), ys.narrow(0, n * rank, n));
+            opt.zero_grad()?;
+            opt.ddp().unwrap().backward(&loss(&x, &y))?;
+            let norm = opt.clip_grad_norm(0.05);
+            let clipped: f64 = tch::no_grad(|| {
+                let norms: Vec<Tensor> = opt
+                    .trainable_variables()
+                    .iter()
+                    .map(|v| v.grad().norm())
+                    .collect();
+                Tensor::stack(&norms, 0).norm().double_value(&[])
+            });
+            println!("rank {rank}: norm {norm:?} clipped {clipped:?}");
+        }
         "big" => {
             let mut opt = Optimizer::new(&nn::Sgd::default(), &vs, 0.1)?;
             opt.backward_step(&loss(&xs, &ys))?;
