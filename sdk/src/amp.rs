@@ -244,29 +244,27 @@ impl GradScaler {
             .to_kind(Kind::Double)
             .reciprocal()
             .to_kind(Kind::Float);
-        let mut found = Tensor::zeros([1], (Kind::Float, device));
-        // One call per (device, dtype) group, as PyTorch groups them.
-        let mut groups: Vec<((Device, Kind), Vec<Tensor>)> = Vec::new();
+        // The variables of one VarStore share its device. One kernel call per dtype,
+        // as PyTorch groups them; each sets `found` when its gradients overflowed.
+        let found = Tensor::zeros([1], (Kind::Float, device));
+        let mut groups: Vec<(Kind, Vec<Tensor>)> = Vec::new();
         for g in grads {
-            let key = (g.device(), g.kind());
-            match groups.iter_mut().find(|(k, _)| *k == key) {
+            match groups.iter_mut().find(|(k, _)| *k == g.kind()) {
                 Some((_, v)) => v.push(g),
-                None => groups.push((key, vec![g])),
+                None => groups.push((g.kind(), vec![g])),
             }
         }
-        for ((dev, _), group) in &groups {
-            let found_here = Tensor::zeros([1], (Kind::Float, *dev));
+        for (_, group) in &groups {
             let ptrs = ffi::tensors(group);
             ffi::check(unsafe {
                 ffi::tdc_amp_unscale(
                     ptrs.as_ptr(),
                     ptrs.len() as i32,
-                    ffi::tensor(&found_here),
-                    ffi::tensor(&inv_scale.to_device(*dev)),
+                    ffi::tensor(&found),
+                    ffi::tensor(&inv_scale),
                 )
             })
             .map_err(|e| Error::Torch(format!("unscaling the gradients: {e}")))?;
-            let _ = found.f_add_(&found_here.to_device(device))?;
         }
         if let Some(ctx) = init::current().filter(|c| c.world_size() > 1) {
             let mut flag = found.to_device(ctx.device());

@@ -81,6 +81,26 @@ pub fn current() -> Option<Context> {
     CONTEXT.lock().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
+/// This process's `(rank, world size)` in the current job; `(0, 1)` without one.
+pub(crate) fn rank_and_world_size() -> (usize, usize) {
+    current()
+        .map(|c| (c.rank(), c.world_size()))
+        .unwrap_or((0, 1))
+}
+
+/// `value` reduced with `op` over the ranks of the current job (one all-reduce of a
+/// CPU scalar); `value` itself without a job of several ranks.
+pub(crate) fn all_reduce_scalar(value: i64, op: crate::ReduceOp) -> Result<i64> {
+    match current() {
+        Some(ctx) if ctx.world_size() > 1 => {
+            let mut t = tch::Tensor::from_slice(&[value]);
+            ctx.process_group().all_reduce(&mut t, op)?;
+            Ok(t.int64_value(&[0]))
+        }
+        _ => Ok(value),
+    }
+}
+
 fn env_timeout() -> Result<Option<Duration>> {
     match std::env::var("TCH_DISTRIBUTED_TIMEOUT") {
         Ok(v) => v

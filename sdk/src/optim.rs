@@ -168,10 +168,17 @@ impl Optimizer {
         Ok(())
     }
 
-    fn call(&mut self, f: unsafe extern "C" fn(*mut torch_sys::C_optimizer)) -> Result<()> {
-        self.add_missing_variables()?;
+    /// Runs a torch-sys optimizer function on the libtorch optimizer.
+    fn raw_call(&self, f: unsafe extern "C" fn(*mut torch_sys::C_optimizer)) -> Result<()> {
         unsafe { f(self.raw) };
         torch_sys_result()
+    }
+
+    /// [`raw_call`](Self::raw_call) after adding variables created since the last
+    /// call, as tch does.
+    fn call(&mut self, f: unsafe extern "C" fn(*mut torch_sys::C_optimizer)) -> Result<()> {
+        self.add_missing_variables()?;
+        self.raw_call(f)
     }
 
     /// Zeroes (sets to none) the gradients of the tracked variables.
@@ -227,8 +234,7 @@ impl Optimizer {
         self.add_missing_variables()?;
         let last = self.is_sync_step();
         if self.micro_step == 0 {
-            unsafe { torch_sys::ato_zero_grad(self.raw) };
-            torch_sys_result()?;
+            self.raw_call(torch_sys::ato_zero_grad)?;
         }
         let scaled;
         let loss = if self.accumulation_steps > 1 {
@@ -287,7 +293,8 @@ impl Optimizer {
             return Ok(false);
         }
         before_step(self);
-        self.step()?;
+        // `backward` has added any new variables.
+        self.raw_call(torch_sys::ato_step)?;
         Ok(true)
     }
 

@@ -48,11 +48,34 @@ pub fn load_var_store(ctx: &Context, vs: &mut VarStore, path: impl AsRef<Path>) 
         .map_err(|e| Error::Torch(format!("loading {}: {e}", path.as_ref().display())))
 }
 
+/// An I/O error naming the operation and the path.
+fn io(what: &str, path: &Path) -> impl FnOnce(std::io::Error) -> Error {
+    let context = format!("{what} {}", path.display());
+    move |source| Error::Io { context, source }
+}
+
+/// Flushes a written file to disk.
+fn sync_file(path: &Path) -> Result<()> {
+    File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(io("syncing", path))
+}
+
+/// Makes renames and new entries in `dir` durable.
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io("syncing directory", dir))
+}
+
+/// `vs.save(path)` (the format follows the extension), flushed to disk.
+fn save_synced(vs: &VarStore, path: &Path) -> Result<()> {
+    vs.save(path)
+        .map_err(|e| Error::Torch(format!("writing {}: {e}", path.display())))?;
+    sync_file(path)
+}
+
 fn write_atomically(vs: &VarStore, path: &Path) -> Result<()> {
-    let io = |what: &str, p: &Path| {
-        let context = format!("{what} {}", p.display());
-        move |source| Error::Io { context, source }
-    };
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
@@ -67,16 +90,10 @@ fn write_atomically(vs: &VarStore, path: &Path) -> Result<()> {
         name.to_string_lossy()
     ));
     let result = (|| {
-        vs.save(&tmp)
-            .map_err(|e| Error::Torch(format!("writing {}: {e}", tmp.display())))?;
-        File::open(&tmp)
-            .and_then(|f| f.sync_all())
-            .map_err(io("syncing", &tmp))?;
+        save_synced(vs, &tmp)?;
         fs::rename(&tmp, path).map_err(io("renaming the finished checkpoint onto", path))?;
         // Make the rename itself durable.
-        File::open(&dir)
-            .and_then(|d| d.sync_all())
-            .map_err(io("syncing directory", &dir))
+        sync_dir(&dir)
     })();
     if result.is_err() {
         let _ = fs::remove_file(&tmp);

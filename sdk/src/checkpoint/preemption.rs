@@ -78,14 +78,7 @@ impl Preemption {
     /// Errors with [`Error::Collective`] when the all-reduce fails.
     pub fn requested(&self) -> Result<Option<i32>> {
         let mine = self.signal.load(Ordering::SeqCst) as i64;
-        let any = match init::current() {
-            Some(ctx) if ctx.world_size() > 1 => {
-                let mut flag = tch::Tensor::from_slice(&[mine]);
-                ctx.process_group().all_reduce(&mut flag, ReduceOp::Max)?;
-                flag.int64_value(&[0])
-            }
-            _ => mine,
-        };
+        let any = init::all_reduce_scalar(mine, ReduceOp::Max)?;
         Ok((any != 0).then_some(any as i32))
     }
 }

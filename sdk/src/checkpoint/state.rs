@@ -9,10 +9,11 @@ use serde::{Deserialize, Serialize};
 use tch::nn::VarStore;
 use tch::Tensor;
 
+use super::{io, save_synced, sync_dir, sync_file};
 use crate::data::LoaderPosition;
 use crate::error::{Error, Result};
 use crate::ffi;
-use crate::init::{self, Context};
+use crate::init;
 use crate::optim::Optimizer;
 use crate::process_group::ReduceOp;
 
@@ -83,11 +84,6 @@ pub struct Checkpointer {
     keep_last: Option<usize>,
 }
 
-fn io(what: &str, path: &Path) -> impl FnOnce(std::io::Error) -> Error {
-    let context = format!("{what} {}", path.display());
-    move |source| Error::Io { context, source }
-}
-
 /// FNV-1a, 64 bits: detects torn and corrupted files.
 fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
@@ -101,10 +97,18 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     f.sync_all().map_err(io("syncing", path))
 }
 
-fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io("syncing directory", dir))
+/// The named tensors of a safetensors file's bytes (already read and checked).
+fn tensors(name: &str, bytes: &[u8]) -> Result<Vec<(String, Tensor)>> {
+    let file = safetensors::SafeTensors::deserialize(bytes)
+        .map_err(|e| Error::Config(format!("{name}: {e}")))?;
+    file.tensors()
+        .into_iter()
+        .map(|(n, view)| {
+            Tensor::try_from(view)
+                .map(|t| (n, t))
+                .map_err(|e| Error::Config(format!("{name}: {e}")))
+        })
+        .collect()
 }
 
 fn rank_file(rank: usize) -> String {
@@ -112,15 +116,8 @@ fn rank_file(rank: usize) -> String {
 }
 
 /// Whether every rank's `ok` is true (one all-reduce; a job of one needs none).
-fn all_ok(ctx: Option<&Context>, ok: bool) -> Result<bool> {
-    match ctx {
-        Some(ctx) if ctx.world_size() > 1 => {
-            let mut flag = Tensor::from_slice(&[ok as i64]);
-            ctx.process_group().all_reduce(&mut flag, ReduceOp::Min)?;
-            Ok(flag.int64_value(&[0]) == 1)
-        }
-        _ => Ok(ok),
-    }
+fn all_ok(ok: bool) -> Result<bool> {
+    Ok(init::all_reduce_scalar(ok as i64, ReduceOp::Min)? == 1)
 }
 
 fn cpu_rng_state() -> Result<Tensor> {
@@ -190,11 +187,7 @@ impl Checkpointer {
         opt: &mut Optimizer,
         state: &TrainState,
     ) -> Result<PathBuf> {
-        let ctx = init::current();
-        let (rank, world_size) = ctx
-            .as_ref()
-            .map(|c| (c.rank(), c.world_size()))
-            .unwrap_or((0, 1));
+        let (rank, world_size) = init::rank_and_world_size();
         let final_dir = self.path_of(state.step);
         let tmp = self.root.join(format!(
             ".tmp-{}",
@@ -213,7 +206,7 @@ impl Checkpointer {
         } else {
             Ok(())
         };
-        Self::agree(ctx.as_ref(), made, rank, "preparing", &tmp)?;
+        Self::agree(made, rank, "preparing", &tmp)?;
 
         // Every rank writes its own files; rank 0 the replicated ones too.
         let written = (|| {
@@ -221,16 +214,9 @@ impl Checkpointer {
             let path = tmp.join(rank_file(rank));
             Tensor::write_safetensors(&[("cpu", &rng)], &path)
                 .map_err(|e| Error::Torch(format!("writing {}: {e}", path.display())))?;
-            File::open(&path)
-                .and_then(|f| f.sync_all())
-                .map_err(io("syncing", &path))?;
+            sync_file(&path)?;
             if rank == 0 {
-                let model = tmp.join(MODEL);
-                vs.save(&model)
-                    .map_err(|e| Error::Torch(format!("writing {}: {e}", model.display())))?;
-                File::open(&model)
-                    .and_then(|f| f.sync_all())
-                    .map_err(io("syncing", &model))?;
+                save_synced(vs, &tmp.join(MODEL))?;
                 write_synced(&tmp.join(OPTIMIZER), &opt.state()?)?;
                 let state = TrainState {
                     world_size,
@@ -242,7 +228,7 @@ impl Checkpointer {
             }
             Ok(())
         })();
-        Self::agree(ctx.as_ref(), written, rank, "writing", &tmp)?;
+        Self::agree(written, rank, "writing", &tmp)?;
 
         // All files are durable: mark complete, move into place, prune.
         let finished = if rank == 0 {
@@ -250,20 +236,14 @@ impl Checkpointer {
         } else {
             Ok(())
         };
-        Self::agree(ctx.as_ref(), finished, rank, "completing", &tmp)?;
+        Self::agree(finished, rank, "completing", &tmp)?;
         Ok(final_dir)
     }
 
     /// Turns one phase's local result into the job's: every rank learns whether all
     /// succeeded, and all fail together (removing the temporary directory) if not.
-    fn agree(
-        ctx: Option<&Context>,
-        local: Result<()>,
-        rank: usize,
-        phase: &str,
-        tmp: &Path,
-    ) -> Result<()> {
-        if all_ok(ctx, local.is_ok())? {
+    fn agree(local: Result<()>, rank: usize, phase: &str, tmp: &Path) -> Result<()> {
+        if all_ok(local.is_ok())? {
             return Ok(());
         }
         if rank == 0 {
@@ -344,9 +324,7 @@ impl Checkpointer {
         };
         let state: TrainState = serde_json::from_slice(&read(STATE)?)
             .map_err(|e| Error::Config(format!("{STATE}: {e}")))?;
-        read(MODEL)?;
-        let model = Tensor::read_safetensors(dir.join(MODEL))
-            .map_err(|e| Error::Config(format!("{MODEL}: {e}")))?;
+        let model = tensors(MODEL, &read(MODEL)?)?;
         let expected = vs.variables();
         for (name, var) in &expected {
             match model.iter().find(|(n, _)| n == name) {
@@ -364,10 +342,8 @@ impl Checkpointer {
         let optimizer = read(OPTIMIZER)?;
         // Per-rank random state applies only to the same rank in the same world size.
         let rng = if state.world_size == world_size {
-            read(&rank_file(rank))?;
-            let tensors = Tensor::read_safetensors(dir.join(rank_file(rank)))
-                .map_err(|e| Error::Config(format!("{}: {e}", rank_file(rank))))?;
-            tensors
+            let name = rank_file(rank);
+            tensors(&name, &read(&name)?)?
                 .into_iter()
                 .find(|(n, _)| n == "cpu")
                 .map(|(_, t)| t)
@@ -397,10 +373,7 @@ impl Checkpointer {
     /// message lists each one and why).
     pub fn load_state(&self, vs: &mut VarStore, opt: &mut Optimizer) -> Result<Option<TrainState>> {
         let ctx = init::current();
-        let (rank, world_size) = ctx
-            .as_ref()
-            .map(|c| (c.rank(), c.world_size()))
-            .unwrap_or((0, 1));
+        let (rank, world_size) = init::rank_and_world_size();
         // Rank 0's listing, so that every rank tries the same candidates in order.
         let mut steps: Vec<i64> = self.list().iter().map(|(s, _)| *s as i64).collect();
         if let Some(ctx) = ctx.as_ref().filter(|c| c.world_size() > 1) {
@@ -422,7 +395,7 @@ impl Checkpointer {
         for step in steps {
             let dir = self.path_of(step as u64);
             let loaded = self.read(&dir, rank, world_size, vs);
-            if !all_ok(ctx.as_ref(), loaded.is_ok())? {
+            if !all_ok(loaded.is_ok())? {
                 let why = match &loaded {
                     Err(e) => e.to_string(),
                     Ok(_) => "unreadable on another rank".into(),

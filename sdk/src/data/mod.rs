@@ -58,9 +58,7 @@ impl<I: Iterator> Sharded<I> {
     /// Shards `inner` for this process's rank in the current job (a world of one,
     /// where nothing is dropped or repeated, when there is none).
     pub fn new(inner: I) -> Self {
-        let (rank, world_size) = init::current()
-            .map(|c| (c.rank(), c.world_size()))
-            .unwrap_or((0, 1));
+        let (rank, world_size) = init::rank_and_world_size();
         Self::for_rank(inner, rank, world_size)
     }
 

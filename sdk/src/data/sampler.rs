@@ -66,9 +66,7 @@ impl DistributedSampler {
     /// [`new`](Self::new) for this process's rank in the current job (rank 0 of 1 when
     /// there is none).
     pub fn for_current_rank(len: usize) -> Result<Self> {
-        let (rank, world_size) = init::current()
-            .map(|c| (c.rank(), c.world_size()))
-            .unwrap_or((0, 1));
+        let (rank, world_size) = init::rank_and_world_size();
         Self::new(len, rank, world_size)
     }
 
