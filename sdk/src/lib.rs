@@ -26,6 +26,7 @@ mod error;
 mod ffi;
 mod init;
 pub mod launch;
+mod log;
 mod optim;
 mod process_group;
 mod store;

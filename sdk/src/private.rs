@@ -118,10 +118,10 @@ fn self_launch(ranks: usize) -> i32 {
         nproc_per_node: ranks,
         ..Default::default()
     };
-    eprintln!(
-        "tch-distributed: no launcher environment; starting {ranks} ranks of {}",
+    crate::log::warn(format_args!(
+        "no launcher environment; starting {ranks} ranks of {}",
         exe.display()
-    );
+    ));
     crate::launch::launch(&config, exe.as_os_str(), &args)
         .unwrap_or_else(|e| fail("launching ranks", e))
 }
@@ -143,10 +143,10 @@ impl Session {
         }
         if let Some(ctx) = init::current() {
             if let Err(e) = ctx.barrier() {
-                eprintln!(
-                    "tch-distributed: exit barrier failed on rank {}: {e}",
+                crate::log::warn(format_args!(
+                    "exit barrier failed on rank {}: {e}",
                     ctx.rank()
-                );
+                ));
             }
         }
     }

@@ -14,6 +14,7 @@ use crate::data::LoaderPosition;
 use crate::error::{Error, Result};
 use crate::ffi;
 use crate::init;
+use crate::log;
 use crate::optim::Optimizer;
 use crate::process_group::ReduceOp;
 
@@ -401,15 +402,12 @@ impl Checkpointer {
                     Ok(_) => "unreadable on another rank".into(),
                 };
                 if rank == 0 {
-                    eprintln!(
-                        "tch-distributed: skipping checkpoint {}: {why}",
-                        dir.display()
-                    );
+                    log::warn(format_args!("skipping checkpoint {}: {why}", dir.display()));
                 } else if loaded.is_err() {
-                    eprintln!(
-                        "tch-distributed: rank {rank} cannot use checkpoint {}: {why}",
+                    log::warn(format_args!(
+                        "rank {rank} cannot use checkpoint {}: {why}",
                         dir.display()
-                    );
+                    ));
                 }
                 skipped.push(format!("{} ({why})", dir.display()));
                 continue;
@@ -429,11 +427,11 @@ impl Checkpointer {
                 set_cpu_rng_state(rng)?;
             }
             if rank == 0 && !skipped.is_empty() {
-                eprintln!(
-                    "tch-distributed: resumed from {} (step {})",
+                log::warn(format_args!(
+                    "resumed from {} (step {})",
                     dir.display(),
                     loaded.state.step
-                );
+                ));
             }
             return Ok(Some(loaded.state));
         }

@@ -81,10 +81,13 @@ fn main() -> anyhow::Result<()> {
             }
             if let Some(signal) = preemption.requested()? {
                 let path = checkpoints.save_state(&vs, &mut opt, &state())?;
-                eprintln!(
-                    "rank {rank}: preempted at step {step}, saved {}",
+                // One write, so that the ranks' lines do not interleave (stderr is
+                // unbuffered and shared by the ranks; `eprintln!` writes in pieces).
+                let line = format!(
+                    "rank {rank}: preempted at step {step}, saved {}\n",
                     path.display()
                 );
+                std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes())?;
                 std::process::exit(tch_distributed::preempted_exit_code(signal));
             }
             if rank == 0 {

@@ -1,0 +1,9 @@
+//! Messages the ranks print.
+
+/// Writes `tch-distributed: {message}` and a newline to stderr in one write, so that
+/// the lines of ranks that share the stream do not interleave (`eprintln!` writes a
+/// formatted line in pieces to the unbuffered stderr).
+pub(crate) fn warn(message: impl std::fmt::Display) {
+    let line = format!("tch-distributed: {message}\n");
+    let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+}
