@@ -4,8 +4,7 @@ use proc_macro2::Span;
 use syn::parse::{Parse, ParseStream};
 use syn::{LitBool, LitFloat, LitInt, LitStr, Token};
 
-const VALID: &str =
-    "backend, nproc_per_node, bucket_cap_mb, find_unused_parameters, timeout, crate";
+const VALID: &str = "backend, nproc_per_node, bucket_cap_mb, find_unused_parameters, timeout, mixed_precision, grad_accum, crate";
 
 /// The options of `#[distributed(…)]`, validated.
 #[derive(Default)]
@@ -15,6 +14,8 @@ pub struct Options {
     pub bucket_cap_mb: Option<f64>,
     pub find_unused_parameters: bool,
     pub timeout: Option<f64>,
+    pub mixed_precision: Option<String>,
+    pub grad_accum: Option<usize>,
     pub krate: Option<syn::Path>,
 }
 
@@ -114,6 +115,28 @@ impl Parse for Options {
                         ));
                     }
                     options.timeout = Some(secs);
+                }
+                "mixed_precision" => {
+                    let lit: LitStr = expect(input, "mixed_precision = \"bf16\"")?;
+                    let value = lit.value();
+                    if !["no", "bf16", "fp16", "auto"].contains(&value.as_str()) {
+                        return Err(syn::Error::new(
+                            lit.span(),
+                            format!("unknown mixed precision {value:?}: use \"no\", \"bf16\", \"fp16\" or \"auto\" (bf16 on GPUs of compute capability 8.0 or more, fp16 below)"),
+                        ));
+                    }
+                    options.mixed_precision = Some(value);
+                }
+                "grad_accum" => {
+                    let lit: LitInt = expect(input, "grad_accum = 4")?;
+                    let n: usize = lit.base10_parse()?;
+                    if n == 0 {
+                        return Err(syn::Error::new(
+                            lit.span(),
+                            "`grad_accum` is the number of micro-batches per optimizer step: at least 1",
+                        ));
+                    }
+                    options.grad_accum = Some(n);
                 }
                 "crate" => {
                     let lit: LitStr = expect(input, "crate = \"path::to::tch_distributed\"")?;

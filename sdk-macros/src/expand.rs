@@ -4,6 +4,7 @@ use proc_macro2::TokenStream;
 use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::visit_mut::{self, VisitMut};
+use syn::visit::{self, Visit};
 use syn::{parse_quote, Expr, ItemFn};
 
 use crate::attr::Options;
@@ -11,6 +12,87 @@ use crate::attr::Options;
 /// The rewrites of DESIGN.md's table.
 struct Rewrite {
     krate: TokenStream,
+    /// Locals bound to an optimizer that `.build(&vs, lr)` made (the SDK's
+    /// `Optimizer`).
+    optimizers: Vec<syn::Ident>,
+    /// Whether `let`s that run a forward pass go under autocast.
+    autocast: bool,
+    errors: Vec<syn::Error>,
+}
+
+/// The optimizer's methods that return a `Result` in the SDK and nothing (or a
+/// number) in tch: rewritten on the optimizers the function built.
+const RESULT_METHODS: &[&str] = &[
+    "zero_grad",
+    "step",
+    "backward",
+    "clip_grad_norm",
+    "clip_grad_value",
+    "set_lr",
+    "set_lr_group",
+    "set_momentum",
+    "set_weight_decay",
+];
+
+/// Method calls that run a model's forward pass.
+const FORWARD_METHODS: &[&str] = &["forward", "forward_t", "apply", "apply_t"];
+
+/// Finds the method calls named in `names`, or `.build(a, b)` calls.
+struct Finds<'a> {
+    names: &'a [&'a str],
+    args: Option<usize>,
+    found: bool,
+}
+
+impl<'ast> Visit<'ast> for Finds<'_> {
+    fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
+        if self.names.iter().any(|n| m.method == n)
+            && self.args.is_none_or(|a| a == m.args.len())
+        {
+            self.found = true;
+        }
+        visit::visit_expr_method_call(self, m);
+    }
+    fn visit_expr_closure(&mut self, _: &'ast syn::ExprClosure) {}
+    fn visit_item(&mut self, _: &'ast syn::Item) {}
+}
+
+fn calls(expr: &Expr, names: &[&str], args: Option<usize>) -> bool {
+    let mut f = Finds {
+        names,
+        args,
+        found: false,
+    };
+    f.visit_expr(expr);
+    f.found
+}
+
+/// The names bound by `let NAME = … .build(&vs, lr) …;` anywhere in the body.
+struct OptimizerLocals(Vec<syn::Ident>);
+
+impl<'ast> Visit<'ast> for OptimizerLocals {
+    fn visit_local(&mut self, local: &'ast syn::Local) {
+        let mut pat = &local.pat;
+        if let syn::Pat::Type(t) = pat {
+            pat = &t.pat;
+        }
+        if let (syn::Pat::Ident(id), Some(init)) = (pat, &local.init) {
+            if calls(&init.expr, &["build"], Some(2)) && !self.0.contains(&id.ident) {
+                self.0.push(id.ident.clone());
+            }
+        }
+        visit::visit_local(self, local);
+    }
+    fn visit_expr_closure(&mut self, _: &'ast syn::ExprClosure) {}
+    fn visit_item(&mut self, _: &'ast syn::Item) {}
+}
+
+fn receiver_ident(expr: &Expr) -> Option<&syn::Ident> {
+    match expr {
+        Expr::Path(p) if p.qself.is_none() => p.path.get_ident(),
+        Expr::Paren(p) => receiver_ident(&p.expr),
+        _ => None,
+    }
 }
 
 fn path_ends_with(expr: &Expr, segments: &[&str]) -> bool {
@@ -47,11 +129,19 @@ impl VisitMut for Rewrite {
             Expr::MethodCall(m) => {
                 let recv = &m.receiver;
                 let args: Vec<&Expr> = m.args.iter().collect();
-                match (m.method.to_string().as_str(), args.as_slice()) {
+                let method = m.method.to_string();
+                let on_optimizer =
+                    receiver_ident(recv).is_some_and(|id| self.optimizers.contains(id));
+                match (method.as_str(), args.as_slice()) {
+                    // The original call is type-checked, never run, so that the
+                    // `OptimizerConfig` import it needs stays used.
                     ("build", [vs, lr]) => Some(parse_quote!({
-                        let __tchd_vs = #vs;
-                        #k::__private::wrap_optimizer(#recv.build(__tchd_vs, #lr), __tchd_vs)
+                        let _ = || #recv.build(#vs, #lr);
+                        #k::__private::build(&#recv, #vs, #lr)
                     })),
+                    (name, _) if on_optimizer && RESULT_METHODS.contains(&name) => {
+                        Some(parse_quote!(#k::__private::or_fail(#m, #name)))
+                    }
                     ("backward_step", [loss]) => {
                         Some(parse_quote!(#k::__private::backward_step(&mut #recv, #loss)))
                     }
@@ -61,7 +151,25 @@ impl VisitMut for Rewrite {
                     ("backward_step_clip_norm", [loss, max]) => Some(
                         parse_quote!(#k::__private::backward_step_clip_norm(&mut #recv, #loss, #max)),
                     ),
-                    ("backward", []) => Some(parse_quote!(#k::__private::backward(&#recv))),
+                    ("backward", []) => match self.optimizers.as_slice() {
+                        [] => None,
+                        [opt] => Some(parse_quote!(#k::__private::backward(&mut #opt, &#recv))),
+                        several => {
+                            let names: Vec<String> =
+                                several.iter().map(|i| format!("`{i}`")).collect();
+                            self.errors.push(syn::Error::new(
+                                m.span(),
+                                format!(
+                                    "`.backward()` in a function with {} optimizers ({}): say which model the loss trains with `{}.backward(&loss)` (or `{}.backward_step(&loss)`), so that its gradients are averaged over the ranks",
+                                    several.len(),
+                                    names.join(", "),
+                                    several[0],
+                                    several[0]
+                                ),
+                            ));
+                            None
+                        }
+                    },
                     ("save", [path]) => Some(parse_quote!({
                         match (&#k::__private::Probe::new(&#recv)).__tchd_var_store() {
                             ::std::option::Option::Some(__tchd_vs) => #k::__private::save(__tchd_vs, #path),
@@ -97,6 +205,23 @@ impl VisitMut for Rewrite {
         }
     }
 
+    fn visit_local_mut(&mut self, local: &mut syn::Local) {
+        visit_mut::visit_local_mut(self, local);
+        if !self.autocast {
+            return;
+        }
+        if let Some(init) = &mut local.init {
+            if calls(&init.expr, FORWARD_METHODS, None) {
+                let k = &self.krate;
+                let value = &init.expr;
+                *init.expr = parse_quote!({
+                    let __tchd_autocast = #k::__private::autocast();
+                    #value
+                });
+            }
+        }
+    }
+
     fn visit_stmt_mut(&mut self, stmt: &mut syn::Stmt) {
         if let syn::Stmt::Macro(m) = stmt {
             if is_print(&m.mac) {
@@ -117,7 +242,7 @@ fn is_print(mac: &syn::Macro) -> bool {
 }
 
 /// The function with its body rewritten and the entry prepended.
-pub fn expand(options: Options, mut func: ItemFn) -> TokenStream {
+pub fn expand(options: Options, mut func: ItemFn) -> syn::Result<TokenStream> {
     let krate = match &options.krate {
         Some(path) => quote!(#path),
         None => quote!(::tch_distributed),
@@ -134,11 +259,27 @@ pub fn expand(options: Options, mut func: ItemFn) -> TokenStream {
     let bucket = opt(options.bucket_cap_mb.map(|n| quote!(#n)));
     let timeout = opt(options.timeout.map(|n| quote!(#n)));
     let find_unused = options.find_unused_parameters;
+    let precision = opt(options.mixed_precision.as_ref().map(|p| quote!(#p)));
+    let grad_accum = opt(options.grad_accum.map(|n| quote!(#n)));
 
-    Rewrite {
+    let mut optimizers = OptimizerLocals(Vec::new());
+    optimizers.visit_block(&func.block);
+    let mut rewrite = Rewrite {
         krate: krate.clone(),
+        optimizers: optimizers.0,
+        autocast: options
+            .mixed_precision
+            .as_deref()
+            .is_some_and(|p| p != "no"),
+        errors: Vec::new(),
+    };
+    rewrite.visit_block_mut(&mut func.block);
+    if let Some(mut e) = rewrite.errors.pop() {
+        for other in rewrite.errors {
+            e.combine(other);
+        }
+        return Err(e);
     }
-    .visit_block_mut(&mut func.block);
     Returns {
         krate: krate.clone(),
     }
@@ -158,12 +299,14 @@ pub fn expand(options: Options, mut func: ItemFn) -> TokenStream {
             bucket_cap_mb: #bucket,
             find_unused_parameters: #find_unused,
             timeout_secs: #timeout,
+            mixed_precision: #precision,
+            grad_accum: #grad_accum,
         });
         let __tchd_out = #block;
         #finish
         __tchd_out
     });
-    quote!(#func)
+    Ok(quote!(#func))
 }
 
 /// Run on every normal exit from the function: the exit barrier, unless the

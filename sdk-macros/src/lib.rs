@@ -30,7 +30,7 @@ fn entry(
     };
     let result = syn::parse2::<attr::Options>(args).and_then(|options| {
         validate::validate(&func)?;
-        Ok(expand::expand(options, func))
+        expand::expand(options, func)
     });
     match result {
         Ok(tokens) => tokens,

@@ -391,18 +391,24 @@ int tdc_optimizer_load(void* opt, const uint8_t* data, size_t len) {
   })
 }
 
-int tdc_cpu_rng_state(tdc_tensor* out) {
+// The default generator of the CPU (cuda_index < 0) or of CUDA device cuda_index.
+static at::Generator default_generator(int cuda_index) {
+  if (cuda_index < 0) return at::detail::getDefaultCPUGenerator();
+  return at::globalContext().defaultGenerator(c10::Device(c10::DeviceType::CUDA, cuda_index));
+}
+
+int tdc_rng_state(int cuda_index, tdc_tensor* out) {
   TDC_PROTECT(1, {
-    auto gen = at::detail::getDefaultCPUGenerator();
+    auto gen = default_generator(cuda_index);
     std::lock_guard<std::mutex> lock(gen.mutex());
     *out = new torch::Tensor(gen.get_state());
     return 0;
   })
 }
 
-int tdc_set_cpu_rng_state(tdc_tensor state) {
+int tdc_set_rng_state(int cuda_index, tdc_tensor state) {
   TDC_PROTECT(1, {
-    auto gen = at::detail::getDefaultCPUGenerator();
+    auto gen = default_generator(cuda_index);
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_state(tensor(state));
     return 0;

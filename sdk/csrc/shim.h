@@ -91,8 +91,8 @@ int tdc_optimizer_save(void* opt, uint8_t** data, size_t* len);
 int tdc_optimizer_load(void* opt, const uint8_t* data, size_t len);
 /* The default CPU generator's state as a new uint8 tensor in `*out` (a
  * `torch::Tensor*` the caller owns), and setting it back. */
-int tdc_cpu_rng_state(tdc_tensor* out);
-int tdc_set_cpu_rng_state(tdc_tensor state);
+int tdc_rng_state(int cuda_index, tdc_tensor* out);
+int tdc_set_rng_state(int cuda_index, tdc_tensor state);
 
 /* Mixed precision: `at::_amp_foreach_non_finite_check_and_unscale_` over `n`
  * gradients of one device and dtype (multiplied by `inv_scale`; `found_inf` set to 1

@@ -74,34 +74,47 @@ impl MixedPrecision {
 ///
 /// Errors with [`Error::Torch`] when libtorch rejects the setting.
 pub fn autocast<T>(device: Device, precision: MixedPrecision, f: impl FnOnce() -> T) -> Result<T> {
-    // c10::ScalarType codes.
-    let dtype_code = match precision {
-        MixedPrecision::No => return Ok(f()),
-        MixedPrecision::Fp16 => 5,
-        MixedPrecision::Bf16 => 15,
-    };
-    struct Restore {
-        device_type: i32,
-        enabled: i32,
-        dtype: i32,
+    let _autocast = Autocast::enter(device, precision)?;
+    Ok(f())
+}
+
+/// Autocast while this guard lives (the form of [`autocast`] without a closure):
+/// entering turns it on for `device`'s type at `precision` (nothing for
+/// [`MixedPrecision::No`]), dropping restores the previous setting.
+#[must_use = "autocast ends when the guard is dropped"]
+pub struct Autocast {
+    restore: Option<(i32, i32, i32)>,
+}
+
+impl Autocast {
+    /// Turns autocast on until the guard drops.
+    ///
+    /// Errors with [`Error::Torch`] when libtorch rejects the setting.
+    pub fn enter(device: Device, precision: MixedPrecision) -> Result<Self> {
+        // c10::ScalarType codes.
+        let dtype_code = match precision {
+            MixedPrecision::No => return Ok(Autocast { restore: None }),
+            MixedPrecision::Fp16 => 5,
+            MixedPrecision::Bf16 => 15,
+        };
+        let device_type = i32::from(device.is_cuda());
+        let (mut enabled, mut dtype) = (0, 0);
+        ffi::check(unsafe {
+            ffi::tdc_autocast_enter(device_type, dtype_code, &mut enabled, &mut dtype)
+        })
+        .map_err(Error::Torch)?;
+        Ok(Autocast {
+            restore: Some((device_type, enabled, dtype)),
+        })
     }
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            unsafe { ffi::tdc_autocast_exit(self.device_type, self.enabled, self.dtype) };
+}
+
+impl Drop for Autocast {
+    fn drop(&mut self) {
+        if let Some((device_type, enabled, dtype)) = self.restore {
+            unsafe { ffi::tdc_autocast_exit(device_type, enabled, dtype) };
         }
     }
-    let device_type = i32::from(device.is_cuda());
-    let (mut enabled, mut dtype) = (0, 0);
-    ffi::check(unsafe {
-        ffi::tdc_autocast_enter(device_type, dtype_code, &mut enabled, &mut dtype)
-    })
-    .map_err(Error::Torch)?;
-    let _restore = Restore {
-        device_type,
-        enabled,
-        dtype,
-    };
-    Ok(f())
 }
 
 /// Loss scaling for fp16 training, as PyTorch's `torch.amp.GradScaler`, on libtorch's
@@ -274,6 +287,15 @@ impl GradScaler {
             self.found_inf = Some(found);
         }
         Ok(())
+    }
+
+    /// Whether this step's gradients held an inf or NaN on any rank (unscaling first
+    /// if needed).
+    pub(crate) fn found_inf(&self) -> Result<bool> {
+        let found = self.found_inf.as_ref().ok_or_else(|| {
+            Error::Config("GradScaler: the gradients of this step were not unscaled".into())
+        })?;
+        Ok(found.double_value(&[0]) > 0.0)
     }
 
     /// Unscales (unless [`unscale`](Self::unscale) already did) and runs `opt.step()`

@@ -118,8 +118,8 @@ extern "C" {
 
     pub fn tdc_optimizer_save(opt: *mut c_void, data: *mut *mut u8, len: *mut usize) -> c_int;
     pub fn tdc_optimizer_load(opt: *mut c_void, data: *const u8, len: usize) -> c_int;
-    pub fn tdc_cpu_rng_state(out: *mut Tensor) -> c_int;
-    pub fn tdc_set_cpu_rng_state(state: Tensor) -> c_int;
+    pub fn tdc_rng_state(cuda_index: c_int, out: *mut Tensor) -> c_int;
+    pub fn tdc_set_rng_state(cuda_index: c_int, state: Tensor) -> c_int;
 
     pub fn tdc_autocast_enter(
         device_type: c_int,

@@ -31,7 +31,7 @@ mod optim;
 mod process_group;
 mod store;
 
-pub use amp::{autocast, GradScaler, MixedPrecision};
+pub use amp::{autocast, Autocast, GradScaler, MixedPrecision};
 pub use checkpoint::{
     load_var_store, preempted_exit_code, save_var_store, Checkpointer, Preemption, TrainState,
 };

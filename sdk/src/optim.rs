@@ -1,14 +1,28 @@
 //! `Optimizer`: libtorch's own `torch::optim` optimizers, as `tch::nn::Optimizer` runs
 //! them, with their state reachable for checkpoints and the DDP they step through.
 
+use std::cell::Cell;
 use std::sync::{Arc, Mutex};
 
 use tch::nn::{self, VarStore, Variables};
 use tch::Tensor;
 
+use crate::amp::GradScaler;
 use crate::ddp::DistributedDataParallel;
 use crate::error::{Error, Result};
 use crate::ffi;
+
+thread_local! {
+    /// Set while the batch just yielded is the last of its data loader's epoch (the
+    /// SDK's loaders and sharded loops set and clear it), as Accelerate's
+    /// `GradientState.end_of_dataloader`: an accumulation cycle ends there.
+    static END_OF_DATA: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks whether the batch just yielded is the last of its epoch.
+pub(crate) fn set_end_of_data(last: bool) {
+    END_OF_DATA.with(|e| e.set(last));
+}
 
 /// An optimizer configuration of tch (`nn::Sgd`, `nn::Adam`, `nn::AdamW`,
 /// `nn::RmsProp`) that the SDK can build: the same libtorch optimizer as
@@ -82,7 +96,15 @@ fn torch_sys_result() -> Result<()> {
 ///   gradients it steps on are averaged over the ranks;
 /// - its state (moments, step counts, learning rates) can be saved and loaded
 ///   ([`state`](Self::state), [`load_state`](Self::load_state)), with libtorch's own
-///   optimizer serialization.
+///   optimizer serialization;
+/// - gradient accumulation ([`accumulate`](Self::accumulate)) and fp16 loss scaling
+///   ([`grad_scaler`](Self::grad_scaler)) with the semantics of Accelerate's
+///   `AcceleratedOptimizer`: [`backward`](Self::backward) divides and scales the loss,
+///   and [`step`](Self::step) and [`zero_grad`](Self::zero_grad) do nothing in the
+///   middle of an accumulation cycle.
+///
+/// A training step is either `opt.backward_step(&loss)?` or, spelled out,
+/// `opt.zero_grad()?; opt.backward(&loss)?; opt.clip_grad_norm(1.0)?; opt.step()?;`.
 pub struct Optimizer {
     raw: *mut torch_sys::C_optimizer,
     variables: Arc<Mutex<Variables>>,
@@ -93,6 +115,11 @@ pub struct Optimizer {
     micro_step: usize,
     /// The next micro-step ends its cycle early (the data ran out).
     sync_next: bool,
+    /// The last backward ended a cycle: the gradients are complete and `step` steps.
+    cycle_complete: bool,
+    scaler: Option<GradScaler>,
+    /// The gradients of this cycle have been divided by the loss scale.
+    unscaled: bool,
 }
 
 // The libtorch optimizer is used from one thread at a time (`&mut self`).
@@ -114,6 +141,9 @@ impl Optimizer {
             accumulation_steps: 1,
             micro_step: 0,
             sync_next: false,
+            cycle_complete: false,
+            scaler: None,
+            unscaled: false,
         };
         opt.add_missing_variables()?;
         Ok(opt)
@@ -130,12 +160,35 @@ impl Optimizer {
     /// `steps - 1` micro-batches of a cycle run under DDP's `no_sync` (no
     /// all-reduce), and the last all-reduces the accumulated gradients, steps and
     /// starts the next cycle. The effective batch is per-rank batch × `steps` × world
-    /// size. When the data ends mid-cycle, call [`sync_next`](Self::sync_next) before
-    /// the last micro-batch so that it still steps (its loss is still divided by
-    /// `steps`, as in Accelerate).
+    /// size. When the data ends mid-cycle the last micro-batch still steps (its loss
+    /// is still divided by `steps`, as in Accelerate): the SDK's
+    /// [`DataLoader`](crate::DataLoader) and sharded loops say when a batch is the
+    /// last of its epoch; with other iterators call [`sync_next`](Self::sync_next)
+    /// before the last micro-batch.
     pub fn accumulate(mut self, steps: usize) -> Self {
         self.accumulation_steps = steps.max(1);
         self
+    }
+
+    /// fp16 loss scaling, as `torch.amp.GradScaler` in a training loop:
+    /// [`backward`](Self::backward) multiplies the loss by the scale; clipping
+    /// unscales the gradients first; [`step`](Self::step) unscales them if clipping
+    /// did not, skips the update when a gradient on any rank is inf or NaN, and
+    /// updates the scale. The scaler's state goes into checkpoints with the
+    /// optimizer ([`Checkpointer`](crate::Checkpointer)).
+    pub fn grad_scaler(mut self, scaler: GradScaler) -> Self {
+        self.scaler = Some(scaler);
+        self
+    }
+
+    /// The loss scaler, if fp16 training uses one.
+    pub fn scaler(&self) -> Option<&GradScaler> {
+        self.scaler.as_ref()
+    }
+
+    /// The loss scaler, mutably (to restore its state).
+    pub fn scaler_mut(&mut self) -> Option<&mut GradScaler> {
+        self.scaler.as_mut()
     }
 
     /// Makes the next backward step end its accumulation cycle: it all-reduces and
@@ -147,7 +200,9 @@ impl Optimizer {
     /// Whether the next backward step will all-reduce and step (Accelerate's
     /// `sync_gradients`): always without accumulation.
     pub fn is_sync_step(&self) -> bool {
-        self.sync_next || self.micro_step + 1 >= self.accumulation_steps
+        self.sync_next
+            || self.micro_step + 1 >= self.accumulation_steps
+            || END_OF_DATA.with(Cell::get)
     }
 
     /// The DDP this optimizer steps through, if any.
@@ -181,31 +236,82 @@ impl Optimizer {
         self.raw_call(f)
     }
 
-    /// Zeroes (sets to none) the gradients of the tracked variables.
+    /// Zeroes (sets to none) the gradients of the tracked variables; in the middle of
+    /// an accumulation cycle, does nothing.
     pub fn zero_grad(&mut self) -> Result<()> {
+        if self.micro_step > 0 {
+            return Ok(());
+        }
         self.call(torch_sys::ato_zero_grad)
     }
 
-    /// One optimizer step on the current gradients.
-    pub fn step(&mut self) -> Result<()> {
-        self.call(torch_sys::ato_step)
+    /// One optimizer step on the current gradients, once the last
+    /// [`backward`](Self::backward) ended an accumulation cycle (always, without
+    /// accumulation or when no backward ran through this optimizer). With a
+    /// [`grad_scaler`](Self::grad_scaler) it unscales the gradients, skips the update
+    /// when one on any rank is inf or NaN, and updates the scale.
+    ///
+    /// Returns whether the parameters were updated. Errors: [`Error::Torch`] from
+    /// libtorch; from the scaler, [`Error::Config`] after too many skipped steps in a
+    /// row and [`Error::Collective`] when its all-reduce fails.
+    pub fn step(&mut self) -> Result<bool> {
+        if !std::mem::take(&mut self.cycle_complete) && self.micro_step > 0 {
+            return Ok(false);
+        }
+        let Some(mut scaler) = self.scaler.take() else {
+            self.call(torch_sys::ato_step)?;
+            return Ok(true);
+        };
+        let stepped = (|| {
+            if !std::mem::take(&mut self.unscaled) {
+                scaler.unscale(self)?;
+            }
+            let clean = !scaler.found_inf()?;
+            if clean {
+                self.call(torch_sys::ato_step)?;
+            }
+            scaler.update()?;
+            Ok(clean)
+        })();
+        self.scaler = Some(scaler);
+        stepped
     }
 
-    /// Clips every gradient element to `[-max, max]`, as tch's `clip_grad_value`.
-    pub fn clip_grad_value(&self, max: f64) {
+    /// With a [`grad_scaler`](Self::grad_scaler), divides this cycle's complete
+    /// gradients by the scale (once), so that they can be clipped or inspected.
+    fn unscale_for_clipping(&mut self) -> Result<()> {
+        if self.cycle_complete && !self.unscaled {
+            if let Some(mut scaler) = self.scaler.take() {
+                let r = scaler.unscale(self);
+                self.scaler = Some(scaler);
+                r?;
+                self.unscaled = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// Clips every gradient element to `[-max, max]`, as tch's `clip_grad_value`
+    /// (after unscaling them, with a [`grad_scaler`](Self::grad_scaler)).
+    pub fn clip_grad_value(&mut self, max: f64) -> Result<()> {
+        self.unscale_for_clipping()?;
         for var in self.trainable_variables() {
             let mut grad = var.grad();
             if grad.defined() {
-                let _ = grad.clamp_(-max, max);
+                let _ = grad.f_clamp_(-max, max)?;
             }
         }
+        Ok(())
     }
 
     /// Scales the gradients so that their global L2 norm is at most `max`, with tch's
     /// arithmetic (`max / (norm + 1e-6)`); returns the norm before clipping. Under
-    /// DDP the gradients are the averaged ones, so every rank clips alike.
-    pub fn clip_grad_norm(&self, max: f64) -> f64 {
-        tch::no_grad(|| {
+    /// DDP the gradients are the averaged ones, so every rank clips alike; with a
+    /// [`grad_scaler`](Self::grad_scaler) they are unscaled first, as PyTorch's AMP
+    /// recipe does with `scaler.unscale_`.
+    pub fn clip_grad_norm(&mut self, max: f64) -> Result<f64> {
+        self.unscale_for_clipping()?;
+        Ok(tch::no_grad(|| {
             let grads: Vec<Tensor> = self
                 .trainable_variables()
                 .iter()
@@ -224,25 +330,31 @@ impl Optimizer {
                 }
             }
             total
-        })
+        }))
     }
 
-    /// One micro-batch's backward: gradients zeroed at the start of a cycle, the loss
-    /// divided by the accumulation steps, the all-reduce only on the cycle's last
-    /// micro-batch. Returns whether this micro-batch ends the cycle.
-    fn backward(&mut self, loss: &Tensor) -> Result<bool> {
+    /// One micro-batch's backward, as `loss.backward()` under Accelerate: the loss is
+    /// divided by the accumulation steps and multiplied by the loss scale, and under
+    /// DDP the gradients are all-reduced only on the cycle's last micro-batch (the
+    /// others run under `no_sync`). Gradients add up until
+    /// [`zero_grad`](Self::zero_grad). Returns whether this micro-batch ends the cycle.
+    ///
+    /// Errors: those of [`DistributedDataParallel::backward`], or [`Error::Torch`].
+    pub fn backward(&mut self, loss: &Tensor) -> Result<bool> {
         self.add_missing_variables()?;
         let last = self.is_sync_step();
-        if self.micro_step == 0 {
-            self.raw_call(torch_sys::ato_zero_grad)?;
-        }
-        let scaled;
-        let loss = if self.accumulation_steps > 1 {
-            scaled = loss / self.accumulation_steps as f64;
-            &scaled
+        let divided;
+        let mut loss = if self.accumulation_steps > 1 {
+            divided = loss / self.accumulation_steps as f64;
+            &divided
         } else {
             loss
         };
+        let scaled;
+        if let Some(scaler) = &mut self.scaler {
+            scaled = scaler.scale(loss);
+            loss = &scaled;
+        }
         match &self.ddp {
             Some(ddp) if last => ddp.backward(loss)?,
             Some(ddp) => {
@@ -257,14 +369,17 @@ impl Optimizer {
         } else {
             self.micro_step += 1;
         }
+        self.cycle_complete = last;
+        self.unscaled = false;
         Ok(last)
     }
 
-    /// `zero_grad`, backward (averaging the gradients under DDP), `step`; with
+    /// [`zero_grad`](Self::zero_grad), [`backward`](Self::backward) (averaging the
+    /// gradients under DDP), [`step`](Self::step), as tch's `backward_step`; with
     /// [`accumulate`](Self::accumulate), one micro-batch of that. Returns whether the
-    /// optimizer stepped.
+    /// parameters were updated.
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<bool> {
-        self.backward_then_step(loss, |_| {})
+        self.backward_then_step(loss, |_| Ok(()))
     }
 
     /// [`backward_step`](Self::backward_step) with the gradients clipped to
@@ -274,28 +389,25 @@ impl Optimizer {
     }
 
     /// [`backward_step`](Self::backward_step) with the gradients' global norm clipped
-    /// to `max` before the step (on the averaged, accumulated gradients, so every rank
-    /// clips by the same norm).
+    /// to `max` before the step (on the averaged, accumulated, unscaled gradients, so
+    /// every rank clips by the same norm).
     pub fn backward_step_clip_norm(&mut self, loss: &Tensor, max: f64) -> Result<bool> {
-        self.backward_then_step(loss, |opt| {
-            opt.clip_grad_norm(max);
-        })
+        self.backward_then_step(loss, |opt| opt.clip_grad_norm(max).map(drop))
     }
 
-    /// Backward; at the end of an accumulation cycle, `before_step` (clipping) then
-    /// the step.
+    /// Zero, backward; at the end of an accumulation cycle, `before_step` (clipping)
+    /// then the step.
     fn backward_then_step(
         &mut self,
         loss: &Tensor,
-        before_step: impl FnOnce(&Self),
+        before_step: impl FnOnce(&mut Self) -> Result<()>,
     ) -> Result<bool> {
+        self.zero_grad()?;
         if !self.backward(loss)? {
             return Ok(false);
         }
-        before_step(self);
-        // `backward` has added any new variables.
-        self.raw_call(torch_sys::ato_step)?;
-        Ok(true)
+        before_step(self)?;
+        self.step()
     }
 
     /// Sets the learning rate of every parameter group.

@@ -5,13 +5,15 @@
 use std::cell::{Cell, RefCell};
 use std::path::Path;
 
-use tch::nn::{Optimizer, VarStore};
+use tch::nn::VarStore;
 use tch::{Device, TchError, Tensor};
 
+use crate::amp::{Autocast, GradScaler, MixedPrecision};
 use crate::data::Sharded;
 use crate::ddp::{DdpOptions, DistributedDataParallel};
 use crate::env::LaunchEnv;
 use crate::init::{self, Context, InitOptions};
+use crate::optim::{Optimizer, OptimizerKind};
 use crate::process_group::Backend;
 
 pub use crate::error::Error;
@@ -24,11 +26,13 @@ pub struct Options {
     pub bucket_cap_mb: Option<f64>,
     pub find_unused_parameters: bool,
     pub timeout_secs: Option<f64>,
+    pub mixed_precision: Option<&'static str>,
+    pub grad_accum: Option<usize>,
 }
 
 thread_local! {
     static OPTIONS: RefCell<Options> = RefCell::new(Options::default());
-    static DDPS: RefCell<Vec<(usize, DistributedDataParallel)>> = const { RefCell::new(Vec::new()) };
+    static PRECISION: Cell<MixedPrecision> = const { Cell::new(MixedPrecision::No) };
     static DEPTH: Cell<usize> = const { Cell::new(0) };
 }
 
@@ -79,9 +83,14 @@ pub fn enter(options: Options) -> Session {
         timeout: options.timeout_secs.map(std::time::Duration::from_secs_f64),
         device: None,
     };
-    OPTIONS.with(|o| *o.borrow_mut() = options);
     let ctx =
         init::init_with(init_options).unwrap_or_else(|e| fail("joining the process group", e));
+    let (precision, why) = MixedPrecision::parse(
+        options.mixed_precision.unwrap_or("no"),
+        ctx.device(),
+    )
+    .unwrap_or_else(|e| fail("mixed_precision", e));
+    PRECISION.with(|p| p.set(precision));
     if ctx.world_size() > 1 {
         // Every rank draws the same random numbers (initial weights, shuffles) unless
         // the program seeds them itself, so sharded shuffles stay disjoint.
@@ -92,14 +101,36 @@ pub fn enter(options: Options) -> Session {
         tch::manual_seed(seed.int64_value(&[0]));
     }
     if ctx.is_main_process() {
-        let bucket = OPTIONS.with(|o| o.borrow().bucket_cap_mb);
-        println!(
-            "{}, bucket cap {} MiB",
-            ctx.banner(),
-            bucket.unwrap_or(DdpOptions::default().bucket_cap_mb)
+        println!("{}", banner(&ctx, &options, precision, &why));
+    }
+    OPTIONS.with(|o| *o.borrow_mut() = options);
+    Session { outermost: true }
+}
+
+/// The context's banner and what the attribute's options add: bucket cap, mixed
+/// precision (what was chosen and why), accumulation and the effective batch.
+fn banner(ctx: &Context, options: &Options, precision: MixedPrecision, why: &str) -> String {
+    let bucket = options
+        .bucket_cap_mb
+        .unwrap_or(DdpOptions::default().bucket_cap_mb);
+    let mut line = format!("{}, bucket cap {bucket} MiB", ctx.banner());
+    if options.mixed_precision.is_some() {
+        let name = match precision {
+            MixedPrecision::No => "no",
+            MixedPrecision::Bf16 => "bf16",
+            MixedPrecision::Fp16 => "fp16 with loss scaling",
+        };
+        line += &format!(", mixed precision {name} ({why})");
+    }
+    if let Some(k) = options.grad_accum.filter(|&k| k > 1) {
+        let world = ctx.world_size();
+        line += &format!(
+            ", gradient accumulation {k} steps (effective batch = per-rank batch × {k} × {world} rank{} = {} × per-rank batch)",
+            if world == 1 { "" } else { "s" },
+            k * world
         );
     }
-    Session { outermost: true }
+    line
 }
 
 fn rand_seed() -> i64 {
@@ -174,16 +205,10 @@ pub fn is_main_process() -> bool {
     init::current().map(|c| c.is_main_process()).unwrap_or(true)
 }
 
-fn key_of(vars: &[Tensor]) -> usize {
-    vars.first().map(|t| t.data_ptr() as usize).unwrap_or(0)
-}
-
-/// `<config>.build(&vs, lr)`: the model exists now; wrap `vs` in DDP.
-pub fn wrap_optimizer(
-    built: Result<Optimizer, TchError>,
-    vs: &VarStore,
-) -> Result<Optimizer, TchError> {
-    let opt = built?;
+/// `<config>.build(&vs, lr)`: the SDK's [`Optimizer`] (the same libtorch optimizer
+/// as tch's, with its state reachable for checkpoints) over `vs`, stepping through a
+/// DDP of `vs`, with the attribute's accumulation and, for fp16, a loss scaler.
+pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Optimizer, TchError> {
     let ctx = context();
     let options = OPTIONS.with(|o| o.borrow().clone());
     let defaults = DdpOptions::default();
@@ -192,73 +217,90 @@ pub fn wrap_optimizer(
         find_unused_parameters: options.find_unused_parameters,
         ..defaults
     };
+    let wrap = |what: &str, e: crate::Error| TchError::Torch(format!("tch-distributed: {what}: {e}"));
     let ddp = DistributedDataParallel::new(vs, ctx.process_group(), ddp_options)
-        .map_err(|e| TchError::Torch(format!("tch-distributed: wrapping the model in DDP: {e}")))?;
-    let key = key_of(&vs.trainable_variables());
-    DDPS.with(|d| {
-        let mut d = d.borrow_mut();
-        d.retain(|(k, _)| *k != key);
-        d.push((key, ddp));
-    });
+        .map_err(|e| wrap("wrapping the model in DDP", e))?;
+    let mut opt = Optimizer::new(config, vs, lr)
+        .map_err(|e| wrap("building the optimizer", e))?
+        .distributed(ddp)
+        .accumulate(options.grad_accum.unwrap_or(1));
+    if PRECISION.with(Cell::get) == MixedPrecision::Fp16 {
+        opt = opt.grad_scaler(GradScaler::new());
+    }
     Ok(opt)
 }
 
-/// Runs `with` on the DDP wrapping `opt`'s variables, or `without` when none does.
-fn step(
-    opt: &mut Optimizer,
-    what: &str,
-    with: impl FnOnce(&DistributedDataParallel, &mut Optimizer) -> crate::Result<()>,
-    without: impl FnOnce(&mut Optimizer),
-) {
-    let key = key_of(&opt.trainable_variables());
-    DDPS.with(|d| match d.borrow().iter().find(|(k, _)| *k == key) {
-        Some((_, ddp)) => or_fail(with(ddp, opt), what),
-        None => without(opt),
-    })
+/// A `let` whose value comes from a forward pass, under `mixed_precision`: autocast
+/// while it is evaluated.
+pub fn autocast() -> Autocast {
+    Autocast::enter(context().device(), PRECISION.with(Cell::get))
+        .unwrap_or_else(|e| fail("autocast", e))
 }
 
-fn or_fail(r: crate::Result<()>, what: &str) {
-    if let Err(e) = r {
-        fail(what, e)
+/// The optimizer's methods that return a `Result` in the SDK and nothing in tch:
+/// the value, or a panic that names the call.
+pub fn or_fail<T>(r: crate::Result<T>, what: &str) -> T {
+    r.unwrap_or_else(|e| fail(what, e))
+}
+
+/// The backward steps of tch's optimizer and of the SDK's (the one `build` gives),
+/// with tch's signatures.
+pub trait Steps {
+    fn backward_step(&mut self, loss: &Tensor);
+    fn backward_step_clip(&mut self, loss: &Tensor, max: f64);
+    fn backward_step_clip_norm(&mut self, loss: &Tensor, max: f64);
+}
+
+/// An optimizer the function did not build (passed in): as tch runs it.
+impl Steps for tch::nn::Optimizer {
+    fn backward_step(&mut self, loss: &Tensor) {
+        tch::nn::Optimizer::backward_step(self, loss)
+    }
+    fn backward_step_clip(&mut self, loss: &Tensor, max: f64) {
+        tch::nn::Optimizer::backward_step_clip(self, loss, max)
+    }
+    fn backward_step_clip_norm(&mut self, loss: &Tensor, max: f64) {
+        tch::nn::Optimizer::backward_step_clip_norm(self, loss, max)
+    }
+}
+
+impl Steps for Optimizer {
+    fn backward_step(&mut self, loss: &Tensor) {
+        or_fail(Optimizer::backward_step(self, loss), "backward_step");
+    }
+    fn backward_step_clip(&mut self, loss: &Tensor, max: f64) {
+        or_fail(
+            Optimizer::backward_step_clip(self, loss, max),
+            "backward_step_clip",
+        );
+    }
+    fn backward_step_clip_norm(&mut self, loss: &Tensor, max: f64) {
+        or_fail(
+            Optimizer::backward_step_clip_norm(self, loss, max),
+            "backward_step_clip_norm",
+        );
     }
 }
 
 /// `opt.backward_step(&loss)`.
-pub fn backward_step(opt: &mut Optimizer, loss: &Tensor) {
-    step(
-        opt,
-        "backward_step",
-        |ddp, opt| ddp.backward_step(opt, loss),
-        |opt| opt.backward_step(loss),
-    )
+pub fn backward_step(opt: &mut impl Steps, loss: &Tensor) {
+    opt.backward_step(loss)
 }
 
 /// `opt.backward_step_clip(&loss, max)`.
-pub fn backward_step_clip(opt: &mut Optimizer, loss: &Tensor, max: f64) {
-    step(
-        opt,
-        "backward_step_clip",
-        |ddp, opt| ddp.backward_step_clip(opt, loss, max),
-        |opt| opt.backward_step_clip(loss, max),
-    )
+pub fn backward_step_clip(opt: &mut impl Steps, loss: &Tensor, max: f64) {
+    opt.backward_step_clip(loss, max)
 }
 
 /// `opt.backward_step_clip_norm(&loss, max)`.
-pub fn backward_step_clip_norm(opt: &mut Optimizer, loss: &Tensor, max: f64) {
-    step(
-        opt,
-        "backward_step_clip_norm",
-        |ddp, opt| ddp.backward_step_clip_norm(opt, loss, max),
-        |opt| opt.backward_step_clip_norm(loss, max),
-    )
+pub fn backward_step_clip_norm(opt: &mut impl Steps, loss: &Tensor, max: f64) {
+    opt.backward_step_clip_norm(loss, max)
 }
 
-/// `loss.backward()`: through the most recently built DDP, if any.
-pub fn backward(loss: &Tensor) {
-    DDPS.with(|d| match d.borrow().last() {
-        Some((_, ddp)) => or_fail(ddp.backward(loss), "backward"),
-        None => loss.backward(),
-    })
+/// `loss.backward()` in a function that built one optimizer: through it, so that the
+/// gradients are averaged (and accumulated, and scaled) as its steps expect.
+pub fn backward(opt: &mut Optimizer, loss: &Tensor) {
+    or_fail(opt.backward(loss), "backward");
 }
 
 /// `vs.save(path)` on a `VarStore`: rank 0 writes atomically between barriers.

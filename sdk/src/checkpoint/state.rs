@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use tch::nn::VarStore;
-use tch::Tensor;
+use tch::{Device, Tensor};
 
 use super::{io, save_synced, sync_dir, sync_file};
 use crate::data::LoaderPosition;
@@ -35,7 +35,9 @@ pub struct TrainState {
     /// The world size that wrote the checkpoint (filled in by `save_state`).
     pub world_size: usize,
     /// The fp16 loss scaler's state ([`GradScaler::state`](crate::GradScaler::state)),
-    /// when training uses one.
+    /// when training uses one. `save_state` fills it from the optimizer's
+    /// [`grad_scaler`](crate::Optimizer::grad_scaler) when left `None`, and
+    /// `load_state` restores it there.
     #[serde(default)]
     pub grad_scaler: Option<(f64, i64)>,
     /// The run's configuration, free-form (e.g. the command-line arguments), for
@@ -68,7 +70,7 @@ impl TrainState {
 /// | `model.safetensors` | rank 0 | parameters and buffers, named as `VarStore::save` names them (loads in 1 rank, N ranks, or PyTorch's `safetensors.torch.load_file`) |
 /// | `optimizer.pt` | rank 0 | the optimizer's state in libtorch's optimizer archive (moments, step counts, learning rates) |
 /// | `state.json` | rank 0 | [`TrainState`]: step, epoch, samples consumed, world size, configuration |
-/// | `rank-R.safetensors` | rank R | that rank's CPU random-generator state |
+/// | `rank-R.safetensors` | rank R | that rank's random-generator states: `cpu`, and `cuda` when the model is on a GPU |
 /// | `COMPLETE` | rank 0, last | every file's size and hash |
 ///
 /// A save goes to `root/.tmp-step-N/`; every rank fsyncs its files; after all ranks
@@ -121,14 +123,25 @@ fn all_ok(ok: bool) -> Result<bool> {
     Ok(init::all_reduce_scalar(ok as i64, ReduceOp::Min)? == 1)
 }
 
-fn cpu_rng_state() -> Result<Tensor> {
+/// The generators a rank's random state covers: the CPU's, and its CUDA device's
+/// when the model lives on one. Names as in the rank's file.
+fn generators(device: Device) -> Vec<(&'static str, i32)> {
+    let mut gens = vec![("cpu", -1)];
+    if let Device::Cuda(index) = device {
+        gens.push(("cuda", index as i32));
+    }
+    gens
+}
+
+fn rng_state(cuda_index: i32) -> Result<Tensor> {
     let mut out: ffi::Tensor = std::ptr::null_mut();
-    ffi::check(unsafe { ffi::tdc_cpu_rng_state(&mut out) }).map_err(Error::Torch)?;
+    ffi::check(unsafe { ffi::tdc_rng_state(cuda_index, &mut out) }).map_err(Error::Torch)?;
     Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
 }
 
-fn set_cpu_rng_state(state: &Tensor) -> Result<()> {
-    ffi::check(unsafe { ffi::tdc_set_cpu_rng_state(ffi::tensor(state)) }).map_err(Error::Torch)
+fn set_rng_state(cuda_index: i32, state: &Tensor) -> Result<()> {
+    ffi::check(unsafe { ffi::tdc_set_rng_state(cuda_index, ffi::tensor(state)) })
+        .map_err(Error::Torch)
 }
 
 /// A checkpoint read into memory and checked, not yet applied.
@@ -136,7 +149,9 @@ struct Loaded {
     state: TrainState,
     model: Vec<(String, Tensor)>,
     optimizer: Vec<u8>,
-    rng: Option<Tensor>,
+    /// The rank's generator states by name (`cpu`, `cuda`); empty when the world size
+    /// changed.
+    rng: Vec<(String, Tensor)>,
 }
 
 impl Checkpointer {
@@ -211,9 +226,12 @@ impl Checkpointer {
 
         // Every rank writes its own files; rank 0 the replicated ones too.
         let written = (|| {
-            let rng = cpu_rng_state()?;
+            let rng = generators(vs.device())
+                .into_iter()
+                .map(|(name, index)| Ok((name, rng_state(index)?)))
+                .collect::<Result<Vec<_>>>()?;
             let path = tmp.join(rank_file(rank));
-            Tensor::write_safetensors(&[("cpu", &rng)], &path)
+            Tensor::write_safetensors(&rng, &path)
                 .map_err(|e| Error::Torch(format!("writing {}: {e}", path.display())))?;
             sync_file(&path)?;
             if rank == 0 {
@@ -221,6 +239,9 @@ impl Checkpointer {
                 write_synced(&tmp.join(OPTIMIZER), &opt.state()?)?;
                 let state = TrainState {
                     world_size,
+                    grad_scaler: state
+                        .grad_scaler
+                        .or_else(|| opt.scaler().map(|s| s.state())),
                     ..state.clone()
                 };
                 let json = serde_json::to_vec_pretty(&state)
@@ -345,11 +366,8 @@ impl Checkpointer {
         let rng = if state.world_size == world_size {
             let name = rank_file(rank);
             tensors(&name, &read(&name)?)?
-                .into_iter()
-                .find(|(n, _)| n == "cpu")
-                .map(|(_, t)| t)
         } else {
-            None
+            Vec::new()
         };
         Ok(Loaded {
             state,
@@ -423,8 +441,13 @@ impl Checkpointer {
                 Ok(())
             })?;
             opt.load_state(&loaded.optimizer)?;
-            if let Some(rng) = &loaded.rng {
-                set_cpu_rng_state(rng)?;
+            for (name, index) in generators(vs.device()) {
+                if let Some((_, state)) = loaded.rng.iter().find(|(n, _)| n == name) {
+                    set_rng_state(index, state)?;
+                }
+            }
+            if let (Some(scaler), Some(saved)) = (opt.scaler_mut(), loaded.state.grad_scaler) {
+                scaler.load_state(saved);
             }
             if rank == 0 && !skipped.is_empty() {
                 log::warn(format_args!(

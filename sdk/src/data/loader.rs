@@ -421,7 +421,10 @@ impl<D: Dataset> Iterator for Batches<'_, D> {
         if let Source::Failed(e) = &mut self.source {
             return e.take().map(Err);
         }
-        let indices = self.batches.get(self.next)?;
+        let Some(indices) = self.batches.get(self.next) else {
+            crate::optim::set_end_of_data(false);
+            return None;
+        };
         let batch = match &self.source {
             Source::Inline => self
                 .loader
@@ -461,6 +464,7 @@ impl<D: Dataset> Iterator for Batches<'_, D> {
             self.loader.last_batch.set((self.row, rows));
             self.row += rows;
         }
+        crate::optim::set_end_of_data(self.next == self.batches.len());
         Some(batch)
     }
 
@@ -472,6 +476,7 @@ impl<D: Dataset> Iterator for Batches<'_, D> {
 
 impl<D: Dataset> Drop for Batches<'_, D> {
     fn drop(&mut self) {
+        crate::optim::set_end_of_data(false);
         if let Source::Workers(workers) = std::mem::replace(&mut self.source, Source::Inline) {
             for mut worker in workers {
                 // Dropping the receiver makes a worker's next send fail and return.

@@ -40,8 +40,11 @@ pub fn shard<I: IntoIterator>(batches: I) -> Sharded<I::IntoIter> {
 /// disjoint except for those `world_size - batches % world_size` repeated batches,
 /// and together they cover the epoch. Every rank must see the same sequence of
 /// batches (the same data and shuffle seed; `#[distributed]` seeds every rank alike).
+///
+/// It reads one batch ahead, to know which of its batches is the epoch's last: there
+/// an [`Optimizer`](crate::Optimizer) accumulating gradients ends its cycle early.
 pub struct Sharded<I: Iterator> {
-    inner: I,
+    inner: std::iter::Peekable<I>,
     rank: usize,
     world_size: usize,
     /// The first batches of the epoch (at most `rank` of them, all dealt to lower
@@ -70,7 +73,7 @@ impl<I: Iterator> Sharded<I> {
             Tensor::randint(i64::MAX, [1], (tch::Kind::Int64, Device::Cpu)).int64_value(&[0])
         });
         Sharded {
-            inner,
+            inner: inner.peekable(),
             rank,
             world_size,
             first: Vec::new(),
@@ -85,6 +88,7 @@ impl<I: Iterator> Iterator for Sharded<I> {
     type Item = I::Item;
     fn next(&mut self) -> Option<I::Item> {
         if self.done {
+            crate::optim::set_end_of_data(false);
             return None;
         }
         let mut got = 0;
@@ -104,11 +108,13 @@ impl<I: Iterator> Iterator for Sharded<I> {
         self.done = true;
         if got == 0 || self.first.is_empty() {
             // The epoch ended on a round boundary (or was empty).
+            crate::optim::set_end_of_data(false);
             return None;
         }
         // An incomplete round: this rank takes one of the epoch's first batches,
         // as the ranks after the last real batch do in turn.
         let k = (self.rank - got) % self.seen;
+        crate::optim::set_end_of_data(true);
         Some(self.first.swap_remove(k))
     }
 }
@@ -119,6 +125,7 @@ impl<I: Iterator> Iterator for Sharded<I> {
 /// generators with the seed they all drew when the loop started.
 impl<I: Iterator> Drop for Sharded<I> {
     fn drop(&mut self) {
+        crate::optim::set_end_of_data(false);
         if let Some(seed) = self.reseed {
             tch::manual_seed(seed);
         }
@@ -134,6 +141,7 @@ impl<I: Iterator> Sharded<I> {
             }
             self.seen += 1;
         }
+        crate::optim::set_end_of_data(self.inner.peek().is_none());
         Some(mine)
     }
 }

@@ -50,7 +50,7 @@ fn main() -> anyhow::Result<()> {
             let (x, y) = (xs.narrow(0, n * rank, n), ys.narrow(0, n * rank, n));
             opt.zero_grad()?;
             opt.ddp().unwrap().backward(&loss(&x, &y))?;
-            let norm = opt.clip_grad_norm(0.05);
+            let norm = opt.clip_grad_norm(0.05)?;
             let clipped: f64 = tch::no_grad(|| {
                 let norms: Vec<Tensor> = opt
                     .trainable_variables()

@@ -1,6 +1,9 @@
 //! Worker for the checkpoint tests, run under `tchrun`:
 //! `resume_worker OUT CKPT STEPS sgd|adam`
 //!
+//! Written as single-GPU tch code with `#[distributed]`: the optimizer that
+//! `.build(&vs, lr)` returns there is the SDK's, whose state `Checkpointer` saves.
+//!
 //! Trains a small MLP with dropout over a `DataLoader` (40 samples, batch 4, so 5
 //! steps per epoch on 2 ranks), saving a checkpoint every 4 steps (`keep_last(2)`)
 //! and resuming from the newest usable one at start. With `KILL_AT=s` and
@@ -13,20 +16,20 @@
 //! step counts), whose archive bytes are not comparable (libtorch keys the state by
 //! tensor addresses).
 
-use tch::nn::{self, ModuleT};
+use tch::nn::{self, ModuleT, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
-use tch_distributed::{
-    Checkpointer, DataLoader, DdpOptions, DistributedDataParallel, Optimizer, Preemption,
-    TensorDataset, TrainState,
-};
+use tch_distributed::{Checkpointer, DataLoader, Preemption, TensorDataset, TrainState};
 
 fn main() -> anyhow::Result<()> {
     tch::set_num_threads(1);
     let args: Vec<String> = std::env::args().collect();
-    let (out, ckpt, steps, kind) = (&args[1], &args[2], args[3].parse::<u64>()?, &args[4]);
+    train(&args[1], &args[2], args[3].parse::<u64>()?, &args[4])
+}
+
+#[tch_distributed::distributed]
+fn train(out: &str, ckpt: &str, steps: u64, kind: &str) -> anyhow::Result<()> {
     let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
-    let ctx = tch_distributed::init()?;
-    let rank = ctx.rank();
+    let rank = tch_distributed::current().map_or(0, |c| c.rank());
     tch::manual_seed(0);
 
     let xs = Tensor::linspace(-1.0, 1.0, 40 * 6, (Kind::Float, Device::Cpu)).view([40, 6]);
@@ -38,19 +41,14 @@ fn main() -> anyhow::Result<()> {
         .add_fn(|x| x.relu())
         .add_fn_t(|x, train| x.dropout(0.2, train))
         .add(nn::linear(vs.root() / "l2", 16, 1, Default::default()));
-    let ddp = DistributedDataParallel::new(&vs, ctx.process_group(), DdpOptions::default())?;
-    let mut opt = match kind.as_str() {
-        "sgd" => Optimizer::new(
-            &nn::Sgd {
-                momentum: 0.9,
-                ..Default::default()
-            },
-            &vs,
-            0.05,
-        )?,
-        _ => Optimizer::new(&nn::Adam::default(), &vs, 0.01)?,
-    }
-    .distributed(ddp);
+    let mut opt = match kind {
+        "sgd" => nn::Sgd {
+            momentum: 0.9,
+            ..Default::default()
+        }
+        .build(&vs, 0.05)?,
+        _ => nn::Adam::default().build(&vs, 0.01)?,
+    };
 
     let checkpoints = Checkpointer::new(ckpt).keep_last(2);
     let preemption = Preemption::install()?;
@@ -58,15 +56,13 @@ fn main() -> anyhow::Result<()> {
     if let Some(state) = checkpoints.load_state(&mut vs, &mut opt)? {
         step = state.step;
         loader.resume(state.loader_position());
-        if rank == 0 {
-            println!("resumed at step {step}, epoch {}", state.epoch);
-        }
+        println!("resumed at step {step}, epoch {}", state.epoch);
     }
     'training: while step < steps {
         for batch in &loader {
             let (x, y) = batch?;
             let loss = net.forward_t(&x, true).mse_loss(&y, tch::Reduction::Mean);
-            opt.backward_step(&loss)?;
+            opt.backward_step(&loss);
             step += 1;
             let state = || {
                 TrainState {
@@ -111,7 +107,7 @@ fn main() -> anyhow::Result<()> {
         let loss = net
             .forward_t(&xs, false)
             .mse_loss(&ys, tch::Reduction::Mean);
-        opt.backward_step(&loss)?;
+        opt.backward_step(&loss);
     }
     write("probe")?;
     Ok(())

@@ -1,0 +1,123 @@
+//! The training knobs of `#[distributed]` (`knobs_worker`): `grad_accum` on 2 real
+//! ranks equals the same updates on one process, with one all-reduce per optimizer
+//! step, in both spellings of a training step; `mixed_precision` autocasts the
+//! forward pass, keeps the parameters in float32, gives fp16 a loss scaler whose
+//! state checkpoints keep, and the banner says what was chosen and why.
+
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use tch_distributed_tests::{run_tchrun, run_with, scratch_dir, Run};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_knobs_worker");
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+fn parse(text: &str) -> Vec<f64> {
+    text.split(['[', ']', ','])
+        .filter_map(|s| s.trim().parse().ok())
+        .collect()
+}
+
+fn read(dir: &Path, name: &str) -> String {
+    fs::read_to_string(dir.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// One process, no launcher.
+fn single(dir: &Path, mode: &str) -> Run {
+    let mut cmd = Command::new(WORKER);
+    cmd.args([dir.to_str().unwrap(), mode])
+        .env_remove("TCH_DISTRIBUTED_NPROC");
+    let run = run_with(cmd, dir, TIMEOUT, |_, _| {});
+    run.assert_success();
+    run
+}
+
+#[test]
+fn grad_accum_on_two_ranks_equals_the_same_updates_on_one_process() {
+    let dir = scratch_dir("knobs-accum");
+    let d = dir.to_str().unwrap();
+    single(&dir, "accum-reference");
+    let reference = parse(&read(&dir, "params0.txt"));
+    assert_eq!(reference.len(), 4);
+    for mode in ["accum", "accum-backward"] {
+        let run = run_tchrun(
+            &dir,
+            &["--nproc-per-node", "2", WORKER, d, mode],
+            TIMEOUT,
+            |_, _| {},
+        );
+        run.assert_success();
+        assert!(
+            run.stdout.contains(
+                "gradient accumulation 3 steps (effective batch = per-rank batch × 3 × 2 ranks = 6 × per-rank batch)"
+            ),
+            "the banner gives the effective batch:\n{}",
+            run.stdout
+        );
+        for rank in 0..2 {
+            // 5 micro-batches per rank: a cycle of 3, then one of 2 that the data
+            // ends; each cycle all-reduces once.
+            assert_eq!(
+                read(&dir, &format!("stats{rank}.txt")),
+                "synced 2 local 3",
+                "{mode}, rank {rank}"
+            );
+            let ours = parse(&read(&dir, &format!("params{rank}.txt")));
+            assert_eq!(ours.len(), reference.len());
+            for (a, b) in ours.iter().zip(&reference) {
+                assert!(
+                    (a - b).abs() < 1e-6,
+                    "{mode}, rank {rank}: {ours:?} vs one process {reference:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn mixed_precision_autocasts_the_forward_pass_and_says_why() {
+    let dir = scratch_dir("knobs-precision");
+
+    let run = single(&dir, "bf16");
+    assert!(
+        run.stdout.contains("mixed precision bf16 (asked for)"),
+        "{}",
+        run.stdout
+    );
+    assert_eq!(
+        read(&dir, "kinds0.txt"),
+        "output BFloat16 loss Float params Float scaler None"
+    );
+
+    let run = single(&dir, "auto");
+    assert!(
+        run.stdout.contains("mixed precision no (auto: CPU)"),
+        "{}",
+        run.stdout
+    );
+    assert_eq!(
+        read(&dir, "kinds0.txt"),
+        "output Float loss Float params Float scaler None"
+    );
+
+    let run = single(&dir, "fp16");
+    assert!(
+        run.stdout
+            .contains("mixed precision fp16 with loss scaling (asked for)"),
+        "{}",
+        run.stdout
+    );
+    assert_eq!(
+        read(&dir, "kinds0.txt"),
+        "output Half loss Float params Float scaler Some(65536.0)"
+    );
+    let state = read(&dir, "ckpt/step-0000000000/state.json");
+    let state: serde_json::Value = serde_json::from_str(&state).unwrap();
+    assert_eq!(
+        state["grad_scaler"],
+        serde_json::json!([65536.0, 1]),
+        "the loss scaler's state is in the checkpoint"
+    );
+}
