@@ -7,3 +7,4 @@ export OMP_NUM_THREADS=1
 # The integration tests run the workspace's binaries (tchrun, the workers).
 cargo build --workspace --bins --examples
 cargo test --workspace "$@"
+scripts/book.sh  # the guide: mdBook (pinned, installed on first use), fails on a broken include or link

@@ -1,0 +1,217 @@
+//! Runs every listing of the guide as the book shows it: on one process, on several
+//! ranks (self-launched, under `tchrun`, two "nodes" on this machine, and through the
+//! SLURM script with stand-ins for `srun` and `scontrol`), each under a timeout that
+//! kills the whole process tree.
+
+use std::fs;
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use tch_distributed_tests::{run_with, scratch_dir, tchrun, Run};
+
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A command for `program` without any launcher variables from the test's caller.
+fn command(program: impl AsRef<std::ffi::OsStr>) -> Command {
+    let mut cmd = Command::new(program);
+    for var in [
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TCH_DISTRIBUTED_NPROC",
+        "TORCHELASTIC_USE_AGENT_STORE",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
+/// `tchrun --nproc-per-node n listing args…`, which must succeed.
+fn tchrun_listing(dir: &Path, n: usize, listing: &str, args: &[&str]) -> Run {
+    let mut cmd = command(tchrun());
+    cmd.args(["--nproc-per-node", &n.to_string(), listing]).args(args);
+    let run = run_with(cmd, dir, TIMEOUT, |_, _| {});
+    run.assert_success();
+    run
+}
+
+fn run_ok(cmd: Command, dir: &Path) -> Run {
+    let run = run_with(cmd, dir, TIMEOUT, |_, _| {});
+    run.assert_success();
+    run
+}
+
+#[test]
+fn before_and_after_print_the_same_on_one_process() {
+    let dir = scratch_dir("before-after");
+    let mut before = command(env!("CARGO_BIN_EXE_single_gpu"));
+    before.arg(dir.join("before.safetensors"));
+    let before = run_ok(before, &dir);
+    let mut after = command(env!("CARGO_BIN_EXE_data_parallel"));
+    after.arg(dir.join("after.safetensors"));
+    let after = run_ok(after, &dir);
+    let (banner, rest) = after.stdout.split_once('\n').unwrap();
+    assert!(banner.starts_with("tch-distributed: backend gloo, world size 1"), "{banner}");
+    assert_eq!(rest, before.stdout, "one process: the same losses, bit for bit");
+    assert!(before.stdout.contains("epoch 3: 16 batches"), "{}", before.stdout);
+    let read = |f: &str| {
+        let mut named = tch::Tensor::read_safetensors(dir.join(f)).unwrap();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        named
+    };
+    let (a, b) = (read("before.safetensors"), read("after.safetensors"));
+    assert_eq!(a.len(), b.len());
+    for ((na, ta), (nb, tb)) in a.iter().zip(&b) {
+        assert_eq!(na, nb);
+        assert!(ta.equal(tb), "{na}");
+    }
+}
+
+#[test]
+fn data_parallel_starts_two_ranks_itself() {
+    let dir = scratch_dir("self-launch");
+    let mut cmd = command(env!("CARGO_BIN_EXE_data_parallel"));
+    cmd.arg(dir.join("model.safetensors"))
+        .env("TCH_DISTRIBUTED_NPROC", "2");
+    let run = run_ok(cmd, &dir);
+    assert!(run.stderr.contains("starting 2 ranks"), "{}", run.stderr);
+    for once in ["tch-distributed: backend gloo, world size 2", "epoch 1: 8 batches", "epoch 3: 8 batches"] {
+        assert_eq!(run.stdout.matches(once).count(), 1, "{once}: {}", run.stdout);
+    }
+    assert!(dir.join("model.safetensors").exists());
+}
+
+#[test]
+fn hello_ranks_under_tchrun() {
+    let dir = scratch_dir("hello");
+    let run = tchrun_listing(&dir, 3, env!("CARGO_BIN_EXE_hello_ranks"), &[]);
+    for rank in 0..3 {
+        let line = format!("rank {rank} of 3: local rank {rank}, device Cpu");
+        assert!(run.stdout.contains(&line), "{line}: {}", run.stdout);
+    }
+    assert!(run.stdout.contains("all_reduce: 6 (expected 6)"), "{}", run.stdout);
+    assert_eq!(run.stdout.matches("tch-distributed: backend").count(), 1);
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[test]
+fn two_nodes_by_hand_on_one_machine() {
+    // The chapter's two per-node commands, with 127.0.0.1 as the first node.
+    let dir = scratch_dir("two-nodes");
+    let port = free_port().to_string();
+    let node = |rank: &str| {
+        let mut cmd = command(tchrun());
+        cmd.args(["--nnodes", "2", "--node-rank", rank, "--nproc-per-node", "1"])
+            .args(["--master-addr", "127.0.0.1", "--master-port", &port])
+            .arg(env!("CARGO_BIN_EXE_hello_ranks"));
+        cmd
+    };
+    let node1_dir = dir.join("node1");
+    fs::create_dir_all(&node1_dir).unwrap();
+    let node1 = std::thread::spawn({
+        let cmd = node("1");
+        move || run_ok(cmd, &node1_dir)
+    });
+    let node0 = run_ok(node("0"), &dir);
+    let node1 = node1.join().unwrap();
+    assert!(node0.stdout.contains("rank 0 of 2: local rank 0"), "{}", node0.stdout);
+    assert!(node0.stdout.contains("all_reduce: 3 (expected 3)"), "{}", node0.stdout);
+    assert!(node1.stdout.contains("rank 1 of 2: local rank 0"), "{}", node1.stdout);
+}
+
+#[test]
+fn slurm_script_with_stand_ins_for_srun_and_scontrol() {
+    let dir = scratch_dir("slurm");
+    let bin = dir.join("bin");
+    fs::create_dir_all(&bin).unwrap();
+    let script = |name: &str, body: &str| {
+        let path = bin.join(name);
+        fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        Command::new("chmod").arg("+x").arg(&path).status().unwrap();
+    };
+    // One node: srun runs its command once, as node 0 of 1.
+    script("srun", "SLURM_NODEID=0 exec \"$@\"");
+    script("scontrol", "echo 127.0.0.1");
+    fs::copy(tchrun(), bin.join("tchrun")).unwrap();
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+    let mut cmd = command("bash");
+    cmd.arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("slurm/train.sbatch"))
+        .arg(env!("CARGO_BIN_EXE_hello_ranks"))
+        .env("PATH", path)
+        .env("SLURM_JOB_NODELIST", "node[01-02]")
+        .env("SLURM_NNODES", "1")
+        .env("SLURM_GPUS_ON_NODE", "2")
+        .env("MASTER_PORT", free_port().to_string());
+    let run = run_ok(cmd, &dir);
+    assert!(run.stdout.contains("rank 1 of 2: local rank 1"), "{}", run.stdout);
+    assert!(run.stdout.contains("all_reduce: 3 (expected 3)"), "{}", run.stdout);
+}
+
+#[test]
+fn batch_math_prints_the_tables_the_book_shows() {
+    let dir = scratch_dir("batch-math");
+    let run = run_ok(command(env!("CARGO_BIN_EXE_batch_math")), &dir);
+    let recorded = Path::new(env!("CARGO_MANIFEST_DIR")).join("output/batch_math.txt");
+    if std::env::var_os("BLESS").is_some() {
+        fs::write(&recorded, &run.stdout).unwrap();
+    }
+    let expected = fs::read_to_string(&recorded).unwrap();
+    assert_eq!(
+        run.stdout, expected,
+        "the guide shows {} (re-record it with BLESS=1)",
+        recorded.display()
+    );
+    // The figures of the multi-GPU guides.
+    for row in ["| 1 | 4 | 7375 |", "| 2 | 8 | 3687 |", "| 4 | 16 | 1843 |", "| 8 | 32 | 921 |"] {
+        assert!(expected.contains(row), "{row}");
+    }
+}
+
+#[test]
+fn metrics_are_exact_on_any_number_of_ranks() {
+    let dir = scratch_dir("data-loading");
+    for n in [1, 2, 3] {
+        let run = tchrun_listing(&dir, n, env!("CARGO_BIN_EXE_data_loading"), &[]);
+        let expected = format!("accuracy 333/1001 = 0.3327 on {n} rank(s)");
+        assert!(run.stdout.contains(&expected), "{expected}: {}", run.stdout);
+        // Padded to a multiple of the world size: ceil(1001 / n) samples per rank.
+        let per_rank = 1001usize.div_ceil(n);
+        let read = format!("{per_rank} samples read");
+        assert_eq!(run.stdout.matches(&read).count(), n, "{read}: {}", run.stdout);
+    }
+}
+
+#[test]
+fn mixed_precision_accumulation_and_clipping() {
+    let dir = scratch_dir("amp");
+    let listing = env!("CARGO_BIN_EXE_mixed_precision");
+    let run = tchrun_listing(&dir, 2, listing, &["auto"]);
+    assert!(run.stdout.contains("mixed precision No (auto: CPU)"), "{}", run.stdout);
+    // 256 samples, 2 ranks, batch 8: 16 micro-batches per rank, 4 per step.
+    assert!(run.stdout.contains("16 micro-batches, 4 optimizer steps"), "{}", run.stdout);
+    let run = tchrun_listing(&dir, 2, listing, &["bf16"]);
+    assert!(run.stdout.contains("mixed precision Bf16"), "{}", run.stdout);
+    let run = tchrun_listing(&dir, 2, listing, &["fp16"]);
+    assert!(run.stdout.contains("loss scale after 16 steps"), "{}", run.stdout);
+}
+
+#[test]
+fn resume_continues_from_the_last_checkpoint() {
+    let dir = scratch_dir("resume");
+    let ckpt = dir.join("checkpoints");
+    let ckpt = ckpt.to_str().unwrap();
+    let listing = env!("CARGO_BIN_EXE_resume");
+    let run = tchrun_listing(&dir, 2, listing, &[ckpt, "7"]);
+    assert!(run.stdout.contains("trained to step 7; checkpoints at steps [7, 5]"), "{}", run.stdout);
+    let run = tchrun_listing(&dir, 2, listing, &[ckpt, "20"]);
+    assert!(run.stdout.contains("resumed at step 7"), "{}", run.stdout);
+    assert!(run.stdout.contains("checkpoints at steps [20, 15, 10]"), "{}", run.stdout);
+}
