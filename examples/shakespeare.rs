@@ -91,6 +91,7 @@ impl CharLstm {
     }
 }
 
+// ANCHOR: train
 #[tch_distributed::distributed]
 fn train(args: &Args) -> Result<()> {
     tch::manual_seed(args.seed);
@@ -161,7 +162,10 @@ fn train(args: &Args) -> Result<()> {
     println!("sample:\n{sample}");
     Ok(())
 }
+// ANCHOR_END: train
 
+// ANCHOR: main
 fn main() -> Result<()> {
     train(&Args::parse())
 }
+// ANCHOR_END: main

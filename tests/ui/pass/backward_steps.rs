@@ -2,6 +2,7 @@
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
+// ANCHOR: train
 #[tch_distributed::distributed]
 fn train() -> anyhow::Result<Vec<f32>> {
     let vs = nn::VarStore::new(Device::cuda_if_available());
@@ -17,6 +18,7 @@ fn train() -> anyhow::Result<Vec<f32>> {
     opt.step();
     Ok(Vec::<f32>::try_from(net.ws.view([-1]))?)
 }
+// ANCHOR_END: train
 
 fn main() -> anyhow::Result<()> {
     tch::manual_seed(0);

@@ -3,6 +3,7 @@
 use tch::{Device, Kind, Tensor};
 use tch_distributed::{DataLoader, TensorDataset};
 
+// ANCHOR: train
 #[tch_distributed::distributed]
 fn train() -> anyhow::Result<Vec<i64>> {
     let ids = Tensor::arange(10, (Kind::Int64, Device::Cpu));
@@ -16,6 +17,7 @@ fn train() -> anyhow::Result<Vec<i64>> {
     }
     Ok(seen)
 }
+// ANCHOR_END: train
 
 fn main() -> anyhow::Result<()> {
     let mut seen = train()?;

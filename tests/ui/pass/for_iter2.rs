@@ -3,6 +3,7 @@
 use tch::data::Iter2;
 use tch::{Device, Kind, Tensor};
 
+// ANCHOR: train
 #[tch_distributed::distributed]
 fn train() -> anyhow::Result<usize> {
     let xs = Tensor::arange(10, (Kind::Int64, Device::Cpu));
@@ -21,6 +22,7 @@ fn train() -> anyhow::Result<usize> {
     }
     Ok(seen)
 }
+// ANCHOR_END: train
 
 fn main() -> anyhow::Result<()> {
     assert_eq!(train()?, 20);

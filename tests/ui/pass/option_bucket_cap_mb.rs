@@ -2,6 +2,7 @@
 use tch::nn::{self, OptimizerConfig};
 use tch::Device;
 
+// ANCHOR: train
 #[tch_distributed::distributed(bucket_cap_mb = 0.5)]
 fn train() -> anyhow::Result<()> {
     let vs = nn::VarStore::new(Device::Cpu);
@@ -9,6 +10,7 @@ fn train() -> anyhow::Result<()> {
     let _opt = nn::Sgd::default().build(&vs, 0.1)?;
     Ok(())
 }
+// ANCHOR_END: train
 
 fn main() -> anyhow::Result<()> {
     train()

@@ -3,6 +3,7 @@
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
+// ANCHOR: train
 #[tch_distributed::distributed(find_unused_parameters = true)]
 fn train() -> anyhow::Result<()> {
     let vs = nn::VarStore::new(Device::Cpu);
@@ -13,6 +14,7 @@ fn train() -> anyhow::Result<()> {
     opt.backward_step(&loss);
     Ok(())
 }
+// ANCHOR_END: train
 
 fn main() -> anyhow::Result<()> {
     train()

@@ -1,5 +1,6 @@
 // `println!`, `print!`, `eprintln!`, `eprint!` run on rank 0 only, as statements and
 // as expressions.
+// ANCHOR: train
 #[tch_distributed::distributed]
 fn train(epochs: usize) -> usize {
     for epoch in 0..epochs {
@@ -10,6 +11,7 @@ fn train(epochs: usize) -> usize {
     }
     epochs
 }
+// ANCHOR_END: train
 
 fn main() {
     assert_eq!(train(2), 2);

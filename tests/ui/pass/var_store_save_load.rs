@@ -3,6 +3,7 @@
 use tch::nn::{self, VarStore};
 use tch::{Device, Kind, Tensor};
 
+// ANCHOR: train
 #[tch_distributed::distributed]
 fn train(dir: &std::path::Path) -> anyhow::Result<()> {
     let mut vs = VarStore::new(Device::Cpu);
@@ -14,6 +15,7 @@ fn train(dir: &std::path::Path) -> anyhow::Result<()> {
     Tensor::ones([2], (Kind::Float, Device::Cpu)).save(dir.join("t.pt"))?;
     Ok(())
 }
+// ANCHOR_END: train
 
 fn main() -> anyhow::Result<()> {
     let dir = std::env::temp_dir().join(format!("ui-save-{}", std::process::id()));

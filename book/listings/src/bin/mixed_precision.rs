@@ -32,48 +32,35 @@ fn main() -> anyhow::Result<()> {
         .add(nn::linear(vs.root() / "l2", 64, 4, Default::default()));
     let ddp = DistributedDataParallel::new(&vs, ctx.process_group(), DdpOptions::default())?;
 
+    // ANCHOR: optimizer
+    let mut opt = Optimizer::new(&nn::AdamW::default(), &vs, 1e-3)?
+        .distributed(ddp) // gradients averaged over the ranks during backward
+        .accumulate(4); // 4 micro-batches per step: one all-reduce per step
     if precision == MixedPrecision::Fp16 {
-        // ANCHOR: fp16
-        let mut opt = Optimizer::new(&nn::AdamW::default(), &vs, 1e-3)?.distributed(ddp);
-        let mut scaler = GradScaler::new(); // scale 2^16, ×2 every 2,000 clean steps
-        for batch in &loader {
-            let (x, y) = batch?;
-            let logits = autocast(device, precision, || net.forward(&x))?;
-            let loss = logits.to_kind(Kind::Float).cross_entropy_for_logits(&y);
-            opt.zero_grad()?;
-            let ddp = opt.ddp().expect("built with .distributed(ddp)");
-            ddp.backward(&scaler.scale(&loss))?; // gradients averaged over the ranks
-            scaler.unscale(&opt)?; // the true gradients, to clip them
-            let _ = opt.clip_grad_norm(1.0); // returns the norm before clipping
-            scaler.step(&mut opt)?; // skipped on every rank if any rank overflowed
-            scaler.update()?;
+        // fp16's narrow range needs loss scaling: 2^16, ×2 after 2,000 clean steps.
+        opt = opt.grad_scaler(GradScaler::new());
+    }
+    // ANCHOR_END: optimizer
+
+    // ANCHOR: loop
+    let mut steps = 0;
+    for batch in &loader {
+        let (x, y) = batch?;
+        // The forward pass and the loss under autocast (libtorch keeps the loss in float32).
+        let loss = autocast(device, precision, || net.forward(&x).cross_entropy_for_logits(&y))?;
+        // One micro-batch: the loss is divided by 4 (and, for fp16, scaled). On every 4th
+        // micro-batch, and on the epoch's last, the gradients are all-reduced, unscaled,
+        // clipped to a global norm of 1, and the optimizer steps, unless an fp16
+        // gradient overflowed on some rank: then every rank skips the step.
+        if opt.backward_step_clip_norm(&loss, 1.0)? {
+            steps += 1;
         }
-        // ANCHOR_END: fp16
-        if ctx.is_main_process() {
-            println!("loss scale after {} steps: {}", loader.len(), scaler.scale_value());
-        }
-    } else {
-        // ANCHOR: bf16
-        let mut opt = Optimizer::new(&nn::AdamW::default(), &vs, 1e-3)?
-            .distributed(ddp)
-            .accumulate(4); // 4 micro-batches per step: one all-reduce per step
-        let mut steps = 0;
-        for (i, batch) in loader.iter().enumerate() {
-            let (x, y) = batch?;
-            let logits = autocast(device, precision, || net.forward(&x))?;
-            let loss = logits.to_kind(Kind::Float).cross_entropy_for_logits(&y);
-            if i + 1 == loader.len() {
-                opt.sync_next(); // the data ends mid-cycle: step anyway
-            }
-            // The loss is divided by 4; the norm is clipped on the averaged,
-            // accumulated gradients, so every rank clips alike.
-            if opt.backward_step_clip_norm(&loss, 1.0)? {
-                steps += 1;
-            }
-        }
-        // ANCHOR_END: bf16
-        if ctx.is_main_process() {
-            println!("{} micro-batches, {steps} optimizer steps", loader.len());
+    }
+    // ANCHOR_END: loop
+    if ctx.is_main_process() {
+        println!("{} micro-batches, {steps} optimizer steps", loader.len());
+        if let Some(scaler) = opt.scaler() {
+            println!("loss scale {}", scaler.scale_value());
         }
     }
     Ok(())
