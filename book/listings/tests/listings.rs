@@ -215,3 +215,20 @@ fn resume_continues_from_the_last_checkpoint() {
     assert!(run.stdout.contains("resumed at step 7"), "{}", run.stdout);
     assert!(run.stdout.contains("checkpoints at steps [20, 15, 10]"), "{}", run.stdout);
 }
+
+#[test]
+fn tchrun_help_is_what_the_reference_shows() {
+    let out = Command::new(tchrun()).arg("--help").output().unwrap();
+    assert!(out.status.success());
+    let recorded = Path::new(env!("CARGO_MANIFEST_DIR")).join("output/tchrun_help.txt");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    if std::env::var_os("BLESS").is_some() {
+        fs::write(&recorded, &stdout).unwrap();
+    }
+    assert_eq!(
+        stdout,
+        fs::read_to_string(&recorded).unwrap(),
+        "the guide shows {} (re-record it with BLESS=1)",
+        recorded.display()
+    );
+}
