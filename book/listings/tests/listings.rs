@@ -34,7 +34,8 @@ fn command(program: impl AsRef<std::ffi::OsStr>) -> Command {
 /// `tchrun --nproc-per-node n listing args…`, which must succeed.
 fn tchrun_listing(dir: &Path, n: usize, listing: &str, args: &[&str]) -> Run {
     let mut cmd = command(tchrun());
-    cmd.args(["--nproc-per-node", &n.to_string(), listing]).args(args);
+    cmd.args(["--nproc-per-node", &n.to_string(), listing])
+        .args(args);
     let run = run_with(cmd, dir, TIMEOUT, |_, _| {});
     run.assert_success();
     run
@@ -56,9 +57,19 @@ fn before_and_after_print_the_same_on_one_process() {
     after.arg(dir.join("after.safetensors"));
     let after = run_ok(after, &dir);
     let (banner, rest) = after.stdout.split_once('\n').unwrap();
-    assert!(banner.starts_with("tch-distributed: backend gloo, world size 1"), "{banner}");
-    assert_eq!(rest, before.stdout, "one process: the same losses, bit for bit");
-    assert!(before.stdout.contains("epoch 3: 16 batches"), "{}", before.stdout);
+    assert!(
+        banner.starts_with("tch-distributed: backend gloo, world size 1"),
+        "{banner}"
+    );
+    assert_eq!(
+        rest, before.stdout,
+        "one process: the same losses, bit for bit"
+    );
+    assert!(
+        before.stdout.contains("epoch 3: 16 batches"),
+        "{}",
+        before.stdout
+    );
     let read = |f: &str| {
         let mut named = tch::Tensor::read_safetensors(dir.join(f)).unwrap();
         named.sort_by(|a, b| a.0.cmp(&b.0));
@@ -80,8 +91,17 @@ fn data_parallel_starts_two_ranks_itself() {
         .env("TCH_DISTRIBUTED_NPROC", "2");
     let run = run_ok(cmd, &dir);
     assert!(run.stderr.contains("starting 2 ranks"), "{}", run.stderr);
-    for once in ["tch-distributed: backend gloo, world size 2", "epoch 1: 8 batches", "epoch 3: 8 batches"] {
-        assert_eq!(run.stdout.matches(once).count(), 1, "{once}: {}", run.stdout);
+    for once in [
+        "tch-distributed: backend gloo, world size 2",
+        "epoch 1: 8 batches",
+        "epoch 3: 8 batches",
+    ] {
+        assert_eq!(
+            run.stdout.matches(once).count(),
+            1,
+            "{once}: {}",
+            run.stdout
+        );
     }
     assert!(dir.join("model.safetensors").exists());
 }
@@ -94,12 +114,20 @@ fn hello_ranks_under_tchrun() {
         let line = format!("rank {rank} of 3: local rank {rank}, device Cpu");
         assert!(run.stdout.contains(&line), "{line}: {}", run.stdout);
     }
-    assert!(run.stdout.contains("all_reduce: 6 (expected 6)"), "{}", run.stdout);
+    assert!(
+        run.stdout.contains("all_reduce: 6 (expected 6)"),
+        "{}",
+        run.stdout
+    );
     assert_eq!(run.stdout.matches("tch-distributed: backend").count(), 1);
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 #[test]
@@ -109,9 +137,16 @@ fn two_nodes_by_hand_on_one_machine() {
     let port = free_port().to_string();
     let node = |rank: &str| {
         let mut cmd = command(tchrun());
-        cmd.args(["--nnodes", "2", "--node-rank", rank, "--nproc-per-node", "1"])
-            .args(["--master-addr", "127.0.0.1", "--master-port", &port])
-            .arg(env!("CARGO_BIN_EXE_hello_ranks"));
+        cmd.args([
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--nproc-per-node",
+            "1",
+        ])
+        .args(["--master-addr", "127.0.0.1", "--master-port", &port])
+        .arg(env!("CARGO_BIN_EXE_hello_ranks"));
         cmd
     };
     let node1_dir = dir.join("node1");
@@ -122,9 +157,21 @@ fn two_nodes_by_hand_on_one_machine() {
     });
     let node0 = run_ok(node("0"), &dir);
     let node1 = node1.join().unwrap();
-    assert!(node0.stdout.contains("rank 0 of 2: local rank 0"), "{}", node0.stdout);
-    assert!(node0.stdout.contains("all_reduce: 3 (expected 3)"), "{}", node0.stdout);
-    assert!(node1.stdout.contains("rank 1 of 2: local rank 0"), "{}", node1.stdout);
+    assert!(
+        node0.stdout.contains("rank 0 of 2: local rank 0"),
+        "{}",
+        node0.stdout
+    );
+    assert!(
+        node0.stdout.contains("all_reduce: 3 (expected 3)"),
+        "{}",
+        node0.stdout
+    );
+    assert!(
+        node1.stdout.contains("rank 1 of 2: local rank 0"),
+        "{}",
+        node1.stdout
+    );
 }
 
 #[test]
@@ -151,8 +198,16 @@ fn slurm_script_with_stand_ins_for_srun_and_scontrol() {
         .env("SLURM_GPUS_ON_NODE", "2")
         .env("MASTER_PORT", free_port().to_string());
     let run = run_ok(cmd, &dir);
-    assert!(run.stdout.contains("rank 1 of 2: local rank 1"), "{}", run.stdout);
-    assert!(run.stdout.contains("all_reduce: 3 (expected 3)"), "{}", run.stdout);
+    assert!(
+        run.stdout.contains("rank 1 of 2: local rank 1"),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stdout.contains("all_reduce: 3 (expected 3)"),
+        "{}",
+        run.stdout
+    );
 }
 
 #[test]
@@ -165,12 +220,18 @@ fn batch_math_prints_the_tables_the_book_shows() {
     }
     let expected = fs::read_to_string(&recorded).unwrap();
     assert_eq!(
-        run.stdout, expected,
+        run.stdout,
+        expected,
         "the guide shows {} (re-record it with BLESS=1)",
         recorded.display()
     );
     // The figures of the multi-GPU guides.
-    for row in ["| 1 | 4 | 7375 |", "| 2 | 8 | 3687 |", "| 4 | 16 | 1843 |", "| 8 | 32 | 921 |"] {
+    for row in [
+        "| 1 | 4 | 7375 |",
+        "| 2 | 8 | 3687 |",
+        "| 4 | 16 | 1843 |",
+        "| 8 | 32 | 921 |",
+    ] {
         assert!(expected.contains(row), "{row}");
     }
 }
@@ -185,7 +246,12 @@ fn metrics_are_exact_on_any_number_of_ranks() {
         // Padded to a multiple of the world size: ceil(1001 / n) samples per rank.
         let per_rank = 1001usize.div_ceil(n);
         let read = format!("{per_rank} samples read");
-        assert_eq!(run.stdout.matches(&read).count(), n, "{read}: {}", run.stdout);
+        assert_eq!(
+            run.stdout.matches(&read).count(),
+            n,
+            "{read}: {}",
+            run.stdout
+        );
     }
 }
 
@@ -194,11 +260,23 @@ fn mixed_precision_accumulation_and_clipping() {
     let dir = scratch_dir("amp");
     let listing = env!("CARGO_BIN_EXE_mixed_precision");
     let run = tchrun_listing(&dir, 2, listing, &["auto"]);
-    assert!(run.stdout.contains("mixed precision No (auto: CPU)"), "{}", run.stdout);
+    assert!(
+        run.stdout.contains("mixed precision No (auto: CPU)"),
+        "{}",
+        run.stdout
+    );
     // 256 samples, 2 ranks, batch 8: 16 micro-batches per rank, 4 per step.
-    assert!(run.stdout.contains("16 micro-batches, 4 optimizer steps"), "{}", run.stdout);
+    assert!(
+        run.stdout.contains("16 micro-batches, 4 optimizer steps"),
+        "{}",
+        run.stdout
+    );
     let run = tchrun_listing(&dir, 2, listing, &["bf16"]);
-    assert!(run.stdout.contains("mixed precision Bf16"), "{}", run.stdout);
+    assert!(
+        run.stdout.contains("mixed precision Bf16"),
+        "{}",
+        run.stdout
+    );
     let run = tchrun_listing(&dir, 2, listing, &["fp16"]);
     assert!(run.stdout.contains("loss scale "), "{}", run.stdout);
 }
@@ -210,10 +288,19 @@ fn resume_continues_from_the_last_checkpoint() {
     let ckpt = ckpt.to_str().unwrap();
     let listing = env!("CARGO_BIN_EXE_resume");
     let run = tchrun_listing(&dir, 2, listing, &[ckpt, "7"]);
-    assert!(run.stdout.contains("trained to step 7; checkpoints at steps [7, 5]"), "{}", run.stdout);
+    assert!(
+        run.stdout
+            .contains("trained to step 7; checkpoints at steps [7, 5]"),
+        "{}",
+        run.stdout
+    );
     let run = tchrun_listing(&dir, 2, listing, &[ckpt, "20"]);
     assert!(run.stdout.contains("resumed at step 7"), "{}", run.stdout);
-    assert!(run.stdout.contains("checkpoints at steps [20, 15, 10]"), "{}", run.stdout);
+    assert!(
+        run.stdout.contains("checkpoints at steps [20, 15, 10]"),
+        "{}",
+        run.stdout
+    );
 }
 
 #[test]

@@ -33,10 +33,12 @@ impl Dataset for Synthetic {
 fn main() -> anyhow::Result<()> {
     // ANCHOR: loader
     let ctx = tch_distributed::init()?;
-    let loader = DataLoader::new(Synthetic { len: 1001 }, 16)? // 16 samples per rank and step
-        .shuffle(false) // evaluation: the order does not matter
-        .num_workers(2) // read ahead on 2 threads
-        .to_device(ctx.device()); // pinned host memory and async copies on CUDA
+    // 16 samples per rank and step; evaluation, so no shuffle; read ahead on 2
+    // threads; on CUDA, pinned host memory and asynchronous copies.
+    let loader = DataLoader::new(Synthetic { len: 1001 }, 16)?
+        .shuffle(false)
+        .num_workers(2)
+        .to_device(ctx.device());
     // ANCHOR_END: loader
 
     // ANCHOR: metrics

@@ -47,7 +47,9 @@ fn main() -> anyhow::Result<()> {
     for batch in &loader {
         let (x, y) = batch?;
         // The forward pass and the loss under autocast (libtorch keeps the loss in float32).
-        let loss = autocast(device, precision, || net.forward(&x).cross_entropy_for_logits(&y))?;
+        let loss = autocast(device, precision, || {
+            net.forward(&x).cross_entropy_for_logits(&y)
+        })?;
         // One micro-batch: the loss is divided by 4 (and, for fp16, scaled). On every 4th
         // micro-batch, and on the epoch's last, the gradients are all-reduced, unscaled,
         // clipped to a global norm of 1, and the optimizer steps, unless an fp16

@@ -26,7 +26,10 @@ fn train(xs: &Tensor, ys: &Tensor, out: &str) -> Result<()> {
             loss_sum += loss.double_value(&[]);
             batches += 1;
         }
-        println!("epoch {epoch}: {batches} batches, mean loss {:.4}", loss_sum / batches as f64);
+        println!(
+            "epoch {epoch}: {batches} batches, mean loss {:.4}",
+            loss_sum / batches as f64
+        );
     }
     vs.save(out)?;
     Ok(())
@@ -39,7 +42,9 @@ fn main() -> Result<()> {
     // 512 samples of 16 features; the label is the largest of the first 4.
     let xs = Tensor::randn([512, 16], (Kind::Float, Device::Cpu));
     let ys = xs.narrow(1, 0, 4).argmax(1, false);
-    let out = std::env::args().nth(1).unwrap_or_else(|| "model.safetensors".into());
+    let out = std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| "model.safetensors".into());
     train(&xs, &ys, &out)
 }
 // ANCHOR_END: main
