@@ -157,8 +157,8 @@ impl VisitMut for Rewrite {
                         several => {
                             let names: Vec<String> =
                                 several.iter().map(|i| format!("`{i}`")).collect();
-                            self.errors.push(syn::Error::new(
-                                m.span(),
+                            self.errors.push(syn::Error::new_spanned(
+                                &*m,
                                 format!(
                                     "`.backward()` in a function with {} optimizers ({}): say which model the loss trains with `{}.backward(&loss)` (or `{}.backward_step(&loss)`), so that its gradients are averaged over the ranks",
                                     several.len(),

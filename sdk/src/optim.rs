@@ -559,6 +559,34 @@ mod tests {
     }
 
     #[test]
+    fn a_grad_scaler_inside_clips_unscaled_gradients_and_skips_overflows() {
+        let step = |opt: &mut Optimizer, loss: &Tensor| {
+            opt.zero_grad().unwrap();
+            opt.backward(loss).unwrap();
+            let norm = opt.clip_grad_norm(1e9).unwrap();
+            (norm, opt.step().unwrap())
+        };
+        let (vs, net, xs) = fixture();
+        let mut plain = ours("sgd", &vs);
+        let (svs, snet, _) = fixture();
+        let mut scaled = ours("sgd", &svs).grad_scaler(GradScaler::new());
+        let (norm, stepped) = step(&mut plain, &loss(&net, &xs));
+        let (scaled_norm, scaled_stepped) = step(&mut scaled, &loss(&snet, &xs));
+        assert!(stepped && scaled_stepped);
+        // The scale is a power of two: unscaling is exact.
+        assert_eq!(norm, scaled_norm, "clipping sees the unscaled gradients");
+        assert_eq!(params(&vs), params(&svs));
+        assert_eq!(scaled.scaler().unwrap().scale_value(), 65536.0);
+
+        let before = params(&svs);
+        let overflow = loss(&snet, &xs) * f64::INFINITY;
+        let (_, stepped) = step(&mut scaled, &overflow);
+        assert!(!stepped, "an inf gradient skips the step");
+        assert_eq!(params(&svs), before);
+        assert_eq!(scaled.scaler().unwrap().scale_value(), 32768.0, "and halves the scale");
+    }
+
+    #[test]
     fn state_round_trips_and_resumes_exactly() {
         for kind in ["sgd", "adam"] {
             // 10 steps straight == 5 steps, save, reload into a fresh optimizer, 5 more.

@@ -1,0 +1,4 @@
+#[tch_distributed::distributed(mixed_precision = "fp8")]
+fn train() {}
+
+fn main() {}
