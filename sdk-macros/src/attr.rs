@@ -41,6 +41,31 @@ fn number(input: ParseStream, what: &str, example: &str) -> syn::Result<(f64, Sp
     }
 }
 
+/// A string option whose value must be one of `valid`.
+fn one_of(
+    input: ParseStream,
+    example: &str,
+    valid: &[&str],
+    unknown: impl FnOnce(&str) -> String,
+) -> syn::Result<String> {
+    let lit: LitStr = expect(input, example)?;
+    let value = lit.value();
+    if !valid.contains(&value.as_str()) {
+        return Err(syn::Error::new(lit.span(), unknown(&value)));
+    }
+    Ok(value)
+}
+
+/// A count that must be at least 1.
+fn at_least_one(input: ParseStream, example: &str, zero: &str) -> syn::Result<usize> {
+    let lit: LitInt = expect(input, example)?;
+    let n: usize = lit.base10_parse()?;
+    if n == 0 {
+        return Err(syn::Error::new(lit.span(), zero));
+    }
+    Ok(n)
+}
+
 impl Parse for Options {
     fn parse(input: ParseStream) -> syn::Result<Self> {
         let mut options = Options::default();
@@ -74,26 +99,19 @@ impl Parse for Options {
             input.parse::<Token![=]>()?;
             match name.as_str() {
                 "backend" => {
-                    let lit: LitStr = expect(input, "backend = \"gloo\" or backend = \"nccl\"")?;
-                    let value = lit.value();
-                    if value != "gloo" && value != "nccl" {
-                        return Err(syn::Error::new(
-                            lit.span(),
-                            format!("unknown backend {value:?}: use \"gloo\" or \"nccl\""),
-                        ));
-                    }
-                    options.backend = Some(value);
+                    options.backend = Some(one_of(
+                        input,
+                        "backend = \"gloo\" or backend = \"nccl\"",
+                        &["gloo", "nccl"],
+                        |value| format!("unknown backend {value:?}: use \"gloo\" or \"nccl\""),
+                    )?);
                 }
                 "nproc_per_node" => {
-                    let lit: LitInt = expect(input, "nproc_per_node = 2")?;
-                    let n: usize = lit.base10_parse()?;
-                    if n == 0 {
-                        return Err(syn::Error::new(
-                            lit.span(),
-                            "`nproc_per_node` must be at least 1",
-                        ));
-                    }
-                    options.nproc_per_node = Some(n);
+                    options.nproc_per_node = Some(at_least_one(
+                        input,
+                        "nproc_per_node = 2",
+                        "`nproc_per_node` must be at least 1",
+                    )?);
                 }
                 "bucket_cap_mb" => {
                     let (mb, span) = number(input, "bucket_cap_mb", "25")?;
@@ -117,26 +135,19 @@ impl Parse for Options {
                     options.timeout = Some(secs);
                 }
                 "mixed_precision" => {
-                    let lit: LitStr = expect(input, "mixed_precision = \"bf16\"")?;
-                    let value = lit.value();
-                    if !["no", "bf16", "fp16", "auto"].contains(&value.as_str()) {
-                        return Err(syn::Error::new(
-                            lit.span(),
-                            format!("unknown mixed precision {value:?}: use \"no\", \"bf16\", \"fp16\" or \"auto\" (bf16 on GPUs of compute capability 8.0 or more, fp16 below)"),
-                        ));
-                    }
-                    options.mixed_precision = Some(value);
+                    options.mixed_precision = Some(one_of(
+                        input,
+                        "mixed_precision = \"bf16\"",
+                        &["no", "bf16", "fp16", "auto"],
+                        |value| format!("unknown mixed precision {value:?}: use \"no\", \"bf16\", \"fp16\" or \"auto\" (bf16 on GPUs of compute capability 8.0 or more, fp16 below)"),
+                    )?);
                 }
                 "grad_accum" => {
-                    let lit: LitInt = expect(input, "grad_accum = 4")?;
-                    let n: usize = lit.base10_parse()?;
-                    if n == 0 {
-                        return Err(syn::Error::new(
-                            lit.span(),
-                            "`grad_accum` is the number of micro-batches per optimizer step: at least 1",
-                        ));
-                    }
-                    options.grad_accum = Some(n);
+                    options.grad_accum = Some(at_least_one(
+                        input,
+                        "grad_accum = 4",
+                        "`grad_accum` is the number of micro-batches per optimizer step: at least 1",
+                    )?);
                 }
                 "crate" => {
                     let lit: LitStr = expect(input, "crate = \"path::to::tch_distributed\"")?;

@@ -84,6 +84,7 @@ macro_rules! precision_fn {
     ($name:ident, $($option:tt)*) => {
         #[tch_distributed::distributed($($option)*)]
         fn $name(out: &str) -> anyhow::Result<()> {
+            tch::manual_seed(0);
             let (xs, ys) = data();
             let vs = nn::VarStore::new(Device::cuda_if_available());
             let net = nn::linear(vs.root(), 3, 1, Default::default());
