@@ -1,5 +1,6 @@
 //! The launch environment contract: which rank this process is, and where rank 0's
-//! store is. Read from the variables that `torchrun` (and `tchrun`) set.
+//! store is. Read from the variables that `torchrun` (and `tchrun`) set, or from
+//! those of a SLURM job step (`srun`).
 
 use crate::error::{Error, Result};
 
@@ -35,6 +36,9 @@ impl LaunchEnv {
 
     /// As [`LaunchEnv::from_env`], reading variables through `var`.
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<LaunchEnv>> {
+        if var("RANK").is_none() && var("SLURM_STEP_NUM_TASKS").is_some() {
+            return Self::from_slurm(&var).map(Some);
+        }
         let Some(rank) = var("RANK") else {
             if var("WORLD_SIZE").is_some() {
                 return Err(Error::Config(
@@ -42,11 +46,6 @@ impl LaunchEnv {
                 ));
             }
             return Ok(None);
-        };
-        let number = |name: &str, value: &str| -> Result<usize> {
-            value.trim().parse().map_err(|_| {
-                Error::Config(format!("{name}={value:?} is not a non-negative integer"))
-            })
         };
         let rank = number("RANK", &rank)?;
         let world_size = match var("WORLD_SIZE") {
@@ -76,13 +75,7 @@ impl LaunchEnv {
             )));
         }
         let (master_addr, master_port) = match (var("MASTER_ADDR"), var("MASTER_PORT")) {
-            (Some(addr), Some(port)) => {
-                let port = port
-                    .trim()
-                    .parse::<u16>()
-                    .map_err(|_| Error::Config(format!("MASTER_PORT={port:?} is not a TCP port (1-65535)")))?;
-                (addr, port)
-            }
+            (Some(addr), Some(port)) => (addr, port_number(&port)?),
             _ if world_size == 1 => (String::new(), 0),
             _ => {
                 return Err(Error::Config(
@@ -109,6 +102,119 @@ impl LaunchEnv {
             agent_store_prefix,
         }))
     }
+
+    /// A task of a SLURM job step, as `srun` starts one process per task:
+    ///
+    /// | field | from |
+    /// |---|---|
+    /// | rank | `SLURM_PROCID` |
+    /// | world size | `SLURM_STEP_NUM_TASKS` |
+    /// | local rank | `SLURM_LOCALID` |
+    /// | local world size | this node's entry (`SLURM_NODEID`) in `SLURM_STEP_TASKS_PER_NODE`, e.g. `4(x2)` |
+    /// | store host | `MASTER_ADDR`, else the first host of `SLURM_STEP_NODELIST` (e.g. `gpu[03-06]` → `gpu03`) |
+    /// | store port | `MASTER_PORT`, else 15000 + the last 4 digits of `SLURM_JOB_ID`, as PyTorch Lightning picks it |
+    ///
+    /// Only a job step counts (`srun`; `SLURM_STEP_NUM_TASKS` is set): a program run
+    /// directly in the batch script is one process.
+    fn from_slurm(var: &impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
+        let required = |name: &str| {
+            var(name).ok_or_else(|| {
+                Error::Config(format!(
+                    "{name} is not set in a SLURM job step: start the ranks with srun (one task per GPU)"
+                ))
+            })
+        };
+        let world_size = number("SLURM_STEP_NUM_TASKS", &required("SLURM_STEP_NUM_TASKS")?)?;
+        let rank = number("SLURM_PROCID", &required("SLURM_PROCID")?)?;
+        let local_rank = number("SLURM_LOCALID", &required("SLURM_LOCALID")?)?;
+        let node = number("SLURM_NODEID", &var("SLURM_NODEID").unwrap_or_else(|| "0".into()))?;
+        let tasks_per_node = var("SLURM_STEP_TASKS_PER_NODE")
+            .unwrap_or_else(|| world_size.to_string());
+        let local_world_size = tasks_on_node(&tasks_per_node, node).ok_or_else(|| {
+            Error::Config(format!(
+                "SLURM_STEP_TASKS_PER_NODE={tasks_per_node:?} has no entry for node {node}"
+            ))
+        })?;
+        if rank >= world_size || local_rank >= local_world_size {
+            return Err(Error::Config(format!(
+                "SLURM task {rank} (local {local_rank}) does not fit {world_size} tasks, {local_world_size} on this node"
+            )));
+        }
+        let master_addr = match var("MASTER_ADDR") {
+            Some(addr) => addr,
+            None => {
+                let list = required("SLURM_STEP_NODELIST")?;
+                first_host(&list).ok_or_else(|| {
+                    Error::Config(format!(
+                        "SLURM_STEP_NODELIST={list:?} names no host: set MASTER_ADDR to the first node's address"
+                    ))
+                })?
+            }
+        };
+        let master_port = match var("MASTER_PORT") {
+            Some(port) => port_number(&port)?,
+            None => {
+                let job = required("SLURM_JOB_ID")?;
+                let digits: String = job.chars().filter(char::is_ascii_digit).collect();
+                let last4 = &digits[digits.len().saturating_sub(4)..];
+                15000 + last4.parse::<u16>().unwrap_or(0)
+            }
+        };
+        Ok(LaunchEnv {
+            rank,
+            local_rank,
+            world_size,
+            local_world_size,
+            master_addr,
+            master_port,
+            agent_store_prefix: None,
+        })
+    }
+}
+
+fn number(name: &str, value: &str) -> Result<usize> {
+    value
+        .trim()
+        .parse()
+        .map_err(|_| Error::Config(format!("{name}={value:?} is not a non-negative integer")))
+}
+
+fn port_number(port: &str) -> Result<u16> {
+    port.trim()
+        .parse::<u16>()
+        .ok()
+        .filter(|&p| p > 0)
+        .ok_or_else(|| Error::Config(format!("MASTER_PORT={port:?} is not a TCP port (1-65535)")))
+}
+
+/// The number of tasks on node `node` from SLURM's compressed list, e.g. `2(x3),1`
+/// is 2, 2, 2, 1.
+fn tasks_on_node(list: &str, node: usize) -> Option<usize> {
+    let mut seen = 0;
+    for entry in list.split(',') {
+        let (count, repeat) = match entry.split_once("(x") {
+            Some((count, rest)) => (count, rest.trim_end_matches(')').trim().parse().ok()?),
+            None => (entry, 1),
+        };
+        seen += repeat;
+        if node < seen {
+            return count.trim().parse().ok();
+        }
+    }
+    None
+}
+
+/// The first host of a SLURM host list: `gpu[03-06,09],login1` → `gpu03`.
+fn first_host(list: &str) -> Option<String> {
+    let list = list.trim();
+    let end = list.find([',', '[']).unwrap_or(list.len());
+    let prefix = &list[..end];
+    if list[end..].starts_with('[') {
+        let inside = &list[end + 1..];
+        let first = inside.split([',', '-', ']']).next()?;
+        return Some(format!("{prefix}{first}"));
+    }
+    (!prefix.is_empty()).then(|| prefix.to_string())
 }
 
 #[cfg(test)]
@@ -146,6 +252,47 @@ mod tests {
         assert_eq!(env.rank, 1);
         assert_eq!(env.master_port, 29500);
         assert_eq!(env.agent_store_prefix.as_deref(), Some("/worker/attempt_3"));
+    }
+
+    #[test]
+    fn a_slurm_job_step() {
+        let step = [
+            ("SLURM_JOB_ID", "123456"),
+            ("SLURM_STEP_NUM_TASKS", "8"),
+            ("SLURM_PROCID", "5"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "1"),
+            ("SLURM_STEP_TASKS_PER_NODE", "4(x2)"),
+            ("SLURM_STEP_NODELIST", "gpu[03-04]"),
+        ];
+        let env = parse(&step).unwrap().unwrap();
+        assert_eq!(
+            (env.rank, env.world_size, env.local_rank, env.local_world_size),
+            (5, 8, 1, 4)
+        );
+        assert_eq!(env.master_addr, "gpu03");
+        assert_eq!(env.master_port, 15000 + 3456);
+        let mut with_master = step.to_vec();
+        with_master.extend([("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29400")]);
+        let env = parse(&with_master).unwrap().unwrap();
+        assert_eq!((env.master_addr.as_str(), env.master_port), ("10.0.0.1", 29400));
+        // The batch script itself, outside srun: one process.
+        assert_eq!(parse(&[("SLURM_JOB_ID", "1"), ("SLURM_PROCID", "0")]).unwrap(), None);
+        // torchrun inside an allocation wins.
+        let mut torchrun = step.to_vec();
+        torchrun.extend([("RANK", "0"), ("WORLD_SIZE", "1")]);
+        assert_eq!(parse(&torchrun).unwrap().unwrap().world_size, 1);
+    }
+
+    #[test]
+    fn slurm_lists() {
+        assert_eq!(tasks_on_node("2(x3),1", 2), Some(2));
+        assert_eq!(tasks_on_node("2(x3),1", 3), Some(1));
+        assert_eq!(tasks_on_node("2(x3),1", 4), None);
+        assert_eq!(first_host("gpu[03-06,09],login1").as_deref(), Some("gpu03"));
+        assert_eq!(first_host("node7,node8").as_deref(), Some("node7"));
+        assert_eq!(first_host("localhost").as_deref(), Some("localhost"));
+        assert_eq!(first_host(""), None);
     }
 
     #[test]

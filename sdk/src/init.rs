@@ -24,8 +24,9 @@ pub struct InitOptions {
     pub backend: Option<Backend>,
     /// The timeout of rendezvous and of every collective; default [`DEFAULT_TIMEOUT`].
     pub timeout: Option<Duration>,
-    /// This rank's device; default `Device::Cuda(local_rank)` when CUDA is available,
-    /// else `Device::Cpu`.
+    /// This rank's device; default `Device::Cuda(local_rank)` when CUDA is available
+    /// (`Device::Cuda(0)` when the process sees a single GPU, as under `srun
+    /// --gpus-per-task=1`), else `Device::Cpu`.
     pub device: Option<Device>,
 }
 
@@ -139,14 +140,19 @@ impl Context {
             Some(d) => d,
             None if tch::Cuda::is_available() => {
                 let count = tch::Cuda::device_count() as usize;
-                if env.local_rank >= count {
+                if count == 1 {
+                    // A process given a GPU of its own (`srun --gpus-per-task=1`, or
+                    // CUDA_VISIBLE_DEVICES set per rank) uses the one it sees.
+                    Device::Cuda(0)
+                } else if env.local_rank >= count {
                     return Err(Error::Config(format!(
                         "LOCAL_RANK={} but only {count} GPU(s) are visible: start at most {count} processes per node \
                          (--nproc-per-node), or change CUDA_VISIBLE_DEVICES",
                         env.local_rank
                     )));
+                } else {
+                    Device::Cuda(env.local_rank)
                 }
-                Device::Cuda(env.local_rank)
             }
             None => Device::Cpu,
         };

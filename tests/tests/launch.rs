@@ -11,6 +11,7 @@ use tch_distributed_tests::{run_tchrun, run_with, scratch_dir, torchrun, wait_fo
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ddp_worker");
 const COLLECTIVES: &str = env!("CARGO_BIN_EXE_collectives");
+const MACRO_WORKER: &str = env!("CARGO_BIN_EXE_macro_worker");
 const TIMEOUT: Duration = Duration::from_secs(90);
 
 fn read_params(path: &Path) -> Vec<(String, Tensor)> {
@@ -169,4 +170,41 @@ fn rank_killed_mid_training_stops_the_job_within_10_seconds() {
         run.stderr
     );
     assert!(run.stderr.contains("SIGKILL"), "{}", run.stderr);
+}
+
+/// `srun --ntasks 2` starts both tasks itself with SLURM's variables and no RANK:
+/// they form one job (here two tasks of a job step on this host, as srun sets them).
+#[test]
+fn a_slurm_job_step_forms_the_job_from_srun_variables() {
+    // A free port that a job id can name: 15000 + its last 4 digits.
+    let start = std::process::id() as u16 % 10000;
+    let port = (0..10000u16)
+        .map(|i| 15000 + (start + i) % 10000)
+        .find(|&p| TcpListener::bind(("127.0.0.1", p)).is_ok())
+        .expect("a free port in 15000..25000");
+    let dir = scratch_dir("slurm");
+    let d = dir.to_str().unwrap();
+    let script = format!(
+        "for task in 0 1; do \
+           SLURM_PROCID=$task SLURM_LOCALID=$task SLURM_NODEID=0 SLURM_STEP_NUM_TASKS=2 \
+           SLURM_STEP_TASKS_PER_NODE='2(x1)' SLURM_STEP_NODELIST=localhost SLURM_JOB_ID=7{:04} \
+           {MACRO_WORKER} {d} 30 & pids=\"$pids $!\"; done; \
+         for p in $pids; do wait $p || exit 1; done",
+        port - 15000
+    );
+    let mut cmd = Command::new("bash");
+    cmd.args(["-c", &script]).env_remove("TCH_DISTRIBUTED_NPROC");
+    let run = run_with(cmd, &dir, TIMEOUT, |_, _| {});
+    run.assert_success();
+    assert!(
+        run.stdout.contains(&format!(
+            "world size 2, local world size 2, devices cpu, rendezvous localhost:{port}"
+        )),
+        "{}",
+        run.stdout
+    );
+    let params: Vec<String> = (0..2)
+        .map(|r| std::fs::read_to_string(dir.join(format!("params{r}.txt"))).unwrap())
+        .collect();
+    assert_eq!(params[0], params[1], "one model trained by both tasks");
 }
