@@ -211,6 +211,52 @@ fn slurm_script_with_stand_ins_for_srun_and_scontrol() {
 }
 
 #[test]
+fn srun_script_with_a_stand_in_srun_that_starts_the_tasks() {
+    let dir = scratch_dir("srun");
+    let bin = dir.join("bin");
+    fs::create_dir_all(&bin).unwrap();
+    // srun on one node with 2 tasks: each task gets SLURM's variables, as srun sets them.
+    let srun = bin.join("srun");
+    // A job id whose port (15000 + its last 4 digits) is free.
+    let start = std::process::id() as u16 % 10_000;
+    let port = (0..10_000u16)
+        .map(|i| 15_000 + (start + i) % 10_000)
+        .find(|&p| TcpListener::bind(("127.0.0.1", p)).is_ok())
+        .expect("a free port in 15000..25000");
+    let job = 70_000 + u32::from(port - 15_000);
+    fs::write(
+        &srun,
+        format!(
+            "#!/bin/bash\n\
+             for task in 0 1; do\n\
+               SLURM_PROCID=$task SLURM_LOCALID=$task SLURM_NODEID=0 SLURM_STEP_NUM_TASKS=2 \\\n\
+               SLURM_STEP_TASKS_PER_NODE='2(x1)' SLURM_STEP_NODELIST=localhost SLURM_JOB_ID={job} \\\n\
+               \"$@\" & pids=\"$pids $!\"\n\
+             done\n\
+             for p in $pids; do wait $p || exit 1; done\n"
+        ),
+    )
+    .unwrap();
+    Command::new("chmod").arg("+x").arg(&srun).status().unwrap();
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+    let mut cmd = command("bash");
+    cmd.arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("slurm/srun.sbatch"))
+        .arg(env!("CARGO_BIN_EXE_hello_ranks"))
+        .env("PATH", path);
+    let run = run_ok(cmd, &dir);
+    assert!(
+        run.stdout.contains("rank 1 of 2: local rank 1"),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stdout.contains("all_reduce: 3 (expected 3)"),
+        "{}",
+        run.stdout
+    );
+}
+
+#[test]
 fn batch_math_prints_the_tables_the_book_shows() {
     let dir = scratch_dir("batch-math");
     let run = run_ok(command(env!("CARGO_BIN_EXE_batch_math")), &dir);
