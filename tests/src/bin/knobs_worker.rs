@@ -37,6 +37,7 @@ fn write_params(out: &str, vs: &nn::VarStore) -> anyhow::Result<()> {
     Ok(())
 }
 
+// ANCHOR: accum
 #[tch_distributed::distributed(grad_accum = 3)]
 fn accum(out: &str, spelled_out: bool) -> anyhow::Result<()> {
     tch::manual_seed(0);
@@ -64,6 +65,7 @@ fn accum(out: &str, spelled_out: bool) -> anyhow::Result<()> {
     )?;
     write_params(out, &vs)
 }
+// ANCHOR_END: accum
 
 fn accum_reference(out: &str) -> anyhow::Result<()> {
     tch::manual_seed(0);

@@ -26,6 +26,7 @@ fn main() -> anyhow::Result<()> {
     train(&args[1], &args[2], args[3].parse::<u64>()?, &args[4])
 }
 
+// ANCHOR: train
 #[tch_distributed::distributed]
 fn train(out: &str, ckpt: &str, steps: u64, kind: &str) -> anyhow::Result<()> {
     let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
@@ -97,6 +98,7 @@ fn train(out: &str, ckpt: &str, steps: u64, kind: &str) -> anyhow::Result<()> {
             }
         }
     }
+    // ANCHOR_END: train
     let write = |name: &str| {
         let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
         named.sort_by(|a, b| a.0.cmp(&b.0));

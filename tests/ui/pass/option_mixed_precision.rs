@@ -3,6 +3,7 @@
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
+// ANCHOR: train
 #[tch_distributed::distributed(mixed_precision = "bf16")]
 fn train() -> anyhow::Result<()> {
     let vs = nn::VarStore::new(Device::cuda_if_available());
@@ -17,6 +18,7 @@ fn train() -> anyhow::Result<()> {
     assert_eq!((&xs * 2.0).kind(), Kind::Float, "outside the forward `let`s: off");
     Ok(())
 }
+// ANCHOR_END: train
 
 fn main() -> anyhow::Result<()> {
     train()
