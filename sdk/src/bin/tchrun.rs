@@ -12,6 +12,8 @@ use std::time::Duration;
 use clap::Parser;
 use tch_distributed::launch::{launch, LaunchConfig};
 
+/// Runs a data-parallel training program, one process per rank, like torchrun.
+///
 /// Starts PROGRAM once per rank with the torchrun environment (RANK,
 /// LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...) and supervises the
 /// ranks: when one fails the others are stopped and tchrun exits with 1;
@@ -20,8 +22,6 @@ use tch_distributed::launch::{launch, LaunchConfig};
 #[command(
     name = "tchrun",
     version,
-    about,
-    long_about = None,
     override_usage = "tchrun [OPTIONS] [--] PROGRAM [ARGS]..."
 )]
 struct Args {
