@@ -1,9 +1,39 @@
 #!/usr/bin/env bash
-# Benchmarks (release builds). Usage: scripts/bench.sh loader [flags]
+# Benchmarks (release builds).
+#
+#   scripts/bench.sh [all] [suite flags]   every benchmark, Rust against PyTorch DDP: tables on stdout
+#   scripts/bench.sh loader [flags]        DataLoader samples/s, one rank
+#   scripts/bench.sh ddp|allreduce [flags] one side-by-side benchmark's Rust side, one process
+#
+# The suite's flags: --only mlp,cnn,transformer,linear200,allreduce --rounds N --scale X
+# --json FILE (see target/release/suite --help). Builds go to $CARGO_TARGET_DIR when set,
+# else target/.
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
 export OMP_NUM_THREADS=1
-bench="${1:-loader}"
+TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
+bench="${1:-all}"
 shift || true
-cargo build --release --quiet -p tch-distributed-bench --bin "$bench"
-exec "target/release/$bench" "$@"
+case "$bench" in
+  all | suite)
+    DATA="$ROOT/data/tinyshakespeare.txt"
+    if [ ! -f "$DATA" ]; then
+      mkdir -p "$ROOT/data"
+      if [ -f "$ROOT/../shared/data/tinyshakespeare.txt" ]; then
+        cp "$ROOT/../shared/data/tinyshakespeare.txt" "$DATA"
+      else
+        echo "downloading tinyshakespeare (1.1 MB)" >&2
+        curl -fsSL -o "$DATA.part" https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt
+        mv "$DATA.part" "$DATA"
+      fi
+    fi
+    cargo build --release --quiet -p tch-distributed --bin tchrun
+    cargo build --release --quiet -p tch-distributed-bench --bins
+    PYTHON="${BENCH_PYTHON:-${VIRTUAL_ENV:+$VIRTUAL_ENV/bin/python}}"
+    exec "$TARGET/release/suite" --python "${PYTHON:-python3}" --data "$DATA" "$@"
+    ;;
+  *)
+    cargo build --release --quiet -p tch-distributed-bench --bin "$bench"
+    exec "$TARGET/release/$bench" "$@"
+    ;;
+esac

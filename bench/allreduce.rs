@@ -1,0 +1,82 @@
+//! Raw all-reduce sweep, Rust side: `ProcessGroup::all_reduce` (sum, float32) from 1 KiB
+//! to 64 MiB in ×4 steps. `bench/python/allreduce_bench.py` is the same sweep over
+//! `torch.distributed.all_reduce`; `scripts/bench.sh` runs both and compares them.
+//!
+//! ```text
+//! tchrun --nproc-per-node 2 target/release/allreduce
+//! ```
+//!
+//! For each size: `--warmup` all-reduces, a barrier, then `iterations(bytes)`
+//! all-reduces back to back, timed on every rank; the time of one all-reduce is the
+//! slowest rank's mean. Rank 0 prints one `BENCH {json}` line per size with algbw
+//! (bytes / time) and busbw (algbw × 2(n − 1)/n, as nccl-tests).
+
+use std::time::Instant;
+
+use anyhow::Result;
+use clap::Parser;
+use tch::{Kind, Tensor};
+use tch_distributed::ReduceOp;
+
+#[derive(Parser)]
+#[command(about = "All-reduce bandwidth sweep (Rust side; see bench/python/allreduce_bench.py)")]
+struct Args {
+    /// Smallest message in bytes.
+    #[arg(long, default_value_t = 1 << 10)]
+    min_bytes: usize,
+    /// Largest message in bytes.
+    #[arg(long, default_value_t = 64 << 20)]
+    max_bytes: usize,
+    /// Untimed all-reduces per size.
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Bytes all-reduced per size and rank, in all (sets the repetitions; at least 10,
+    /// at most 2,000).
+    #[arg(long, default_value_t = 512 << 20)]
+    volume: usize,
+}
+
+/// Repetitions for a size: `volume / bytes`, clamped to 10..=2000 (the Python side uses
+/// the same rule).
+fn iterations(bytes: usize, volume: usize) -> usize {
+    (volume / bytes).clamp(10, 2000)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    tch::set_num_threads(1);
+    let ctx = tch_distributed::init()?;
+    let group = ctx.process_group();
+    let world = ctx.world_size();
+    let mut bytes = args.min_bytes;
+    while bytes <= args.max_bytes {
+        let mut t = Tensor::zeros([(bytes / 4) as i64], (Kind::Float, ctx.device()));
+        for _ in 0..args.warmup {
+            group.all_reduce(&mut t, ReduceOp::Sum)?;
+        }
+        let n = iterations(bytes, args.volume);
+        group.barrier()?;
+        let start = Instant::now();
+        for _ in 0..n {
+            group.all_reduce(&mut t, ReduceOp::Sum)?;
+        }
+        let mine = Tensor::from_slice(&[start.elapsed().as_secs_f64() / n as f64]);
+        let every = group.all_gather(&mine)?;
+        let secs = every.iter().map(|t| t.double_value(&[0])).fold(0.0, f64::max);
+        if ctx.is_main_process() {
+            let algbw = bytes as f64 / secs;
+            let report = serde_json::json!({
+                "side": "rust",
+                "world": world,
+                "bytes": bytes,
+                "iterations": n,
+                "seconds": secs,
+                "algbw": algbw,
+                "busbw": algbw * 2.0 * (world as f64 - 1.0) / world as f64,
+            });
+            println!("BENCH {report}");
+        }
+        bytes *= 4;
+    }
+    Ok(())
+}

@@ -1,0 +1,248 @@
+"""PyTorch side of the DDP benchmarks: the same models, data and step as bench/ddp.rs.
+
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 \
+        bench/python/ddp_bench.py --workload mlp
+
+One intra-op thread per rank, gloo, DistributedDataParallel with bucket_cap_mb=25 and
+SGD. Rank 0 prints one line `BENCH {json}` with every rank's timings (see bench/ddp.rs for
+the fields; both sides print the same ones).
+"""
+
+import argparse
+import json
+import math
+import os
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Mlp(nn.Module):
+    """784-1024-1024-10 with ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(784, 1024)
+        self.fc2 = nn.Linear(1024, 1024)
+        self.fc3 = nn.Linear(1024, 10)
+
+    def forward(self, x):
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+class Cnn(nn.Module):
+    """tch-rs's MNIST conv net (without dropout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 5)
+        self.conv2 = nn.Conv2d(32, 64, 5)
+        self.fc1 = nn.Linear(1024, 1024)
+        self.fc2 = nn.Linear(1024, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(self.conv1(x), 2)
+        x = F.max_pool2d(self.conv2(x), 2)
+        x = F.relu(self.fc1(x.view(-1, 1024)))
+        return self.fc2(x)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and a 4d GELU MLP."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.heads
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class CharTransformer(nn.Module):
+    """Token and position embeddings, `layers` blocks, final layer norm, linear head."""
+
+    def __init__(self, vocab, d=256, layers=4, heads=4, context=64):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(context, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x):
+        t = x.shape[1]
+        x = self.tok(x) + self.pos(torch.arange(t))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+class Deep(nn.Module):
+    """200 Linear(64, 64) in sequence with ReLU between."""
+
+    def __init__(self, layers=200):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(layers))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i + 1 < len(self.layers):
+                x = F.relu(x)
+        return x
+
+
+def read_text(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    index = {}  # labels in order of first appearance, as tch's TextData
+    labels = [index.setdefault(c, len(index)) for c in data]
+    return torch.tensor(labels, dtype=torch.int64), len(index)
+
+
+def workload(args):
+    """(model, list of (input, target) batches, loss function, samples per batch)."""
+    g = torch.Generator().manual_seed(1000 + args.rank)
+    pool = range(args.pool)
+    if args.workload == "mlp":
+        model = Mlp()
+        batches = [(torch.randn(args.batch, 784, generator=g),
+                    torch.randint(0, 10, (args.batch,), generator=g)) for _ in pool]
+        loss = F.cross_entropy
+    elif args.workload == "cnn":
+        model = Cnn()
+        batches = [(torch.randn(args.batch, 1, 28, 28, generator=g),
+                    torch.randint(0, 10, (args.batch,), generator=g)) for _ in pool]
+        loss = F.cross_entropy
+    elif args.workload == "transformer":
+        tokens, vocab = read_text(args.data)
+        model = CharTransformer(vocab, context=args.context)
+        batches = []
+        for _ in pool:
+            start = torch.randint(0, tokens.numel() - args.context - 1, (args.batch, 1), generator=g)
+            window = tokens[start + torch.arange(args.context + 1)]
+            batches.append((window[:, :-1], window[:, 1:]))
+
+        def loss(logits, y):
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    elif args.workload == "linear200":
+        model = Deep()
+        batches = [(torch.randn(args.batch, 64, generator=g),
+                    torch.randn(args.batch, 64, generator=g)) for _ in pool]
+        loss = F.mse_loss
+    else:
+        raise SystemExit(f"unknown workload {args.workload}")
+    return model, batches, loss
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--workload", required=True, choices=["mlp", "cnn", "transformer", "linear200"])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--nosync-steps", type=int, default=50)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--pool", type=int, default=8)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--data", default="data/tinyshakespeare.txt")
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    args.rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(42)
+    model, batches, loss_fn = workload(args)
+    params = sum(p.numel() for p in model.parameters())
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
+
+    def step(i, times):
+        x, y = batches[i % len(batches)]
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = loss_fn(ddp(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        times[0] += t1 - t0
+        times[1] += t2 - t1
+        times[2] += t3 - t2
+        return loss
+
+    scratch = [0.0] * 3
+    for i in range(args.warmup):
+        step(i, scratch)
+    dist.barrier()
+    sync = [0.0] * 3
+    start = time.perf_counter()
+    for i in range(args.steps):
+        loss = step(i, sync)
+    wall = time.perf_counter() - start
+    final_loss = loss.item()
+    # The same step under no_sync: backward without the all-reduce.
+    local = [0.0] * 3
+    with ddp.no_sync():
+        for i in range(min(args.warmup, 3)):
+            step(i, scratch)
+        for i in range(args.nosync_steps):
+            step(i, local)
+    dist.barrier()
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    mine = torch.tensor([wall, sync[0] / args.steps, sync[1] / args.steps, sync[2] / args.steps,
+                         local[1] / max(args.nosync_steps, 1), float(rss_kb), final_loss],
+                        dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    if args.rank == 0:
+        rows = torch.stack(every).tolist()
+        print("BENCH " + json.dumps(report("pytorch", args, world, params, rows)), flush=True)
+    dist.destroy_process_group()
+
+
+def report(side, args, world, params, rows):
+    """The fields both sides print; `rows` is every rank's gathered timings."""
+    wall = max(r[0] for r in rows)
+    mean = lambda k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
+    return {
+        "side": side,
+        "workload": args.workload,
+        "world": world,
+        "batch": args.batch,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "nosync_steps": args.nosync_steps,
+        "params": params,
+        "wall_s": wall,
+        "samples_per_s": world * args.batch * args.steps / wall,
+        "forward_ms": 1e3 * mean(1),
+        "backward_ms": 1e3 * mean(2),
+        "step_ms": 1e3 * mean(3),
+        "backward_nosync_ms": 1e3 * mean(4),
+        "exposed_allreduce_ms": 1e3 * (mean(2) - mean(4)),
+        "rss_mb": [r[5] / 1024 for r in rows],
+        "loss": rows[0][6],
+        "finite": all(math.isfinite(r[6]) for r in rows),
+    }
+
+
+if __name__ == "__main__":
+    main()
