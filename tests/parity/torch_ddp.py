@@ -1,0 +1,92 @@
+"""PyTorch's side of tests/tests/parity.rs: the training of tests/src/bin/parity_worker.rs
+with torch.nn.parallel.DistributedDataParallel on 2 ranks over gloo.
+
+    python torch_ddp.py DIR
+
+Reads DIR/init.safetensors (the weights, under the VarStore's names) and
+DIR/data.safetensors (x: 64 x 8, y: 64 x 4); trains l1: Linear(8, 32) -> tanh ->
+l2: Linear(32, 4) once with torch.optim.SGD(lr=0.05, momentum=0.9) and once with
+torch.optim.Adam(lr=0.01), 100 steps each: 25 epochs of the 8 batches of 8 rows in
+order, rank r taking batches r, r + 2, r + 4, r + 6 of each epoch (what #[distributed]
+gives each rank of tch's Iter2). After steps 1, 10 and 100 rank 0 writes the
+parameters to DIR/torch-{sgd,adam}-{step}.safetensors.
+
+The two ranks are forked from this process (one import of torch) and meet through a
+FileStore in DIR (no port to pick).
+"""
+
+import ctypes
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+import safetensors
+from safetensors.torch import load_file
+from torch.nn.parallel import DistributedDataParallel
+
+WORLD_SIZE = 2
+BATCH = 8
+EPOCHS = 25
+SAVED_STEPS = (1, 10, 100)
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(8, 32)
+        self.l2 = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+def save_file(tensors, path):
+    """safetensors.torch.save_file without numpy, which the venv does not have:
+    the float32 tensors' bytes go to safetensors' own writer."""
+    def entry(t):
+        assert t.dtype == torch.float32 and t.is_contiguous()
+        data = ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
+        return {"dtype": "float32", "shape": list(t.shape), "data": data}
+
+    safetensors.serialize_file({n: entry(t) for n, t in tensors.items()}, path)
+
+
+def optimizer(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def run(rank, out):
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(out, "torch-store"), WORLD_SIZE)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE)
+    data = load_file(os.path.join(out, "data.safetensors"))
+    xs, ys = data["x"], data["y"]
+    batches = xs.shape[0] // BATCH
+    for kind in ("sgd", "adam"):
+        model = Mlp()
+        model.load_state_dict(load_file(os.path.join(out, "init.safetensors")))
+        ddp = DistributedDataParallel(model)
+        opt = optimizer(kind, ddp.parameters())
+        step = 0
+        for _epoch in range(EPOCHS):
+            for b in range(rank, batches, WORLD_SIZE):
+                x, y = xs[b * BATCH : (b + 1) * BATCH], ys[b * BATCH : (b + 1) * BATCH]
+                opt.zero_grad()
+                F.mse_loss(ddp(x), y).backward()
+                opt.step()
+                step += 1
+                if step in SAVED_STEPS and rank == 0:
+                    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+                    save_file(params, os.path.join(out, f"torch-{kind}-{step}.safetensors"))
+        assert step == 100, step
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.start_processes(run, args=(sys.argv[1],), nprocs=WORLD_SIZE, start_method="fork")
