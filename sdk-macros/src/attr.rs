@@ -139,7 +139,9 @@ impl Parse for Options {
                         input,
                         "mixed_precision = \"bf16\"",
                         &["no", "bf16", "fp16", "auto"],
-                        |value| format!("unknown mixed precision {value:?}: use \"no\", \"bf16\", \"fp16\" or \"auto\" (bf16 on GPUs of compute capability 8.0 or more, fp16 below)"),
+                        |value| {
+                            format!("unknown mixed precision {value:?}: use \"no\", \"bf16\", \"fp16\" or \"auto\" (bf16 on GPUs of compute capability 8.0 or more, fp16 below)")
+                        },
                     )?);
                 }
                 "grad_accum" => {

@@ -3,8 +3,8 @@
 use proc_macro2::TokenStream;
 use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
-use syn::visit_mut::{self, VisitMut};
 use syn::visit::{self, Visit};
+use syn::visit_mut::{self, VisitMut};
 use syn::{parse_quote, Expr, ItemFn};
 
 use crate::attr::Options;
@@ -46,9 +46,7 @@ struct Finds<'a> {
 
 impl<'ast> Visit<'ast> for Finds<'_> {
     fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
-        if self.names.iter().any(|n| m.method == n)
-            && self.args.is_none_or(|a| a == m.args.len())
-        {
+        if self.names.iter().any(|n| m.method == n) && self.args.is_none_or(|a| a == m.args.len()) {
             self.found = true;
         }
         visit::visit_expr_method_call(self, m);

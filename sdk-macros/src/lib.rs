@@ -28,15 +28,29 @@ fn entry(
             return emit_with_error(item, e);
         }
     };
-    let result = syn::parse2::<attr::Options>(args).and_then(|options| {
-        validate::validate(&func)?;
-        expand::expand(options, func)
+    // Every error is reported; the function is still emitted (expanded with the
+    // default options when they did not parse, or as written when it cannot be
+    // expanded or is `const`/`async`), so that the rest of the program type-checks as
+    // it will once the errors are fixed, and IDEs keep working.
+    let mut errors: Vec<syn::Error> = Vec::new();
+    let options = syn::parse2::<attr::Options>(args).unwrap_or_else(|e| {
+        errors.push(e);
+        attr::Options::default()
     });
-    match result {
-        Ok(tokens) => tokens,
-        // The user's function is still emitted so that IDEs keep working.
-        Err(e) => emit_with_error(item, e),
+    if let Err(e) = validate::validate(&func) {
+        errors.push(e);
     }
+    let (tokens, expand_error) = if func.sig.constness.is_some() || func.sig.asyncness.is_some() {
+        (item, None)
+    } else {
+        match expand::expand(options, func) {
+            Ok(tokens) => (tokens, None),
+            Err(e) => (item, Some(e)),
+        }
+    };
+    errors.extend(expand_error);
+    let errors = errors.iter().map(syn::Error::to_compile_error);
+    quote::quote!(#(#errors)* #tokens)
 }
 
 fn emit_with_error(item: proc_macro2::TokenStream, e: syn::Error) -> proc_macro2::TokenStream {

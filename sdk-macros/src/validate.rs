@@ -31,7 +31,10 @@ fn collective(method: &str, args: usize) -> Option<&'static str> {
         ("build", 2) => {
             "building the optimizer wraps the model in DDP, which broadcasts rank 0's parameters to every rank"
         }
-        ("backward", 0)
+        ("save_state", 3) | ("load_state", 2) => {
+            "every rank writes or reads its part of a checkpoint (the ranks agree on it with collectives)"
+        }
+        ("backward", 0 | 1)
         | ("backward_step", 1)
         | ("backward_step_clip", 2)
         | ("backward_step_clip_norm", 2) => {
