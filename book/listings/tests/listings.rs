@@ -174,49 +174,60 @@ fn two_nodes_by_hand_on_one_machine() {
     );
 }
 
-#[test]
-fn slurm_script_with_stand_ins_for_srun_and_scontrol() {
-    let dir = scratch_dir("slurm");
+/// Runs `slurm/<script>` on `hello_ranks` with `stand_ins` (name, shell body) ahead of
+/// the real commands on PATH, and checks that two ranks met.
+fn sbatch_with_stand_ins(
+    name: &str,
+    script: &str,
+    stand_ins: &[(&str, String)],
+    env: &[(&str, String)],
+) {
+    let dir = scratch_dir(name);
     let bin = dir.join("bin");
     fs::create_dir_all(&bin).unwrap();
-    let script = |name: &str, body: &str| {
-        let path = bin.join(name);
-        fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+    for (command, body) in stand_ins {
+        let path = bin.join(command);
+        fs::write(&path, format!("#!/bin/bash\n{body}\n")).unwrap();
         Command::new("chmod").arg("+x").arg(&path).status().unwrap();
-    };
-    // One node: srun runs its command once, as node 0 of 1.
-    script("srun", "SLURM_NODEID=0 exec \"$@\"");
-    script("scontrol", "echo 127.0.0.1");
+    }
     fs::copy(tchrun(), bin.join("tchrun")).unwrap();
     let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
     let mut cmd = command("bash");
-    cmd.arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("slurm/train.sbatch"))
-        .arg(env!("CARGO_BIN_EXE_hello_ranks"))
-        .env("PATH", path)
-        .env("SLURM_JOB_NODELIST", "node[01-02]")
-        .env("SLURM_NNODES", "1")
-        .env("SLURM_GPUS_ON_NODE", "2")
-        .env("MASTER_PORT", free_port().to_string());
+    cmd.arg(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("slurm")
+            .join(script),
+    )
+    .arg(env!("CARGO_BIN_EXE_hello_ranks"))
+    .env("PATH", path)
+    .envs(env.iter().map(|(k, v)| (k, v)));
     let run = run_ok(cmd, &dir);
-    assert!(
-        run.stdout.contains("rank 1 of 2: local rank 1"),
-        "{}",
-        run.stdout
-    );
-    assert!(
-        run.stdout.contains("all_reduce: 3 (expected 3)"),
-        "{}",
-        run.stdout
+    for expected in ["rank 1 of 2: local rank 1", "all_reduce: 3 (expected 3)"] {
+        assert!(run.stdout.contains(expected), "{script}: {}", run.stdout);
+    }
+}
+
+#[test]
+fn slurm_script_with_stand_ins_for_srun_and_scontrol() {
+    // One node: srun runs its command once, as node 0 of 1.
+    sbatch_with_stand_ins(
+        "slurm",
+        "train.sbatch",
+        &[
+            ("srun", "SLURM_NODEID=0 exec \"$@\"".into()),
+            ("scontrol", "echo 127.0.0.1".into()),
+        ],
+        &[
+            ("SLURM_JOB_NODELIST", "node[01-02]".into()),
+            ("SLURM_NNODES", "1".into()),
+            ("SLURM_GPUS_ON_NODE", "2".into()),
+            ("MASTER_PORT", free_port().to_string()),
+        ],
     );
 }
 
 #[test]
 fn srun_script_with_a_stand_in_srun_that_starts_the_tasks() {
-    let dir = scratch_dir("srun");
-    let bin = dir.join("bin");
-    fs::create_dir_all(&bin).unwrap();
-    // srun on one node with 2 tasks: each task gets SLURM's variables, as srun sets them.
-    let srun = bin.join("srun");
     // A job id whose port (15000 + its last 4 digits) is free.
     let start = std::process::id() as u16 % 10_000;
     let port = (0..10_000u16)
@@ -224,36 +235,16 @@ fn srun_script_with_a_stand_in_srun_that_starts_the_tasks() {
         .find(|&p| TcpListener::bind(("127.0.0.1", p)).is_ok())
         .expect("a free port in 15000..25000");
     let job = 70_000 + u32::from(port - 15_000);
-    fs::write(
-        &srun,
-        format!(
-            "#!/bin/bash\n\
-             for task in 0 1; do\n\
-               SLURM_PROCID=$task SLURM_LOCALID=$task SLURM_NODEID=0 SLURM_STEP_NUM_TASKS=2 \\\n\
-               SLURM_STEP_TASKS_PER_NODE='2(x1)' SLURM_STEP_NODELIST=localhost SLURM_JOB_ID={job} \\\n\
-               \"$@\" & pids=\"$pids $!\"\n\
-             done\n\
-             for p in $pids; do wait $p || exit 1; done\n"
-        ),
-    )
-    .unwrap();
-    Command::new("chmod").arg("+x").arg(&srun).status().unwrap();
-    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
-    let mut cmd = command("bash");
-    cmd.arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("slurm/srun.sbatch"))
-        .arg(env!("CARGO_BIN_EXE_hello_ranks"))
-        .env("PATH", path);
-    let run = run_ok(cmd, &dir);
-    assert!(
-        run.stdout.contains("rank 1 of 2: local rank 1"),
-        "{}",
-        run.stdout
+    // srun on one node with 2 tasks: each task gets SLURM's variables, as srun sets them.
+    let srun = format!(
+        "for task in 0 1; do\n\
+           SLURM_PROCID=$task SLURM_LOCALID=$task SLURM_NODEID=0 SLURM_STEP_NUM_TASKS=2 \\\n\
+           SLURM_STEP_TASKS_PER_NODE='2(x1)' SLURM_STEP_NODELIST=localhost SLURM_JOB_ID={job} \\\n\
+           \"$@\" & pids=\"$pids $!\"\n\
+         done\n\
+         for p in $pids; do wait $p || exit 1; done"
     );
-    assert!(
-        run.stdout.contains("all_reduce: 3 (expected 3)"),
-        "{}",
-        run.stdout
-    );
+    sbatch_with_stand_ins("srun", "srun.sbatch", &[("srun", srun)], &[]);
 }
 
 #[test]
