@@ -8,7 +8,8 @@
 //!
 //! For each size: `--warmup` all-reduces, a barrier, then `iterations(bytes)`
 //! all-reduces back to back, timed on every rank; the time of one all-reduce is the
-//! slowest rank's mean. Rank 0 prints one `BENCH {json}` line per size with algbw
+//! slowest rank's mean (and the CPU time per all-reduce, the ranks' mean, all threads).
+//! Rank 0 prints one `BENCH {json}` line per size with algbw
 //! (bytes / time) and busbw (algbw × 2(n − 1)/n, as nccl-tests).
 
 use std::time::Instant;
@@ -42,6 +43,14 @@ fn iterations(bytes: usize, volume: usize) -> usize {
     (volume / bytes).clamp(10, 2000)
 }
 
+/// User and system CPU seconds of this process so far (all its threads).
+fn cpu_seconds() -> f64 {
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    secs(u.ru_utime) + secs(u.ru_stime)
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     tch::set_num_threads(1);
@@ -56,13 +65,17 @@ fn main() -> Result<()> {
         }
         let n = iterations(bytes, args.volume);
         group.barrier()?;
-        let start = Instant::now();
+        let (start, cpu_start) = (Instant::now(), cpu_seconds());
         for _ in 0..n {
             group.all_reduce(&mut t, ReduceOp::Sum)?;
         }
-        let mine = Tensor::from_slice(&[start.elapsed().as_secs_f64() / n as f64]);
+        let mine = Tensor::from_slice(&[
+            start.elapsed().as_secs_f64() / n as f64,
+            (cpu_seconds() - cpu_start) / n as f64,
+        ]);
         let every = group.all_gather(&mine)?;
         let secs = every.iter().map(|t| t.double_value(&[0])).fold(0.0, f64::max);
+        let cpu = every.iter().map(|t| t.double_value(&[1])).sum::<f64>() / world as f64;
         if ctx.is_main_process() {
             let algbw = bytes as f64 / secs;
             let report = serde_json::json!({
@@ -71,6 +84,7 @@ fn main() -> Result<()> {
                 "bytes": bytes,
                 "iterations": n,
                 "seconds": secs,
+                "cpu_seconds": cpu,
                 "algbw": algbw,
                 "busbw": algbw * 2.0 * (world as f64 - 1.0) / world as f64,
             });

@@ -21,9 +21,11 @@
 //! backward (which under DDP ends by waiting for the last bucket's all-reduce), and the
 //! optimizer step. After `--warmup` steps come `--steps` measured steps, then
 //! `--nosync-steps` more whose backward runs under DDP's `no_sync` (no all-reduce).
-//! The all-reduce time left exposed after backward is the difference of the two mean
-//! backward times. Rank 0 prints `BENCH {json}` with every rank's figures (the same
-//! fields as the Python side).
+//! Every figure is a median over steps, which a shared machine's bursts of other load
+//! disturb least: samples/s is world size × batch / the slowest rank's median step;
+//! the all-reduce time left exposed after backward is the median backward minus the
+//! median backward under `no_sync` (each averaged over ranks). Rank 0 prints
+//! `BENCH {json}` with these figures (the same fields as the Python side).
 
 use std::time::Instant;
 
@@ -337,12 +339,24 @@ impl Workbench {
 
 // ---------------------------------------------------------------- the training function
 
-/// Seconds spent in each phase of a step, summed over steps.
+/// Seconds of each phase of every step of a run: forward (with `zero_grad` and the
+/// loss), backward, optimizer step.
 #[derive(Default)]
 struct Phases {
-    forward: f64,
-    backward: f64,
-    step: f64,
+    forward: Vec<f64>,
+    backward: Vec<f64>,
+    step: Vec<f64>,
+    total: Vec<f64>,
+}
+
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 #[tch_distributed::distributed(bucket_cap_mb = 25)]
@@ -356,17 +370,17 @@ fn train(args: &Args) -> Result<()> {
     let mut opt = nn::Sgd::default().build(&vs, args.lr)?;
 
     // Warm-up, timed steps, no_sync warm-up, timed no_sync steps.
-    let phases = [
+    let runs = [
         (args.warmup, false),
         (args.steps, false),
         (args.warmup.min(3), true),
         (args.nosync_steps, true),
     ];
-    let mut timed = [Phases::default(), Phases::default(), Phases::default(), Phases::default()];
-    let (mut wall, mut last_loss) = (0.0, f64::NAN);
-    for (phase, &(steps, local)) in phases.iter().enumerate() {
+    let mut timed: Vec<Phases> = runs.iter().map(|_| Phases::default()).collect();
+    let (mut wall, mut cpu, mut last_loss) = (0.0, 0.0, f64::NAN);
+    for (run, &(steps, local)) in runs.iter().enumerate() {
         ctx.barrier()?;
-        let start = Instant::now();
+        let (start, cpu_start) = (Instant::now(), cpu_seconds());
         for i in 0..steps {
             let (xs, ys) = &bench.batches[i % bench.batches.len()];
             let t0 = Instant::now();
@@ -384,28 +398,30 @@ fn train(args: &Args) -> Result<()> {
             let t2 = Instant::now();
             opt.step();
             let t3 = Instant::now();
-            let p = &mut timed[phase];
-            p.forward += (t1 - t0).as_secs_f64();
-            p.backward += (t2 - t1).as_secs_f64();
-            p.step += (t3 - t2).as_secs_f64();
-            if phase == 1 && i + 1 == steps {
+            let p = &mut timed[run];
+            p.forward.push((t1 - t0).as_secs_f64());
+            p.backward.push((t2 - t1).as_secs_f64());
+            p.step.push((t3 - t2).as_secs_f64());
+            p.total.push((t3 - t0).as_secs_f64());
+            if run == 1 && i + 1 == steps {
                 last_loss = loss.double_value(&[]);
             }
         }
-        if phase == 1 {
-            wall = start.elapsed().as_secs_f64();
+        if run == 1 {
+            (wall, cpu) = (start.elapsed().as_secs_f64(), cpu_seconds() - cpu_start);
         }
     }
     ctx.barrier()?;
     let (sync, local) = (&timed[1], &timed[3]);
-    let per = |s: f64, n: usize| s / n.max(1) as f64;
     let mine = Tensor::from_slice(&[
         wall,
-        per(sync.forward, args.steps),
-        per(sync.backward, args.steps),
-        per(sync.step, args.steps),
-        per(local.backward, args.nosync_steps),
+        median(&sync.total),
+        median(&sync.forward),
+        median(&sync.backward),
+        median(&sync.step),
+        median(&local.backward),
         peak_rss_kb(),
+        cpu,
         last_loss,
     ]);
     let every = ctx.process_group().all_gather(&mine)?;
@@ -419,7 +435,10 @@ fn train(args: &Args) -> Result<()> {
     Ok(())
 }
 
-/// The fields both sides print; `rows` are every rank's gathered timings.
+/// The fields both sides print; `rows` are every rank's gathered figures: wall
+/// seconds of the timed steps, median seconds of a step and of its forward, backward
+/// and optimizer step, median backward under `no_sync`, peak RSS (KiB), CPU seconds
+/// of the timed steps, last loss.
 fn report(
     args: &Args,
     world: usize,
@@ -427,8 +446,9 @@ fn report(
     rows: &[Vec<f64>],
     buckets: Option<Vec<usize>>,
 ) -> serde_json::Value {
-    let wall = rows.iter().map(|r| r[0]).fold(0.0, f64::max);
+    let max = |k: usize| rows.iter().map(|r| r[k]).fold(f64::NAN, f64::max);
     let mean = |k: usize| rows.iter().map(|r| r[k]).sum::<f64>() / rows.len() as f64;
+    let samples = (world as f64) * (args.batch as f64);
     serde_json::json!({
         "side": "rust",
         "workload": format!("{:?}", args.workload).to_lowercase(),
@@ -438,26 +458,40 @@ fn report(
         "steps": args.steps,
         "nosync_steps": args.nosync_steps,
         "params": params,
-        "wall_s": wall,
-        "samples_per_s": (world as f64) * (args.batch as f64) * (args.steps as f64) / wall,
-        "forward_ms": 1e3 * mean(1),
-        "backward_ms": 1e3 * mean(2),
-        "step_ms": 1e3 * mean(3),
-        "backward_nosync_ms": 1e3 * mean(4),
-        "exposed_allreduce_ms": 1e3 * (mean(2) - mean(4)),
-        "rss_mb": rows.iter().map(|r| r[5] / 1024.0).collect::<Vec<_>>(),
-        "loss": rows[0][6],
-        "finite": rows.iter().all(|r| r[6].is_finite()),
+        "wall_s": max(0),
+        "samples_per_s": samples / max(1),
+        "samples_per_s_wall": samples * (args.steps as f64) / max(0),
+        "step_ms": 1e3 * max(1),
+        "forward_ms": 1e3 * mean(2),
+        "backward_ms": 1e3 * mean(3),
+        "optimizer_ms": 1e3 * mean(4),
+        "backward_nosync_ms": 1e3 * mean(5),
+        "exposed_allreduce_ms": 1e3 * (mean(3) - mean(5)),
+        "rss_mb": rows.iter().map(|r| r[6] / 1024.0).collect::<Vec<_>>(),
+        "cpu_ms_per_step": 1e3 * mean(7) / args.steps.max(1) as f64,
+        "loss": rows[0][8],
+        "finite": rows.iter().all(|r| r[8].is_finite()),
         "buckets": buckets,
     })
+}
+
+/// User and system CPU seconds of this process so far (all its threads).
+fn cpu_seconds() -> f64 {
+    let u = rusage();
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    secs(u.ru_utime) + secs(u.ru_stime)
+}
+
+fn rusage() -> libc::rusage {
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+    usage
 }
 
 /// Peak resident set size of this process in KiB (`getrusage`'s `ru_maxrss`, as
 /// Python's `resource.getrusage(RUSAGE_SELF).ru_maxrss`).
 fn peak_rss_kb() -> f64 {
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
-    usage.ru_maxrss as f64
+    rusage().ru_maxrss as f64
 }
 
 fn main() -> Result<()> {

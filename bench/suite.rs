@@ -65,32 +65,32 @@ const WORKLOADS: &[Workload] = &[
         what: "MLP 784-1024-1024-10, batch 64",
         batch: 64,
         warmup: 20,
-        steps: 300,
-        nosync_steps: 150,
+        steps: 200,
+        nosync_steps: 100,
     },
     Workload {
         name: "cnn",
         what: "MNIST CNN (2 conv + 2 fc), batch 64",
         batch: 64,
         warmup: 5,
-        steps: 60,
-        nosync_steps: 30,
+        steps: 40,
+        nosync_steps: 20,
     },
     Workload {
         name: "transformer",
         what: "char transformer 3.2 M params, 16 × 64 tokens",
         batch: 16,
         warmup: 3,
-        steps: 20,
-        nosync_steps: 10,
+        steps: 12,
+        nosync_steps: 8,
     },
     Workload {
         name: "linear200",
         what: "200 × Linear(64, 64), batch 64",
         batch: 64,
         warmup: 20,
-        steps: 300,
-        nosync_steps: 150,
+        steps: 200,
+        nosync_steps: 100,
     },
 ];
 
@@ -106,7 +106,16 @@ impl Tools {
     /// The command of one side's run on `ranks` ranks of `program` (a binary next to
     /// this one, or a script under bench/python).
     fn command(&self, side: &str, ranks: usize, program: &str, args: &[String]) -> Command {
-        let mut cmd = if side == "rust" {
+        let mut cmd = if side == "rust-torchrun" {
+            // The Rust binary under PyTorch's launcher, to tell the launcher's share.
+            let mut c = Command::new(&self.python);
+            c.args(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"])
+                .arg(ranks.to_string())
+                .arg("--no-python")
+                .arg(self.bin.join(program))
+                .env("PYTHONWARNINGS", "ignore::UserWarning");
+            c
+        } else if side == "rust" {
             let mut c = Command::new(self.bin.join("tchrun"));
             c.arg("--nproc-per-node")
                 .arg(ranks.to_string())
@@ -116,7 +125,9 @@ impl Tools {
             let mut c = Command::new(&self.python);
             c.args(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"])
                 .arg(ranks.to_string())
-                .arg(self.root.join("bench/python").join(format!("{program}_bench.py")));
+                .arg(self.root.join("bench/python").join(format!("{program}_bench.py")))
+                // torch warns at import that numpy is missing; the benchmarks need none.
+                .env("PYTHONWARNINGS", "ignore::UserWarning");
             c
         };
         cmd.args(args)
@@ -232,22 +243,24 @@ fn main() -> Result<()> {
                         .pop()
                         .with_context(|| format!("{side} {} printed no result", w.name))?;
                     eprintln!(
-                        "[{:5.0} s] {:11} {n} rank{} {:7}: {:>9} samples/s, backward {:.2} ms ({:.2} ms under no_sync), peak RSS {:.0} MiB ({:.0} s)",
+                        "[{:5.0} s] {:11} {n} rank{} {:7}: {:>9} samples/s | step {:.2} ms = forward {:.2} + backward {:.2} (no_sync {:.2}) + optimizer {:.2} | CPU {:.2} ms/step | RSS {:.0} MiB | {:.0} s",
                         started.elapsed().as_secs_f64(),
                         w.name,
                         if n == 1 { " " } else { "s" },
                         side,
                         thousands(f(&run, "samples_per_s")),
+                        f(&run, "step_ms"),
+                        f(&run, "forward_ms"),
                         f(&run, "backward_ms"),
                         f(&run, "backward_nosync_ms"),
+                        f(&run, "optimizer_ms"),
+                        f(&run, "cpu_ms_per_step"),
                         run["rss_mb"].as_array().map_or(f64::NAN, |r| r[0].as_f64().unwrap_or(f64::NAN)),
                         t.elapsed().as_secs_f64(),
                     );
                     let key = (w.name.to_string(), n, side.to_string());
-                    if best
-                        .get(&key)
-                        .map_or(true, |b| f(b, "samples_per_s") < f(&run, "samples_per_s"))
-                    {
+                    let faster = |b: &Value| f(&run, "samples_per_s") > f(b, "samples_per_s");
+                    if best.get(&key).map(faster) != Some(false) {
                         best.insert(key, run.clone());
                     }
                     raw.push(run);
@@ -260,7 +273,11 @@ fn main() -> Result<()> {
     let mut sweep: BTreeMap<(u64, String), Value> = BTreeMap::new();
     if only.contains(&"allreduce") {
         for round in 0..args.rounds {
-            let order = if round % 2 == 0 { SIDES } else { [SIDES[1], SIDES[0]] };
+            let order = if round % 2 == 0 {
+                ["rust", "pytorch", "rust-torchrun"]
+            } else {
+                ["pytorch", "rust", "rust-torchrun"]
+            };
             for side in order {
                 let t = Instant::now();
                 let lines = tools.run(tools.command(side, 2, "allreduce", &[]))?;
@@ -272,10 +289,8 @@ fn main() -> Result<()> {
                 );
                 for l in lines {
                     let key = (l["bytes"].as_u64().unwrap_or(0), side.to_string());
-                    if sweep
-                        .get(&key)
-                        .map_or(true, |b| f(b, "seconds") > f(&l, "seconds"))
-                    {
+                    let faster = |b: &Value| f(&l, "seconds") < f(b, "seconds");
+                    if sweep.get(&key).map(faster) != Some(false) {
                         sweep.insert(key, l.clone());
                     }
                     raw.push(l);
@@ -304,7 +319,7 @@ fn print_tables(
         .filter(|w| ranks.iter().any(|&n| get(w.name, n, "rust").is_some()))
         .collect();
     if !workloads.is_empty() {
-        println!("\n### Throughput (samples/s, all ranks together)\n");
+        println!("\n### Throughput (samples/s of all ranks: world size × batch / median step)\n");
         println!("| workload | ranks | Rust | PyTorch | Rust / PyTorch |");
         println!("|---|---|---|---|---|");
         for w in &workloads {
@@ -317,6 +332,35 @@ fn print_tables(
                         thousands(r),
                         thousands(p),
                         r / p
+                    );
+                }
+            }
+        }
+    }
+    if !workloads.is_empty() {
+        println!("\n### Median step (ms) = forward + backward + optimizer; CPU time per step (ms, all threads)\n");
+        println!("| workload | ranks | Rust step | PyTorch step | Rust fwd / bwd / opt | PyTorch fwd / bwd / opt | Rust CPU | PyTorch CPU |");
+        println!("|---|---|---|---|---|---|---|---|");
+        for w in &workloads {
+            for &n in ranks {
+                if let (Some(r), Some(p)) = (get(w.name, n, "rust"), get(w.name, n, "pytorch")) {
+                    let phases = |v: &Value| {
+                        format!(
+                            "{:.2} / {:.2} / {:.2}",
+                            f(v, "forward_ms"),
+                            f(v, "backward_ms"),
+                            f(v, "optimizer_ms")
+                        )
+                    };
+                    println!(
+                        "| {} | {n} | {:.2} | {:.2} | {} | {} | {:.2} | {:.2} |",
+                        w.name,
+                        f(r, "step_ms"),
+                        f(p, "step_ms"),
+                        phases(r),
+                        phases(p),
+                        f(r, "cpu_ms_per_step"),
+                        f(p, "cpu_ms_per_step"),
                     );
                 }
             }
@@ -367,8 +411,8 @@ fn print_tables(
     }
     if !sweep.is_empty() {
         println!("\n### All-reduce, 2 ranks, gloo, float32 sum (GB/s = 10^9 bytes/s)\n");
-        println!("| size | Rust algbw | PyTorch algbw | Rust busbw | PyTorch busbw | Rust / PyTorch |");
-        println!("|---|---|---|---|---|---|");
+        println!("| size | Rust algbw | PyTorch algbw | Rust busbw | PyTorch busbw | Rust / PyTorch | Rust under torchrun algbw | Rust µs / PyTorch µs per all-reduce |");
+        println!("|---|---|---|---|---|---|---|---|");
         let sizes: std::collections::BTreeSet<u64> = sweep.keys().map(|k| k.0).collect();
         for b in sizes {
             let (Some(r), Some(p)) = (
@@ -377,14 +421,20 @@ fn print_tables(
             ) else {
                 continue;
             };
+            let under_torchrun = sweep
+                .get(&(b, "rust-torchrun".to_string()))
+                .map_or("–".to_string(), |t| format!("{:.3}", f(t, "algbw") / 1e9));
             println!(
-                "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} |",
+                "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.2}× | {} | {:.0} / {:.0} |",
                 size(b),
                 f(r, "algbw") / 1e9,
                 f(p, "algbw") / 1e9,
                 f(r, "busbw") / 1e9,
                 f(p, "busbw") / 1e9,
                 f(r, "algbw") / f(p, "algbw"),
+                under_torchrun,
+                1e6 * f(r, "seconds"),
+                1e6 * f(p, "seconds"),
             );
         }
     }

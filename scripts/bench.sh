@@ -12,8 +12,11 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
 export OMP_NUM_THREADS=1
 TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
-bench="${1:-all}"
-shift || true
+bench=all
+if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then
+  bench="$1"
+  shift
+fi
 case "$bench" in
   all | suite)
     DATA="$ROOT/data/tinyshakespeare.txt"

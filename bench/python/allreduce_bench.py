@@ -7,6 +7,7 @@ bench/allreduce.rs, over torch.distributed.all_reduce (gloo, float32, sum).
 
 import argparse
 import json
+import resource
 import time
 
 import torch
@@ -16,6 +17,12 @@ import torch.distributed as dist
 def iterations(nbytes, volume):
     """Repetitions for a size: volume / bytes, clamped to 10..2000 (as the Rust side)."""
     return min(max(volume // nbytes, 10), 2000)
+
+
+def cpu_seconds():
+    """User and system CPU seconds of this process so far (all its threads)."""
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
 
 
 def main():
@@ -35,13 +42,15 @@ def main():
             dist.all_reduce(t)
         n = iterations(nbytes, args.volume)
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), cpu_seconds()
         for _ in range(n):
             dist.all_reduce(t)
-        mine = torch.tensor([(time.perf_counter() - start) / n], dtype=torch.float64)
+        mine = torch.tensor([(time.perf_counter() - start) / n, (cpu_seconds() - cpu_start) / n],
+                            dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(every, mine)
-        secs = max(e.item() for e in every)
+        secs = max(e[0].item() for e in every)
+        cpu = sum(e[1].item() for e in every) / world
         if rank == 0:
             algbw = nbytes / secs
             print("BENCH " + json.dumps({
@@ -50,6 +59,7 @@ def main():
                 "bytes": nbytes,
                 "iterations": n,
                 "seconds": secs,
+                "cpu_seconds": cpu,
                 "algbw": algbw,
                 "busbw": algbw * 2 * (world - 1) / world,
             }), flush=True)

@@ -4,15 +4,17 @@
         bench/python/ddp_bench.py --workload mlp
 
 One intra-op thread per rank, gloo, DistributedDataParallel with bucket_cap_mb=25 and
-SGD. Rank 0 prints one line `BENCH {json}` with every rank's timings (see bench/ddp.rs for
-the fields; both sides print the same ones).
+SGD; the same phases, runs and medians as bench/ddp.rs. Rank 0 prints one line
+`BENCH {json}` with the same fields as the Rust side.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import resource
+import statistics
 import time
 
 import torch
@@ -173,7 +175,7 @@ def main():
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
 
-    def step(i, times):
+    def step(i, phases):
         x, y = batches[i % len(batches)]
         t0 = time.perf_counter()
         opt.zero_grad()
@@ -183,45 +185,66 @@ def main():
         t2 = time.perf_counter()
         opt.step()
         t3 = time.perf_counter()
-        times[0] += t1 - t0
-        times[1] += t2 - t1
-        times[2] += t3 - t2
+        for k, t in zip(("forward", "backward", "step", "total"), (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+            phases[k].append(t)
         return loss
 
-    scratch = [0.0] * 3
-    for i in range(args.warmup):
-        step(i, scratch)
+    def phases():
+        return {"forward": [], "backward": [], "step": [], "total": []}
+
+    # Warm-up, timed steps, no_sync warm-up, timed no_sync steps.
+    runs = [(args.warmup, False), (args.steps, False), (min(args.warmup, 3), True),
+            (args.nosync_steps, True)]
+    timed = [phases() for _ in runs]
+    for run, (steps, local) in enumerate(runs):
+        dist.barrier()
+        start, cpu_start = time.perf_counter(), cpu_seconds()
+        with ddp.no_sync() if local else contextlib.nullcontext():
+            for i in range(steps):
+                loss = step(i, timed[run])
+        if run == 1:
+            wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
+            final_loss = loss.item()
     dist.barrier()
-    sync = [0.0] * 3
-    start = time.perf_counter()
-    for i in range(args.steps):
-        loss = step(i, sync)
-    wall = time.perf_counter() - start
-    final_loss = loss.item()
-    # The same step under no_sync: backward without the all-reduce.
-    local = [0.0] * 3
-    with ddp.no_sync():
-        for i in range(min(args.warmup, 3)):
-            step(i, scratch)
-        for i in range(args.nosync_steps):
-            step(i, local)
-    dist.barrier()
+    sync, local = timed[1], timed[3]
     rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    mine = torch.tensor([wall, sync[0] / args.steps, sync[1] / args.steps, sync[2] / args.steps,
-                         local[1] / max(args.nosync_steps, 1), float(rss_kb), final_loss],
+    mine = torch.tensor([wall, median(sync["total"]), median(sync["forward"]),
+                         median(sync["backward"]), median(sync["step"]),
+                         median(local["backward"]), float(rss_kb), cpu, final_loss],
                         dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
     if args.rank == 0:
         rows = torch.stack(every).tolist()
-        print("BENCH " + json.dumps(report("pytorch", args, world, params, rows)), flush=True)
+        print("BENCH " + json.dumps(report("pytorch", args, world, params, rows, buckets(ddp))),
+              flush=True)
     dist.destroy_process_group()
 
 
-def report(side, args, world, params, rows):
-    """The fields both sides print; `rows` is every rank's gathered timings."""
-    wall = max(r[0] for r in rows)
+def median(xs):
+    return statistics.median(xs) if xs else math.nan
+
+
+def cpu_seconds():
+    """User and system CPU seconds of this process so far (all its threads)."""
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+
+
+def buckets(ddp):
+    """Parameters per gradient bucket, as DDP's logging data reports them."""
+    try:
+        sizes = ddp._get_ddp_logging_data().get("bucket_sizes")
+        return sizes
+    except Exception:  # a private API: absent in some versions
+        return None
+
+
+def report(side, args, world, params, rows, buckets):
+    """The fields both sides print (see bench/ddp.rs); `rows` is every rank's figures."""
+    mx = lambda k: max(r[k] for r in rows)  # noqa: E731
     mean = lambda k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
+    samples = world * args.batch
     return {
         "side": side,
         "workload": args.workload,
@@ -231,16 +254,20 @@ def report(side, args, world, params, rows):
         "steps": args.steps,
         "nosync_steps": args.nosync_steps,
         "params": params,
-        "wall_s": wall,
-        "samples_per_s": world * args.batch * args.steps / wall,
-        "forward_ms": 1e3 * mean(1),
-        "backward_ms": 1e3 * mean(2),
-        "step_ms": 1e3 * mean(3),
-        "backward_nosync_ms": 1e3 * mean(4),
-        "exposed_allreduce_ms": 1e3 * (mean(2) - mean(4)),
-        "rss_mb": [r[5] / 1024 for r in rows],
-        "loss": rows[0][6],
-        "finite": all(math.isfinite(r[6]) for r in rows),
+        "wall_s": mx(0),
+        "samples_per_s": samples / mx(1),
+        "samples_per_s_wall": samples * args.steps / mx(0),
+        "step_ms": 1e3 * mx(1),
+        "forward_ms": 1e3 * mean(2),
+        "backward_ms": 1e3 * mean(3),
+        "optimizer_ms": 1e3 * mean(4),
+        "backward_nosync_ms": 1e3 * mean(5),
+        "exposed_allreduce_ms": 1e3 * (mean(3) - mean(5)),
+        "rss_mb": [r[6] / 1024 for r in rows],
+        "cpu_ms_per_step": 1e3 * mean(7) / max(args.steps, 1),
+        "loss": rows[0][8],
+        "finite": all(math.isfinite(r[8]) for r in rows),
+        "buckets": buckets,
     }
 
 
