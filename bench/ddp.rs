@@ -377,10 +377,12 @@ fn train(args: &Args) -> Result<()> {
         (args.nosync_steps, true),
     ];
     let mut timed: Vec<Phases> = runs.iter().map(|_| Phases::default()).collect();
-    let (mut wall, mut cpu, mut last_loss) = (0.0, 0.0, f64::NAN);
+    let (mut wall, mut last_loss) = (0.0, f64::NAN);
+    // CPU seconds and minor page faults of the timed runs (sync, no_sync).
+    let (mut cpu, mut faults) = ([0.0; 2], [0.0; 2]);
     for (run, &(steps, local)) in runs.iter().enumerate() {
         ctx.barrier()?;
-        let (start, cpu_start) = (Instant::now(), cpu_seconds());
+        let (start, cpu_start, faults_start) = (Instant::now(), cpu_seconds(), minor_faults());
         for i in 0..steps {
             let (xs, ys) = &bench.batches[i % bench.batches.len()];
             let t0 = Instant::now();
@@ -408,7 +410,11 @@ fn train(args: &Args) -> Result<()> {
             }
         }
         if run == 1 {
-            (wall, cpu) = (start.elapsed().as_secs_f64(), cpu_seconds() - cpu_start);
+            wall = start.elapsed().as_secs_f64();
+        }
+        if run % 2 == 1 {
+            cpu[run / 2] = (cpu_seconds() - cpu_start) / steps.max(1) as f64;
+            faults[run / 2] = (minor_faults() - faults_start) / steps.max(1) as f64;
         }
     }
     ctx.barrier()?;
@@ -421,8 +427,11 @@ fn train(args: &Args) -> Result<()> {
         median(&sync.step),
         median(&local.backward),
         peak_rss_kb(),
-        cpu,
+        cpu[0],
         last_loss,
+        cpu[1],
+        faults[0],
+        faults[1],
     ]);
     let every = ctx.process_group().all_gather(&mine)?;
     let rows: Vec<Vec<f64>> = every
@@ -438,7 +447,8 @@ fn train(args: &Args) -> Result<()> {
 /// The fields both sides print; `rows` are every rank's gathered figures: wall
 /// seconds of the timed steps, median seconds of a step and of its forward, backward
 /// and optimizer step, median backward under `no_sync`, peak RSS (KiB), CPU seconds
-/// of the timed steps, last loss.
+/// per step, last loss, CPU seconds per `no_sync` step, minor page faults per step and
+/// per `no_sync` step.
 fn report(
     args: &Args,
     world: usize,
@@ -468,7 +478,10 @@ fn report(
         "backward_nosync_ms": 1e3 * mean(5),
         "exposed_allreduce_ms": 1e3 * (mean(3) - mean(5)),
         "rss_mb": rows.iter().map(|r| r[6] / 1024.0).collect::<Vec<_>>(),
-        "cpu_ms_per_step": 1e3 * mean(7) / args.steps.max(1) as f64,
+        "cpu_ms_per_step": 1e3 * mean(7),
+        "cpu_ms_per_nosync_step": 1e3 * mean(9),
+        "minor_faults_per_step": mean(10),
+        "minor_faults_per_nosync_step": mean(11),
         "loss": rows[0][8],
         "finite": rows.iter().all(|r| r[8].is_finite()),
         "buckets": buckets,
@@ -480,6 +493,11 @@ fn cpu_seconds() -> f64 {
     let u = rusage();
     let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
     secs(u.ru_utime) + secs(u.ru_stime)
+}
+
+/// Minor page faults of this process so far.
+fn minor_faults() -> f64 {
+    rusage().ru_minflt as f64
 }
 
 fn rusage() -> libc::rusage {

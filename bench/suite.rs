@@ -243,7 +243,7 @@ fn main() -> Result<()> {
                         .pop()
                         .with_context(|| format!("{side} {} printed no result", w.name))?;
                     eprintln!(
-                        "[{:5.0} s] {:11} {n} rank{} {:7}: {:>9} samples/s | step {:.2} ms = forward {:.2} + backward {:.2} (no_sync {:.2}) + optimizer {:.2} | CPU {:.2} ms/step | RSS {:.0} MiB | {:.0} s",
+                        "[{:5.0} s] {:11} {n} rank{} {:7}: {:>9} samples/s | step {:.2} ms = forward {:.2} + backward {:.2} (no_sync {:.2}) + optimizer {:.2} | CPU {:.2} ms/step ({:.2} no_sync) | page faults {:.0}/step ({:.0} no_sync) | RSS {:.0} MiB | {:.0} s",
                         started.elapsed().as_secs_f64(),
                         w.name,
                         if n == 1 { " " } else { "s" },
@@ -255,6 +255,9 @@ fn main() -> Result<()> {
                         f(&run, "backward_nosync_ms"),
                         f(&run, "optimizer_ms"),
                         f(&run, "cpu_ms_per_step"),
+                        f(&run, "cpu_ms_per_nosync_step"),
+                        f(&run, "minor_faults_per_step"),
+                        f(&run, "minor_faults_per_nosync_step"),
                         run["rss_mb"].as_array().map_or(f64::NAN, |r| r[0].as_f64().unwrap_or(f64::NAN)),
                         t.elapsed().as_secs_f64(),
                     );
@@ -339,8 +342,8 @@ fn print_tables(
     }
     if !workloads.is_empty() {
         println!("\n### Median step (ms) = forward + backward + optimizer; CPU time per step (ms, all threads)\n");
-        println!("| workload | ranks | Rust step | PyTorch step | Rust fwd / bwd / opt | PyTorch fwd / bwd / opt | Rust CPU | PyTorch CPU |");
-        println!("|---|---|---|---|---|---|---|---|");
+        println!("| workload | ranks | Rust step | PyTorch step | Rust fwd / bwd / opt | PyTorch fwd / bwd / opt | Rust CPU | PyTorch CPU | page faults per step Rust / PyTorch |");
+        println!("|---|---|---|---|---|---|---|---|---|");
         for w in &workloads {
             for &n in ranks {
                 if let (Some(r), Some(p)) = (get(w.name, n, "rust"), get(w.name, n, "pytorch")) {
@@ -353,7 +356,7 @@ fn print_tables(
                         )
                     };
                     println!(
-                        "| {} | {n} | {:.2} | {:.2} | {} | {} | {:.2} | {:.2} |",
+                        "| {} | {n} | {:.2} | {:.2} | {} | {} | {:.2} | {:.2} | {:.0} / {:.0} |",
                         w.name,
                         f(r, "step_ms"),
                         f(p, "step_ms"),
@@ -361,6 +364,8 @@ fn print_tables(
                         phases(p),
                         f(r, "cpu_ms_per_step"),
                         f(p, "cpu_ms_per_step"),
+                        f(r, "minor_faults_per_step"),
+                        f(p, "minor_faults_per_step"),
                     );
                 }
             }

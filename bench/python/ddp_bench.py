@@ -196,21 +196,27 @@ def main():
     runs = [(args.warmup, False), (args.steps, False), (min(args.warmup, 3), True),
             (args.nosync_steps, True)]
     timed = [phases() for _ in runs]
+    # CPU seconds and minor page faults of the timed runs (sync, no_sync).
+    cpu, faults = [0.0, 0.0], [0.0, 0.0]
     for run, (steps, local) in enumerate(runs):
         dist.barrier()
-        start, cpu_start = time.perf_counter(), cpu_seconds()
+        start, cpu_start, faults_start = time.perf_counter(), cpu_seconds(), minor_faults()
         with ddp.no_sync() if local else contextlib.nullcontext():
             for i in range(steps):
                 loss = step(i, timed[run])
         if run == 1:
-            wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
+            wall = time.perf_counter() - start
             final_loss = loss.item()
+        if run % 2 == 1:
+            cpu[run // 2] = (cpu_seconds() - cpu_start) / max(steps, 1)
+            faults[run // 2] = (minor_faults() - faults_start) / max(steps, 1)
     dist.barrier()
     sync, local = timed[1], timed[3]
     rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     mine = torch.tensor([wall, median(sync["total"]), median(sync["forward"]),
                          median(sync["backward"]), median(sync["step"]),
-                         median(local["backward"]), float(rss_kb), cpu, final_loss],
+                         median(local["backward"]), float(rss_kb), cpu[0], final_loss, cpu[1],
+                         faults[0], faults[1]],
                         dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
@@ -229,6 +235,10 @@ def cpu_seconds():
     """User and system CPU seconds of this process so far (all its threads)."""
     u = resource.getrusage(resource.RUSAGE_SELF)
     return u.ru_utime + u.ru_stime
+
+
+def minor_faults():
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
 
 def buckets(ddp):
@@ -264,7 +274,10 @@ def report(side, args, world, params, rows, buckets):
         "backward_nosync_ms": 1e3 * mean(5),
         "exposed_allreduce_ms": 1e3 * (mean(3) - mean(5)),
         "rss_mb": [r[6] / 1024 for r in rows],
-        "cpu_ms_per_step": 1e3 * mean(7) / max(args.steps, 1),
+        "cpu_ms_per_step": 1e3 * mean(7),
+        "cpu_ms_per_nosync_step": 1e3 * mean(9),
+        "minor_faults_per_step": mean(10),
+        "minor_faults_per_nosync_step": mean(11),
         "loss": rows[0][8],
         "finite": all(math.isfinite(r[8]) for r in rows),
         "buckets": buckets,
