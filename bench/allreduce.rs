@@ -7,8 +7,9 @@
 //! ```
 //!
 //! For each size: `--warmup` all-reduces, a barrier, then `iterations(bytes)`
-//! all-reduces back to back, timed on every rank; the time of one all-reduce is the
-//! slowest rank's mean (and the CPU time per all-reduce, the ranks' mean, all threads).
+//! all-reduces back to back, each timed on every rank; the time of one all-reduce is
+//! the slowest rank's median, which bursts of other load on a shared machine disturb
+//! least (with the CPU time per all-reduce, the ranks' mean, all threads).
 //! Rank 0 prints one `BENCH {json}` line per size with algbw
 //! (bytes / time) and busbw (algbw × 2(n − 1)/n, as nccl-tests).
 
@@ -65,14 +66,16 @@ fn main() -> Result<()> {
         }
         let n = iterations(bytes, args.volume);
         group.barrier()?;
-        let (start, cpu_start) = (Instant::now(), cpu_seconds());
+        let mut times = Vec::with_capacity(n);
+        let cpu_start = cpu_seconds();
         for _ in 0..n {
+            let start = Instant::now();
             group.all_reduce(&mut t, ReduceOp::Sum)?;
+            times.push(start.elapsed().as_secs_f64());
         }
-        let mine = Tensor::from_slice(&[
-            start.elapsed().as_secs_f64() / n as f64,
-            (cpu_seconds() - cpu_start) / n as f64,
-        ]);
+        let cpu = (cpu_seconds() - cpu_start) / n as f64;
+        times.sort_by(f64::total_cmp);
+        let mine = Tensor::from_slice(&[times[n / 2], cpu]);
         let every = group.all_gather(&mine)?;
         let secs = every.iter().map(|t| t.double_value(&[0])).fold(0.0, f64::max);
         let cpu = every.iter().map(|t| t.double_value(&[1])).sum::<f64>() / world as f64;

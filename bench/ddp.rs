@@ -19,12 +19,13 @@
 //!
 //! Each step is timed in three phases: forward (with `zero_grad` and the loss),
 //! backward (which under DDP ends by waiting for the last bucket's all-reduce), and the
-//! optimizer step. After `--warmup` steps come `--steps` measured steps, then
-//! `--nosync-steps` more whose backward runs under DDP's `no_sync` (no all-reduce).
-//! Every figure is a median over steps, which a shared machine's bursts of other load
-//! disturb least: samples/s is world size × batch / the slowest rank's median step;
-//! the all-reduce time left exposed after backward is the median backward minus the
-//! median backward under `no_sync` (each averaged over ranks). Rank 0 prints
+//! optimizer step. Synchronized steps alternate with steps whose backward runs under
+//! DDP's `no_sync` (no all-reduce), so that both kinds see the same load on a shared
+//! machine: `--warmup` pairs, then `--steps` timed pairs. Every figure is a median over
+//! steps, which bursts of other load disturb least: samples/s is world size × batch /
+//! the slowest rank's median synchronized step; the all-reduce time left exposed after
+//! backward is the median synchronized backward minus the median backward under
+//! `no_sync` (each averaged over ranks). Rank 0 prints
 //! `BENCH {json}` with these figures (the same fields as the Python side).
 
 use std::time::Instant;
@@ -50,15 +51,13 @@ struct Args {
     /// Samples per step and rank.
     #[arg(long, default_value_t = 64)]
     batch: i64,
-    /// Steps run before timing.
+    /// Synchronized and no_sync steps (each) run before timing.
     #[arg(long, default_value_t = 10)]
     warmup: usize,
-    /// Timed steps (gradients all-reduced).
+    /// Timed synchronized steps (gradients all-reduced), each followed by one under
+    /// `no_sync` (gradients not all-reduced).
     #[arg(long, default_value_t = 100)]
     steps: usize,
-    /// Timed steps under `no_sync` (gradients not all-reduced).
-    #[arg(long, default_value_t = 50)]
-    nosync_steps: usize,
     /// SGD learning rate.
     #[arg(long, default_value_t = 0.01)]
     lr: f64,
@@ -339,14 +338,17 @@ impl Workbench {
 
 // ---------------------------------------------------------------- the training function
 
-/// Seconds of each phase of every step of a run: forward (with `zero_grad` and the
-/// loss), backward, optimizer step.
+/// Seconds of each phase of every timed step of one kind (synchronized or no_sync):
+/// forward (with `zero_grad` and the loss), backward, optimizer step; and their CPU
+/// seconds and minor page faults in all.
 #[derive(Default)]
 struct Phases {
     forward: Vec<f64>,
     backward: Vec<f64>,
     step: Vec<f64>,
     total: Vec<f64>,
+    cpu: f64,
+    faults: f64,
 }
 
 fn median(xs: &[f64]) -> f64 {
@@ -369,22 +371,16 @@ fn train(args: &Args) -> Result<()> {
     let params: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();
     let mut opt = nn::Sgd::default().build(&vs, args.lr)?;
 
-    // Warm-up, timed steps, no_sync warm-up, timed no_sync steps.
-    let runs = [
-        (args.warmup, false),
-        (args.steps, false),
-        (args.warmup.min(3), true),
-        (args.nosync_steps, true),
-    ];
-    let mut timed: Vec<Phases> = runs.iter().map(|_| Phases::default()).collect();
-    let (mut wall, mut last_loss) = (0.0, f64::NAN);
-    // CPU seconds and minor page faults of the timed runs (sync, no_sync).
-    let (mut cpu, mut faults) = ([0.0; 2], [0.0; 2]);
-    for (run, &(steps, local)) in runs.iter().enumerate() {
+    // Warm-up, then the timed steps; both alternate a synchronized step with one
+    // under no_sync, so that the two kinds see the same load on a shared machine.
+    let mut timed = [Phases::default(), Phases::default()]; // [synchronized, no_sync]
+    let mut last_loss = f64::NAN;
+    for (run, steps) in [args.warmup, args.steps].into_iter().enumerate() {
         ctx.barrier()?;
-        let (start, cpu_start, faults_start) = (Instant::now(), cpu_seconds(), minor_faults());
-        for i in 0..steps {
-            let (xs, ys) = &bench.batches[i % bench.batches.len()];
+        for i in 0..2 * steps {
+            let local = i % 2 == 1;
+            let (xs, ys) = &bench.batches[(i / 2) % bench.batches.len()];
+            let (cpu0, faults0) = (cpu_seconds(), minor_faults());
             let t0 = Instant::now();
             opt.zero_grad();
             let loss = bench.loss(xs, ys);
@@ -400,38 +396,36 @@ fn train(args: &Args) -> Result<()> {
             let t2 = Instant::now();
             opt.step();
             let t3 = Instant::now();
-            let p = &mut timed[run];
-            p.forward.push((t1 - t0).as_secs_f64());
-            p.backward.push((t2 - t1).as_secs_f64());
-            p.step.push((t3 - t2).as_secs_f64());
-            p.total.push((t3 - t0).as_secs_f64());
-            if run == 1 && i + 1 == steps {
-                last_loss = loss.double_value(&[]);
+            if run == 1 {
+                let p = &mut timed[local as usize];
+                p.forward.push((t1 - t0).as_secs_f64());
+                p.backward.push((t2 - t1).as_secs_f64());
+                p.step.push((t3 - t2).as_secs_f64());
+                p.total.push((t3 - t0).as_secs_f64());
+                p.cpu += cpu_seconds() - cpu0;
+                p.faults += minor_faults() - faults0;
+                if !local {
+                    last_loss = loss.double_value(&[]);
+                }
             }
-        }
-        if run == 1 {
-            wall = start.elapsed().as_secs_f64();
-        }
-        if run % 2 == 1 {
-            cpu[run / 2] = (cpu_seconds() - cpu_start) / steps.max(1) as f64;
-            faults[run / 2] = (minor_faults() - faults_start) / steps.max(1) as f64;
         }
     }
     ctx.barrier()?;
-    let (sync, local) = (&timed[1], &timed[3]);
+    let [sync, local] = &timed;
+    let n = args.steps.max(1) as f64;
     let mine = Tensor::from_slice(&[
-        wall,
+        sync.total.iter().sum::<f64>(),
         median(&sync.total),
         median(&sync.forward),
         median(&sync.backward),
         median(&sync.step),
         median(&local.backward),
         peak_rss_kb(),
-        cpu[0],
+        sync.cpu / n,
         last_loss,
-        cpu[1],
-        faults[0],
-        faults[1],
+        local.cpu / n,
+        sync.faults / n,
+        local.faults / n,
     ]);
     let every = ctx.process_group().all_gather(&mine)?;
     let rows: Vec<Vec<f64>> = every
@@ -444,8 +438,8 @@ fn train(args: &Args) -> Result<()> {
     Ok(())
 }
 
-/// The fields both sides print; `rows` are every rank's gathered figures: wall
-/// seconds of the timed steps, median seconds of a step and of its forward, backward
+/// The fields both sides print; `rows` are every rank's gathered figures: seconds of
+/// the timed synchronized steps in all, median seconds of a step and of its forward, backward
 /// and optimizer step, median backward under `no_sync`, peak RSS (KiB), CPU seconds
 /// per step, last loss, CPU seconds per `no_sync` step, minor page faults per step and
 /// per `no_sync` step.
@@ -466,11 +460,10 @@ fn report(
         "batch": args.batch,
         "warmup": args.warmup,
         "steps": args.steps,
-        "nosync_steps": args.nosync_steps,
         "params": params,
-        "wall_s": max(0),
+        "sync_steps_s": max(0),
         "samples_per_s": samples / max(1),
-        "samples_per_s_wall": samples * (args.steps as f64) / max(0),
+        "samples_per_s_mean": samples * (args.steps as f64) / max(0),
         "step_ms": 1e3 * max(1),
         "forward_ms": 1e3 * mean(2),
         "backward_ms": 1e3 * mean(3),

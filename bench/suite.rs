@@ -9,8 +9,8 @@
 //! ```
 //!
 //! Each (workload, ranks) pair runs Rust then PyTorch, `--rounds` times (the order
-//! alternates between rounds); the table keeps each side's fastest run, which is the
-//! least disturbed by other load on the machine. Progress goes to stderr, the tables
+//! alternates between rounds), and the sweep `--sweep-rounds` times; the tables keep
+//! each side's fastest run, the least disturbed by other load on the machine. Progress goes to stderr, the tables
 //! to stdout, every run's raw figures to `--json`.
 
 use std::collections::BTreeMap;
@@ -34,6 +34,9 @@ struct Args {
     /// Runs of each configuration and side; each side's fastest is kept.
     #[arg(long, default_value_t = 1)]
     rounds: usize,
+    /// Runs of the all-reduce sweep per side; each size keeps each side's fastest.
+    #[arg(long, default_value_t = 2)]
+    sweep_rounds: usize,
     /// Multiplies every workload's timed step counts (0.2 for a quick look).
     #[arg(long, default_value_t = 1.0)]
     scale: f64,
@@ -49,14 +52,14 @@ struct Args {
     json: Option<PathBuf>,
 }
 
-/// A DDP workload and its step counts (per rank: batch, warm-up, timed, timed no_sync).
+/// A DDP workload and its step counts (per rank: batch, warm-up pairs, timed pairs of a
+/// synchronized step and a no_sync step).
 struct Workload {
     name: &'static str,
     what: &'static str,
     batch: usize,
     warmup: usize,
     steps: usize,
-    nosync_steps: usize,
 }
 
 const WORKLOADS: &[Workload] = &[
@@ -64,33 +67,29 @@ const WORKLOADS: &[Workload] = &[
         name: "mlp",
         what: "MLP 784-1024-1024-10, batch 64",
         batch: 64,
-        warmup: 20,
-        steps: 200,
-        nosync_steps: 100,
+        warmup: 10,
+        steps: 150,
     },
     Workload {
         name: "cnn",
         what: "MNIST CNN (2 conv + 2 fc), batch 64",
         batch: 64,
-        warmup: 5,
-        steps: 40,
-        nosync_steps: 20,
+        warmup: 3,
+        steps: 30,
     },
     Workload {
         name: "transformer",
         what: "char transformer 3.2 M params, 16 × 64 tokens",
         batch: 16,
-        warmup: 3,
-        steps: 12,
-        nosync_steps: 8,
+        warmup: 2,
+        steps: 10,
     },
     Workload {
         name: "linear200",
         what: "200 × Linear(64, 64), batch 64",
         batch: 64,
-        warmup: 20,
-        steps: 200,
-        nosync_steps: 100,
+        warmup: 10,
+        steps: 150,
     },
 ];
 
@@ -226,7 +225,6 @@ fn main() -> Result<()> {
             ("--batch", w.batch.to_string()),
             ("--warmup", w.warmup.to_string()),
             ("--steps", scaled(w.steps).to_string()),
-            ("--nosync-steps", scaled(w.nosync_steps).to_string()),
             ("--lr", "0.01".to_string()),
             ("--data", data.display().to_string()),
         ]
@@ -275,7 +273,7 @@ fn main() -> Result<()> {
     // All-reduce sweep on 2 ranks: each side's best time per size.
     let mut sweep: BTreeMap<(u64, String), Value> = BTreeMap::new();
     if only.contains(&"allreduce") {
-        for round in 0..args.rounds {
+        for round in 0..args.sweep_rounds {
             let order = if round % 2 == 0 {
                 ["rust", "pytorch", "rust-torchrun"]
             } else {

@@ -1,5 +1,5 @@
-"""PyTorch side of the all-reduce sweep: the same sizes, repetitions and timing as
-bench/allreduce.rs, over torch.distributed.all_reduce (gloo, float32, sum).
+"""PyTorch side of the all-reduce sweep: the same sizes, repetitions and timing (the
+slowest rank's median all-reduce) as bench/allreduce.rs, over torch.distributed.all_reduce (gloo, float32, sum).
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node 2 \
         bench/python/allreduce_bench.py
@@ -42,11 +42,14 @@ def main():
             dist.all_reduce(t)
         n = iterations(nbytes, args.volume)
         dist.barrier()
-        start, cpu_start = time.perf_counter(), cpu_seconds()
+        times = []
+        cpu_start = cpu_seconds()
         for _ in range(n):
+            start = time.perf_counter()
             dist.all_reduce(t)
-        mine = torch.tensor([(time.perf_counter() - start) / n, (cpu_seconds() - cpu_start) / n],
-                            dtype=torch.float64)
+            times.append(time.perf_counter() - start)
+        cpu = (cpu_seconds() - cpu_start) / n
+        mine = torch.tensor([sorted(times)[n // 2], cpu], dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(every, mine)
         secs = max(e[0].item() for e in every)

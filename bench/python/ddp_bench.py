@@ -9,7 +9,6 @@ SGD; the same phases, runs and medians as bench/ddp.rs. Rank 0 prints one line
 """
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -158,7 +157,6 @@ def main():
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--nosync-steps", type=int, default=50)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--pool", type=int, default=8)
@@ -175,48 +173,49 @@ def main():
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
 
-    def step(i, phases):
-        x, y = batches[i % len(batches)]
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        loss = loss_fn(ddp(x), y)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        opt.step()
-        t3 = time.perf_counter()
-        for k, t in zip(("forward", "backward", "step", "total"), (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
-            phases[k].append(t)
-        return loss
-
     def phases():
-        return {"forward": [], "backward": [], "step": [], "total": []}
+        return {"forward": [], "backward": [], "step": [], "total": [], "cpu": 0.0, "faults": 0.0}
 
-    # Warm-up, timed steps, no_sync warm-up, timed no_sync steps.
-    runs = [(args.warmup, False), (args.steps, False), (min(args.warmup, 3), True),
-            (args.nosync_steps, True)]
-    timed = [phases() for _ in runs]
-    # CPU seconds and minor page faults of the timed runs (sync, no_sync).
-    cpu, faults = [0.0, 0.0], [0.0, 0.0]
-    for run, (steps, local) in enumerate(runs):
+    # Warm-up, then the timed steps; both alternate a synchronized step with one
+    # under no_sync, so that the two kinds see the same load on a shared machine.
+    timed = [phases(), phases()]  # [synchronized, no_sync]
+    for run, steps in enumerate([args.warmup, args.steps]):
         dist.barrier()
-        start, cpu_start, faults_start = time.perf_counter(), cpu_seconds(), minor_faults()
-        with ddp.no_sync() if local else contextlib.nullcontext():
-            for i in range(steps):
-                loss = step(i, timed[run])
-        if run == 1:
-            wall = time.perf_counter() - start
-            final_loss = loss.item()
-        if run % 2 == 1:
-            cpu[run // 2] = (cpu_seconds() - cpu_start) / max(steps, 1)
-            faults[run // 2] = (minor_faults() - faults_start) / max(steps, 1)
+        for i in range(2 * steps):
+            local = i % 2 == 1
+            x, y = batches[(i // 2) % len(batches)]
+            cpu0, faults0 = cpu_seconds(), minor_faults()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            if local:
+                with ddp.no_sync():
+                    loss = loss_fn(ddp(x), y)
+                    t1 = time.perf_counter()
+                    loss.backward()
+            else:
+                loss = loss_fn(ddp(x), y)
+                t1 = time.perf_counter()
+                loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            t3 = time.perf_counter()
+            if run == 1:
+                p = timed[local]
+                for k, t in zip(("forward", "backward", "step", "total"),
+                                (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+                    p[k].append(t)
+                p["cpu"] += cpu_seconds() - cpu0
+                p["faults"] += minor_faults() - faults0
+                if not local:
+                    final_loss = loss.item()
     dist.barrier()
-    sync, local = timed[1], timed[3]
+    sync, local = timed
+    n = max(args.steps, 1)
     rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    mine = torch.tensor([wall, median(sync["total"]), median(sync["forward"]),
+    mine = torch.tensor([sum(sync["total"]), median(sync["total"]), median(sync["forward"]),
                          median(sync["backward"]), median(sync["step"]),
-                         median(local["backward"]), float(rss_kb), cpu[0], final_loss, cpu[1],
-                         faults[0], faults[1]],
+                         median(local["backward"]), float(rss_kb), sync["cpu"] / n, final_loss,
+                         local["cpu"] / n, sync["faults"] / n, local["faults"] / n],
                         dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
@@ -262,11 +261,10 @@ def report(side, args, world, params, rows, buckets):
         "batch": args.batch,
         "warmup": args.warmup,
         "steps": args.steps,
-        "nosync_steps": args.nosync_steps,
         "params": params,
-        "wall_s": mx(0),
+        "sync_steps_s": mx(0),
         "samples_per_s": samples / mx(1),
-        "samples_per_s_wall": samples * args.steps / mx(0),
+        "samples_per_s_mean": samples * args.steps / mx(0),
         "step_ms": 1e3 * mx(1),
         "forward_ms": 1e3 * mean(2),
         "backward_ms": 1e3 * mean(3),
