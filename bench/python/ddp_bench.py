@@ -108,6 +108,23 @@ class Deep(nn.Module):
         return x
 
 
+def tch_init(model):
+    """tch's default initialisation (nn::linear, nn::conv2d), so that both sides train
+    the same model: Kaiming-uniform weights with the ReLU gain (bound sqrt(6 / fan_in)),
+    linear biases uniform in ±1/sqrt(fan_in), convolution biases zero. Embeddings
+    (normal) and layer norms (ones, zeros) are initialised alike by both libraries."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (nn.Linear, nn.Conv2d)):
+                nn.init.kaiming_uniform_(m.weight, nonlinearity="relu")
+                if isinstance(m, nn.Linear):
+                    bound = 1 / math.sqrt(m.in_features)
+                    nn.init.uniform_(m.bias, -bound, bound)
+                else:
+                    nn.init.zeros_(m.bias)
+    return model
+
+
 def read_text(path):
     with open(path, "rb") as f:
         data = f.read()
@@ -169,6 +186,7 @@ def main():
     args.rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(42)
     model, batches, loss_fn = workload(args)
+    tch_init(model)
     params = sum(p.numel() for p in model.parameters())
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
@@ -241,10 +259,12 @@ def minor_faults():
 
 
 def buckets(ddp):
-    """Parameters per gradient bucket, as DDP's logging data reports them."""
+    """Parameters per gradient bucket after the rebuild, as the Rust side reports them
+    (empty with a world of one process, where the Rust side has no Reducer)."""
+    if dist.get_world_size() == 1:
+        return []
     try:
-        sizes = ddp._get_ddp_logging_data().get("bucket_sizes")
-        return sizes
+        return [len(b.parameters()) for b in ddp.reducer._get_zeros_like_grad_buckets()]
     except Exception:  # a private API: absent in some versions
         return None
 
