@@ -31,8 +31,9 @@ struct Args {
     /// Rank counts of the DDP workloads.
     #[arg(long, default_value = "1,2")]
     ranks: String,
-    /// Runs of each configuration and side; each side's fastest is kept.
-    #[arg(long, default_value_t = 1)]
+    /// Runs of each configuration and side (alternating which side goes first); each
+    /// side's fastest is kept.
+    #[arg(long, default_value_t = 2)]
     rounds: usize,
     /// Runs of the all-reduce sweep per side; each size keeps each side's fastest.
     #[arg(long, default_value_t = 2)]
@@ -68,28 +69,28 @@ const WORKLOADS: &[Workload] = &[
         what: "MLP 784-1024-1024-10, batch 64",
         batch: 64,
         warmup: 10,
-        steps: 150,
+        steps: 100,
     },
     Workload {
         name: "cnn",
         what: "MNIST CNN (2 conv + 2 fc), batch 64",
         batch: 64,
         warmup: 3,
-        steps: 30,
+        steps: 20,
     },
     Workload {
         name: "transformer",
         what: "char transformer 3.2 M params, 16 × 64 tokens",
         batch: 16,
         warmup: 2,
-        steps: 10,
+        steps: 6,
     },
     Workload {
         name: "linear200",
         what: "200 × Linear(64, 64), batch 64",
         batch: 64,
         warmup: 10,
-        steps: 150,
+        steps: 100,
     },
 ];
 
