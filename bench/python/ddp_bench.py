@@ -188,7 +188,11 @@ def main():
     model, batches, loss_fn = workload(args)
     tch_init(model)
     params = sum(p.numel() for p in model.parameters())
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+    # PyTorch's DDP keeps its 1 MiB first bucket only when bucket_cap_mb is left out;
+    # given explicitly (even as 25), the first bucket is bucket_cap_mb too. The SDK's
+    # `bucket_cap_mb = 25` keeps the 1 MiB first bucket, so 25 is passed as the default.
+    cap = None if args.bucket_cap_mb == 25 else args.bucket_cap_mb
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
 
     def phases():
