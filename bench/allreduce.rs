@@ -77,7 +77,10 @@ fn main() -> Result<()> {
         times.sort_by(f64::total_cmp);
         let mine = Tensor::from_slice(&[times[n / 2], cpu]);
         let every = group.all_gather(&mine)?;
-        let secs = every.iter().map(|t| t.double_value(&[0])).fold(0.0, f64::max);
+        let secs = every
+            .iter()
+            .map(|t| t.double_value(&[0]))
+            .fold(0.0, f64::max);
         let cpu = every.iter().map(|t| t.double_value(&[1])).sum::<f64>() / world as f64;
         if ctx.is_main_process() {
             let algbw = bytes as f64 / secs;

@@ -272,7 +272,9 @@ impl Workbench {
         let labels = |classes| Tensor::randint(classes, [b], (Kind::Int64, Device::Cpu));
         let (model, batches, mse): (Box<dyn Module>, _, _) = match args.workload {
             Workload::Mlp => {
-                let batches = pool.map(|_| (Tensor::randn([b, 784], f), labels(10))).collect();
+                let batches = pool
+                    .map(|_| (Tensor::randn([b, 784], f), labels(10)))
+                    .collect();
                 tch::manual_seed(42);
                 (Box::new(Mlp::new(p)), batches, false)
             }
@@ -291,8 +293,11 @@ impl Workbench {
                 let offsets = Tensor::arange(args.context + 1, (Kind::Int64, Device::Cpu));
                 let batches = pool
                     .map(|_| {
-                        let start =
-                            Tensor::randint(n - args.context - 1, [b, 1], (Kind::Int64, Device::Cpu));
+                        let start = Tensor::randint(
+                            n - args.context - 1,
+                            [b, 1],
+                            (Kind::Int64, Device::Cpu),
+                        );
                         let window = tokens.take(&(start + &offsets));
                         (
                             window.narrow(1, 0, args.context),
@@ -368,7 +373,11 @@ fn train(args: &Args) -> Result<()> {
     let device = Device::cuda_if_available();
     let vs = nn::VarStore::new(device);
     let bench = Workbench::new(&vs.root(), args, rank)?;
-    let params: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();
+    let params: i64 = vs
+        .trainable_variables()
+        .iter()
+        .map(|t| t.numel() as i64)
+        .sum();
     let mut opt = nn::Sgd::default().build(&vs, args.lr)?;
 
     // Warm-up, then the timed steps; both alternate a synchronized step with one

@@ -109,11 +109,16 @@ impl Tools {
         let mut cmd = if side == "rust-torchrun" {
             // The Rust binary under PyTorch's launcher, to tell the launcher's share.
             let mut c = Command::new(&self.python);
-            c.args(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"])
-                .arg(ranks.to_string())
-                .arg("--no-python")
-                .arg(self.bin.join(program))
-                .env("PYTHONWARNINGS", "ignore::UserWarning");
+            c.args([
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+            ])
+            .arg(ranks.to_string())
+            .arg("--no-python")
+            .arg(self.bin.join(program))
+            .env("PYTHONWARNINGS", "ignore::UserWarning");
             c
         } else if side == "rust" {
             let mut c = Command::new(self.bin.join("tchrun"));
@@ -123,11 +128,20 @@ impl Tools {
             c
         } else {
             let mut c = Command::new(&self.python);
-            c.args(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"])
-                .arg(ranks.to_string())
-                .arg(self.root.join("bench/python").join(format!("{program}_bench.py")))
-                // torch warns at import that numpy is missing; the benchmarks need none.
-                .env("PYTHONWARNINGS", "ignore::UserWarning");
+            c.args([
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+            ])
+            .arg(ranks.to_string())
+            .arg(
+                self.root
+                    .join("bench/python")
+                    .join(format!("{program}_bench.py")),
+            )
+            // torch warns at import that numpy is missing; the benchmarks need none.
+            .env("PYTHONWARNINGS", "ignore::UserWarning");
             c
         };
         cmd.args(args)
@@ -234,7 +248,11 @@ fn main() -> Result<()> {
         .collect();
         for &n in &ranks {
             for round in 0..args.rounds {
-                let order = if round % 2 == 0 { SIDES } else { [SIDES[1], SIDES[0]] };
+                let order = if round % 2 == 0 {
+                    SIDES
+                } else {
+                    [SIDES[1], SIDES[0]]
+                };
                 for side in order {
                     let t = Instant::now();
                     let run = tools
@@ -371,7 +389,10 @@ fn print_tables(
         }
     }
     let two = |w: &Workload| (get(w.name, 2, "rust"), get(w.name, 2, "pytorch"));
-    if workloads.iter().any(|w| matches!(two(w), (Some(_), Some(_)))) {
+    if workloads
+        .iter()
+        .any(|w| matches!(two(w), (Some(_), Some(_))))
+    {
         println!("\n### 2 ranks: scaling, exposed all-reduce, memory\n");
         println!(
             "| workload | scaling Rust | scaling PyTorch | backward Rust (ms) | backward PyTorch (ms) | exposed all-reduce Rust (ms) | exposed all-reduce PyTorch (ms) | peak RSS per rank Rust (MiB) | PyTorch (MiB) |"
