@@ -22,7 +22,10 @@ pub struct DdpOptions {
     /// Gradient bucket size in MiB (PyTorch's `bucket_cap_mb`, default 25).
     pub bucket_cap_mb: f64,
     /// Size of the first bucket in MiB (PyTorch's `_DEFAULT_FIRST_BUCKET_BYTES`,
-    /// default 1), so the last layers' gradients start their all-reduce early.
+    /// default 1), so the last layers' gradients start their all-reduce early. PyTorch
+    /// uses it only when `bucket_cap_mb` is left at its default; when `bucket_cap_mb`
+    /// is passed, the first bucket is that size too (torch 2.11's
+    /// `bucket_bytes_cap_default`): set both to match such a run.
     pub first_bucket_cap_mb: f64,
     /// Traverse the autograd graph from the loss before each backward to find
     /// parameters that got no gradient, so their buckets do not wait forever

@@ -212,8 +212,12 @@ pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Opti
     let ctx = context();
     let options = OPTIONS.with(|o| o.borrow().clone());
     let defaults = DdpOptions::default();
+    // As PyTorch's DDP: a `bucket_cap_mb` given explicitly also caps the first bucket.
     let ddp_options = DdpOptions {
         bucket_cap_mb: options.bucket_cap_mb.unwrap_or(defaults.bucket_cap_mb),
+        first_bucket_cap_mb: options
+            .bucket_cap_mb
+            .unwrap_or(defaults.first_bucket_cap_mb),
         find_unused_parameters: options.find_unused_parameters,
         ..defaults
     };

@@ -9,6 +9,7 @@
 //! - `accum-reference`: the same updates in plain tch on one process, without the
 //!   attribute: one step on samples 0..12, one on 12..20 with the loss × 2/3 (the
 //!   short cycle's 2 micro-batches per rank, each divided by 3, as Accelerate does).
+//! - `buckets`: `bucket_cap_mb = 0.5`; writes the gradient buckets' sizes.
 //! - `bf16`, `fp16`, `auto`: `mixed_precision` with that value; writes
 //!   `OUT/kinds{rank}.txt` (the forward output's, the loss's and the parameters'
 //!   dtypes) and, for fp16, saves a checkpoint in `OUT/ckpt`.
@@ -81,6 +82,29 @@ fn accum_reference(out: &str) -> anyhow::Result<()> {
     write_params(out, &vs)
 }
 
+/// `bucket_cap_mb = 0.5` over 4 × Linear(256, 256) (4 × 257 KiB of gradients): after
+/// the rebuild at the second backward, writes the bucket sizes to
+/// `OUT/buckets{rank}.txt`.
+#[tch_distributed::distributed(bucket_cap_mb = 0.5)]
+fn buckets(out: &str) -> anyhow::Result<()> {
+    let vs = nn::VarStore::new(Device::cuda_if_available());
+    let layers: Vec<nn::Linear> = (0..4)
+        .map(|i| nn::linear(vs.root() / i, 256, 256, Default::default()))
+        .collect();
+    let mut opt = nn::Sgd::default().build(&vs, 0.1)?;
+    let x = Tensor::ones([2, 256], (Kind::Float, vs.device()));
+    for _ in 0..2 {
+        let loss = layers
+            .iter()
+            .fold(x.shallow_clone(), |h, l| l.forward(&h))
+            .mean(Kind::Float);
+        opt.backward_step(&loss);
+    }
+    let sizes = opt.ddp().unwrap().bucket_sizes()?;
+    std::fs::write(format!("{out}/buckets{}.txt", rank()), format!("{sizes:?}"))?;
+    Ok(())
+}
+
 /// One step of a linear model; writes the dtypes seen.
 macro_rules! precision_fn {
     ($name:ident, $($option:tt)*) => {
@@ -126,6 +150,7 @@ fn main() -> anyhow::Result<()> {
         "accum" => accum(out, false),
         "accum-backward" => accum(out, true),
         "accum-reference" => accum_reference(out),
+        "buckets" => buckets(out),
         "bf16" => bf16(out),
         "fp16" => fp16(out),
         "auto" => auto(out),
