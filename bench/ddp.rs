@@ -366,7 +366,7 @@ fn median(xs: &[f64]) -> f64 {
     }
 }
 
-#[tch_distributed::distributed(bucket_cap_mb = 25)]
+#[tch_distributed::distributed]
 fn train(args: &Args) -> Result<()> {
     let ctx = tch_distributed::current().context("no process group")?;
     let (rank, world) = (ctx.rank(), ctx.world_size());
