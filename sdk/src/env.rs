@@ -127,9 +127,12 @@ impl LaunchEnv {
         let world_size = number("SLURM_STEP_NUM_TASKS", &required("SLURM_STEP_NUM_TASKS")?)?;
         let rank = number("SLURM_PROCID", &required("SLURM_PROCID")?)?;
         let local_rank = number("SLURM_LOCALID", &required("SLURM_LOCALID")?)?;
-        let node = number("SLURM_NODEID", &var("SLURM_NODEID").unwrap_or_else(|| "0".into()))?;
-        let tasks_per_node = var("SLURM_STEP_TASKS_PER_NODE")
-            .unwrap_or_else(|| world_size.to_string());
+        let node = number(
+            "SLURM_NODEID",
+            &var("SLURM_NODEID").unwrap_or_else(|| "0".into()),
+        )?;
+        let tasks_per_node =
+            var("SLURM_STEP_TASKS_PER_NODE").unwrap_or_else(|| world_size.to_string());
         let local_world_size = tasks_on_node(&tasks_per_node, node).ok_or_else(|| {
             Error::Config(format!(
                 "SLURM_STEP_TASKS_PER_NODE={tasks_per_node:?} has no entry for node {node}"
@@ -267,7 +270,12 @@ mod tests {
         ];
         let env = parse(&step).unwrap().unwrap();
         assert_eq!(
-            (env.rank, env.world_size, env.local_rank, env.local_world_size),
+            (
+                env.rank,
+                env.world_size,
+                env.local_rank,
+                env.local_world_size
+            ),
             (5, 8, 1, 4)
         );
         assert_eq!(env.master_addr, "gpu03");
@@ -275,9 +283,15 @@ mod tests {
         let mut with_master = step.to_vec();
         with_master.extend([("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29400")]);
         let env = parse(&with_master).unwrap().unwrap();
-        assert_eq!((env.master_addr.as_str(), env.master_port), ("10.0.0.1", 29400));
+        assert_eq!(
+            (env.master_addr.as_str(), env.master_port),
+            ("10.0.0.1", 29400)
+        );
         // The batch script itself, outside srun: one process.
-        assert_eq!(parse(&[("SLURM_JOB_ID", "1"), ("SLURM_PROCID", "0")]).unwrap(), None);
+        assert_eq!(
+            parse(&[("SLURM_JOB_ID", "1"), ("SLURM_PROCID", "0")]).unwrap(),
+            None
+        );
         // torchrun inside an allocation wins.
         let mut torchrun = step.to_vec();
         torchrun.extend([("RANK", "0"), ("WORLD_SIZE", "1")]);

@@ -583,7 +583,11 @@ mod tests {
         let (_, stepped) = step(&mut scaled, &overflow);
         assert!(!stepped, "an inf gradient skips the step");
         assert_eq!(params(&svs), before);
-        assert_eq!(scaled.scaler().unwrap().scale_value(), 32768.0, "and halves the scale");
+        assert_eq!(
+            scaled.scaler().unwrap().scale_value(),
+            32768.0,
+            "and halves the scale"
+        );
     }
 
     #[test]

@@ -85,11 +85,9 @@ pub fn enter(options: Options) -> Session {
     };
     let ctx =
         init::init_with(init_options).unwrap_or_else(|e| fail("joining the process group", e));
-    let (precision, why) = MixedPrecision::parse(
-        options.mixed_precision.unwrap_or("no"),
-        ctx.device(),
-    )
-    .unwrap_or_else(|e| fail("mixed_precision", e));
+    let (precision, why) =
+        MixedPrecision::parse(options.mixed_precision.unwrap_or("no"), ctx.device())
+            .unwrap_or_else(|e| fail("mixed_precision", e));
     PRECISION.with(|p| p.set(precision));
     if ctx.world_size() > 1 {
         // Every rank draws the same random numbers (initial weights, shuffles) unless
@@ -221,7 +219,8 @@ pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Opti
         find_unused_parameters: options.find_unused_parameters,
         ..defaults
     };
-    let wrap = |what: &str, e: crate::Error| TchError::Torch(format!("tch-distributed: {what}: {e}"));
+    let wrap =
+        |what: &str, e: crate::Error| TchError::Torch(format!("tch-distributed: {what}: {e}"));
     let ddp = DistributedDataParallel::new(vs, ctx.process_group(), ddp_options)
         .map_err(|e| wrap("wrapping the model in DDP", e))?;
     let mut opt = Optimizer::new(config, vs, lr)

@@ -127,6 +127,10 @@ fn bucket_cap_mb_caps_the_first_bucket_too_as_in_pytorch() {
     )
     .assert_success();
     for rank in 0..2 {
-        assert_eq!(read(&dir, &format!("buckets{rank}.txt")), "[4, 4]", "rank {rank}");
+        assert_eq!(
+            read(&dir, &format!("buckets{rank}.txt")),
+            "[4, 4]",
+            "rank {rank}"
+        );
     }
 }

@@ -193,7 +193,8 @@ fn a_slurm_job_step_forms_the_job_from_srun_variables() {
         port - 15000
     );
     let mut cmd = Command::new("bash");
-    cmd.args(["-c", &script]).env_remove("TCH_DISTRIBUTED_NPROC");
+    cmd.args(["-c", &script])
+        .env_remove("TCH_DISTRIBUTED_NPROC");
     let run = run_with(cmd, &dir, TIMEOUT, |_, _| {});
     run.assert_success();
     assert!(
