@@ -106,43 +106,43 @@ impl Tools {
     /// The command of one side's run on `ranks` ranks of `program` (a binary next to
     /// this one, or a script under bench/python).
     fn command(&self, side: &str, ranks: usize, program: &str, args: &[String]) -> Command {
-        let mut cmd = if side == "rust-torchrun" {
+        // PyTorch's launcher; torch warns at import that numpy is missing, and the
+        // benchmarks need none.
+        let torchrun = || {
+            let mut c = Command::new(&self.python);
+            c.args([
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+            ])
+            .arg(ranks.to_string())
+            .env("PYTHONWARNINGS", "ignore::UserWarning");
+            c
+        };
+        let mut cmd = match side {
             // The Rust binary under PyTorch's launcher, to tell the launcher's share.
-            let mut c = Command::new(&self.python);
-            c.args([
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-            ])
-            .arg(ranks.to_string())
-            .arg("--no-python")
-            .arg(self.bin.join(program))
-            .env("PYTHONWARNINGS", "ignore::UserWarning");
-            c
-        } else if side == "rust" {
-            let mut c = Command::new(self.bin.join("tchrun"));
-            c.arg("--nproc-per-node")
-                .arg(ranks.to_string())
-                .arg(self.bin.join(program));
-            c
-        } else {
-            let mut c = Command::new(&self.python);
-            c.args([
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-            ])
-            .arg(ranks.to_string())
-            .arg(
-                self.root
-                    .join("bench/python")
-                    .join(format!("{program}_bench.py")),
-            )
-            // torch warns at import that numpy is missing; the benchmarks need none.
-            .env("PYTHONWARNINGS", "ignore::UserWarning");
-            c
+            "rust-torchrun" => {
+                let mut c = torchrun();
+                c.arg("--no-python").arg(self.bin.join(program));
+                c
+            }
+            "rust" => {
+                let mut c = Command::new(self.bin.join("tchrun"));
+                c.arg("--nproc-per-node")
+                    .arg(ranks.to_string())
+                    .arg(self.bin.join(program));
+                c
+            }
+            _ => {
+                let mut c = torchrun();
+                c.arg(
+                    self.root
+                        .join("bench/python")
+                        .join(format!("{program}_bench.py")),
+                );
+                c
+            }
         };
         cmd.args(args)
             .current_dir(&self.root)

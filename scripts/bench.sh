@@ -19,17 +19,7 @@ if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then
 fi
 case "$bench" in
   all | suite)
-    DATA="$ROOT/data/tinyshakespeare.txt"
-    if [ ! -f "$DATA" ]; then
-      mkdir -p "$ROOT/data"
-      if [ -f "$ROOT/../shared/data/tinyshakespeare.txt" ]; then
-        cp "$ROOT/../shared/data/tinyshakespeare.txt" "$DATA"
-      else
-        echo "downloading tinyshakespeare (1.1 MB)" >&2
-        curl -fsSL -o "$DATA.part" https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt
-        mv "$DATA.part" "$DATA"
-      fi
-    fi
+    DATA="$(tinyshakespeare)"
     cargo build --release --quiet -p tch-distributed --bin tchrun
     cargo build --release --quiet -p tch-distributed-bench --bins
     PYTHON="${BENCH_PYTHON:-${VIRTUAL_ENV:+$VIRTUAL_ENV/bin/python}}"

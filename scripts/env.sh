@@ -28,3 +28,20 @@ if [ -z "${LIBTORCH:-}" ]; then
   export PATH="$VENV/bin:$PATH"
   export LIBTORCH_USE_PYTORCH=1
 fi
+
+# Puts tinyshakespeare in data/ (from ../shared/data when present, else downloaded);
+# prints its path.
+tinyshakespeare() {
+  local data="$ROOT/data/tinyshakespeare.txt"
+  if [ ! -f "$data" ]; then
+    mkdir -p "$ROOT/data"
+    if [ -f "$ROOT/../shared/data/tinyshakespeare.txt" ]; then
+      cp "$ROOT/../shared/data/tinyshakespeare.txt" "$data"
+    else
+      echo "downloading tinyshakespeare (1.1 MB)" >&2
+      curl -fsSL -o "$data.part" https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt
+      mv "$data.part" "$data"
+    fi
+  fi
+  echo "$data"
+}

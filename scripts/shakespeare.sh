@@ -4,17 +4,7 @@
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
 
-DATA="$ROOT/data/tinyshakespeare.txt"
-if [ ! -f "$DATA" ]; then
-  mkdir -p "$ROOT/data"
-  if [ -f "$ROOT/../shared/data/tinyshakespeare.txt" ]; then
-    cp "$ROOT/../shared/data/tinyshakespeare.txt" "$DATA"
-  else
-    echo "downloading tinyshakespeare (1.1 MB)" >&2
-    curl -fsSL -o "$DATA.part" https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt
-    mv "$DATA.part" "$DATA"
-  fi
-fi
+DATA="$(tinyshakespeare)"
 
 cargo build --release --quiet -p tch-distributed-examples --example shakespeare
 export TCH_DISTRIBUTED_BACKEND=gloo
