@@ -289,26 +289,22 @@ impl GradScaler {
         Ok(())
     }
 
-    /// Whether this step's gradients held an inf or NaN on any rank (unscaling first
-    /// if needed).
-    pub(crate) fn found_inf(&self) -> Result<bool> {
-        let found = self.found_inf.as_ref().ok_or_else(|| {
-            Error::Config("GradScaler: the gradients of this step were not unscaled".into())
-        })?;
-        Ok(found.double_value(&[0]) > 0.0)
+    /// Whether this step's gradients held an inf or NaN on any rank, unscaling them
+    /// first unless [`unscale`](Self::unscale) already did this step.
+    pub(crate) fn overflowed(&mut self, opt: &Optimizer) -> Result<bool> {
+        if self.found_inf.is_none() {
+            self.unscale(opt)?;
+        }
+        Ok(self
+            .found_inf
+            .as_ref()
+            .is_some_and(|f| f.double_value(&[0]) > 0.0))
     }
 
     /// Unscales (unless [`unscale`](Self::unscale) already did) and runs `opt.step()`
     /// unless a gradient on any rank held an inf or NaN; returns whether it stepped.
     pub fn step(&mut self, opt: &mut Optimizer) -> Result<bool> {
-        if self.found_inf.is_none() {
-            self.unscale(opt)?;
-        }
-        let overflow = self
-            .found_inf
-            .as_ref()
-            .map(|f| f.double_value(&[0]) > 0.0)
-            .unwrap_or(false);
+        let overflow = self.overflowed(opt)?;
         if !overflow {
             opt.step()?;
         }

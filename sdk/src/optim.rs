@@ -118,8 +118,6 @@ pub struct Optimizer {
     /// The last backward ended a cycle: the gradients are complete and `step` steps.
     cycle_complete: bool,
     scaler: Option<GradScaler>,
-    /// The gradients of this cycle have been divided by the loss scale.
-    unscaled: bool,
 }
 
 // The libtorch optimizer is used from one thread at a time (`&mut self`).
@@ -143,7 +141,6 @@ impl Optimizer {
             sync_next: false,
             cycle_complete: false,
             scaler: None,
-            unscaled: false,
         };
         opt.add_missing_variables()?;
         Ok(opt)
@@ -263,10 +260,7 @@ impl Optimizer {
             return Ok(true);
         };
         let stepped = (|| {
-            if !std::mem::take(&mut self.unscaled) {
-                scaler.unscale(self)?;
-            }
-            let clean = !scaler.found_inf()?;
+            let clean = !scaler.overflowed(self)?;
             if clean {
                 self.call(torch_sys::ato_step)?;
             }
@@ -280,12 +274,11 @@ impl Optimizer {
     /// With a [`grad_scaler`](Self::grad_scaler), divides this cycle's complete
     /// gradients by the scale (once), so that they can be clipped or inspected.
     fn unscale_for_clipping(&mut self) -> Result<()> {
-        if self.cycle_complete && !self.unscaled {
+        if self.cycle_complete {
             if let Some(mut scaler) = self.scaler.take() {
-                let r = scaler.unscale(self);
+                let r = scaler.overflowed(self);
                 self.scaler = Some(scaler);
                 r?;
-                self.unscaled = true;
             }
         }
         Ok(())
@@ -370,7 +363,6 @@ impl Optimizer {
             self.micro_step += 1;
         }
         self.cycle_complete = last;
-        self.unscaled = false;
         Ok(last)
     }
 
