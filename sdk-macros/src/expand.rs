@@ -17,6 +17,9 @@ struct Rewrite {
     optimizers: Vec<syn::Ident>,
     /// Whether `let`s that run a forward pass go under autocast.
     autocast: bool,
+    /// Identifies the function's `for` loops, the same in every rank's binary: a hash
+    /// of the function's name, and how many loops came before.
+    loop_site: u64,
     errors: Vec<syn::Error>,
 }
 
@@ -31,7 +34,9 @@ const RESULT_METHODS: &[&str] = &[
     "set_lr",
     "set_lr_group",
     "set_momentum",
+    "set_momentum_group",
     "set_weight_decay",
+    "set_weight_decay_group",
 ];
 
 /// Method calls that run a model's forward pass.
@@ -183,19 +188,28 @@ impl VisitMut for Rewrite {
                     _ => None,
                 }
             }
-            Expr::ForLoop(f) => {
+            // A range is never data: the loop stays as written.
+            Expr::ForLoop(f) if !matches!(&*f.expr, Expr::Range(_)) => {
                 let iter = &f.expr;
-                // No block around it: temporaries in the iterator expression (e.g. the
-                // Iter2 behind `.shuffle()`) must live as long as the loop.
-                let new_iter: Expr =
-                    parse_quote!((&#k::__private::Probe::new(#iter)).__tchd_iter());
+                self.loop_site = self.loop_site.wrapping_mul(0x0100_0000_01b3) ^ 1;
+                let site = self.loop_site;
+                // The head (agreed seed) is made before the iterator expression runs:
+                // tuple fields are evaluated in order. No block around the expression:
+                // its temporaries (e.g. the Iter2 behind `.shuffle()`) must live as
+                // long as the loop.
+                let new_iter: Expr = parse_quote!((&#k::__private::Probe::new((
+                    {
+                        static __TCHD_RUNS: ::std::sync::atomic::AtomicU64 =
+                            ::std::sync::atomic::AtomicU64::new(0);
+                        #k::__private::loop_head(#site, &__TCHD_RUNS)
+                    },
+                    #iter,
+                )))
+                .__tchd_iter());
                 *f.expr = new_iter;
                 None
             }
-            Expr::Macro(m) if is_print(&m.mac) => {
-                let mac = &m.mac;
-                Some(parse_quote!(if #k::__private::is_main_process() { #mac }))
-            }
+            Expr::Macro(m) if is_print(&m.mac) => Some(print_on_main(k, &m.mac)),
             _ => None,
         };
         if let Some(r) = replacement {
@@ -223,9 +237,8 @@ impl VisitMut for Rewrite {
     fn visit_stmt_mut(&mut self, stmt: &mut syn::Stmt) {
         if let syn::Stmt::Macro(m) = stmt {
             if is_print(&m.mac) {
-                let k = &self.krate;
-                let mac = &m.mac;
-                *stmt = parse_quote!(if #k::__private::is_main_process() { #mac; });
+                let print = print_on_main(&self.krate, &m.mac);
+                *stmt = parse_quote!(#print;);
                 return;
             }
         }
@@ -237,6 +250,26 @@ fn is_print(mac: &syn::Macro) -> bool {
     mac.path
         .get_ident()
         .is_some_and(|i| i == "println" || i == "print" || i == "eprintln" || i == "eprint")
+}
+
+/// `println!(…)` and friends, as Accelerate's `accelerator.print`: the arguments are
+/// evaluated on every rank (so code in them, a sample that draws random numbers or a
+/// collective, runs everywhere alike) and rank 0 alone prints. `format_args!` holds
+/// the evaluated arguments; formatting them is all that rank 0 alone does.
+fn print_on_main(k: &TokenStream, mac: &syn::Macro) -> Expr {
+    let name = mac.path.get_ident().expect("a print macro");
+    let tokens = &mac.tokens;
+    if tokens.is_empty() {
+        // `println!()`: nothing to evaluate.
+        return parse_quote!(if #k::__private::is_main_process() { ::std::#name!() });
+    }
+    parse_quote!(match ::std::format_args!(#tokens) {
+        __tchd_args => {
+            if #k::__private::is_main_process() {
+                ::std::#name!("{}", __tchd_args)
+            }
+        }
+    })
 }
 
 /// The function with its body rewritten and the entry prepended.
@@ -265,6 +298,14 @@ pub fn expand(options: Options, mut func: ItemFn) -> syn::Result<TokenStream> {
     let mut rewrite = Rewrite {
         krate: krate.clone(),
         optimizers: optimizers.0,
+        loop_site: func
+            .sig
+            .ident
+            .to_string()
+            .bytes()
+            .fold(0xcbf2_9ce4_8422_2325, |h, b| {
+                (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+            }),
         autocast: options
             .mixed_precision
             .as_deref()

@@ -415,6 +415,15 @@ int tdc_set_rng_state(int cuda_index, tdc_tensor state) {
   })
 }
 
+int tdc_seed_rng(int cuda_index, uint64_t seed) {
+  TDC_PROTECT(1, {
+    auto gen = default_generator(cuda_index);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_current_seed(seed);
+    return 0;
+  })
+}
+
 int tdc_amp_unscale(tdc_tensor* grads, int n, tdc_tensor found_inf, tdc_tensor inv_scale) {
   TDC_PROTECT(1, {
     std::vector<at::Tensor> ts;

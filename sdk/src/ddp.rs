@@ -31,8 +31,13 @@ pub struct DdpOptions {
     /// parameters that got no gradient, so their buckets do not wait forever
     /// (PyTorch's `find_unused_parameters`, default false; it costs a graph walk).
     pub find_unused_parameters: bool,
-    /// Broadcast buffers (variables that are not trainable, such as batch-norm
-    /// statistics) from rank 0 at every synchronized backward (default true).
+    /// Give every rank rank 0's buffers (variables that are not trainable, such as
+    /// batch-norm running statistics, `zeros_no_train`) for its forward passes, as
+    /// PyTorch's `broadcast_buffers` (default true). PyTorch broadcasts them at the
+    /// start of a forward pass that follows a synchronized one; DDP here does not see
+    /// the forward pass, so it broadcasts them at the end of each synchronized
+    /// backward, which gives the next forward pass the same values and never touches
+    /// a tensor that a forward pass saved for a backward still to come.
     pub broadcast_buffers: bool,
 }
 
@@ -139,16 +144,25 @@ impl DistributedDataParallel {
         // A name order that every rank agrees on (HashMap order differs per process).
         let mut all: Vec<(&String, &Tensor)> = named.iter().collect();
         all.sort_by(|a, b| a.0.cmp(b.0));
-        let trainable: std::collections::HashSet<usize> =
-            params.iter().map(|t| t.data_ptr() as usize).collect();
+        // Buffers are the variables that are not trainable at all (`zeros_no_train`,
+        // batch norm's statistics). Frozen ones (trainable, but `requires_grad` off, as
+        // after `vs.freeze()`) are PyTorch's frozen parameters: broadcast here, once.
+        let trainable: std::collections::HashSet<usize> = vs
+            .trainable_variables()
+            .iter()
+            .map(|t| t.data_ptr() as usize)
+            .collect();
         let buffers: Vec<Tensor> = all
             .iter()
             .filter(|(_, t)| !trainable.contains(&(t.data_ptr() as usize)))
             .map(|(_, t)| t.shallow_clone())
             .collect();
+        let all_names: Vec<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
         let all: Vec<Tensor> = all.iter().map(|(_, t)| t.shallow_clone()).collect();
 
-        group.verify_same_shapes(&all)?;
+        group
+            .verify_same_shapes(&all)
+            .map_err(|e| different_models(e, &all_names))?;
         group.broadcast_coalesced(&all, BROADCAST_BUCKET_BYTES, 0)?;
 
         let reducer = if group.world_size() > 1 {
@@ -215,17 +229,13 @@ impl DistributedDataParallel {
     /// broadcasting buffers fails.
     pub fn backward(&self, loss: &Tensor) -> Result<()> {
         let mut stats = self.stats.get();
-        match &self.reducer {
+        let synced = match &self.reducer {
             Some(reducer) if self.require_grad_sync.get() => {
                 let r = reducer.0;
                 reducer_call(unsafe { ffi::tdc_reducer_prepare_for_forward(r) })?;
                 let mut rebuilt = 0;
                 reducer_call(unsafe { ffi::tdc_reducer_rebuild_buckets(r, &mut rebuilt) })?;
                 stats.bucket_rebuilds += rebuilt as u64;
-                if self.options.broadcast_buffers && !self.buffers.is_empty() {
-                    self.group
-                        .broadcast_coalesced(&self.buffers, BROADCAST_BUCKET_BYTES, 0)?;
-                }
                 let outputs = if self.options.find_unused_parameters {
                     vec![ffi::tensor(loss)]
                 } else {
@@ -235,12 +245,43 @@ impl DistributedDataParallel {
                     ffi::tdc_reducer_prepare_for_backward(r, outputs.as_ptr(), outputs.len() as i32)
                 })?;
                 stats.synced_backward_passes += 1;
+                true
             }
-            Some(_) => stats.local_backward_passes += 1,
-            None => stats.synced_backward_passes += 1,
-        }
+            Some(_) => {
+                stats.local_backward_passes += 1;
+                false
+            }
+            None => {
+                stats.synced_backward_passes += 1;
+                false
+            }
+        };
         self.stats.set(stats);
-        loss.f_backward().map_err(|e| reducer_error(e.to_string()))
+        loss.f_backward().map_err(|e| reducer_error(e.to_string()))?;
+        // After the backward pass, never between a forward pass and its backward:
+        // autograd saved the buffers (batch norm's running statistics) at the forward
+        // pass and checks that they were not modified in place since.
+        if synced {
+            self.broadcast_buffers()?;
+        }
+        Ok(())
+    }
+
+    /// Copies rank 0's buffers to every rank (a no-op with `broadcast_buffers` off or
+    /// no buffers). [`backward`](Self::backward) calls it after each synchronized
+    /// backward pass; call it yourself before a forward pass that must use rank 0's
+    /// buffers when no synchronized backward came since they last changed (say,
+    /// evaluation right after a `no_sync` micro-batch). Every rank must call it.
+    ///
+    /// Errors: [`Error::Collective`] when the broadcast fails.
+    pub fn broadcast_buffers(&self) -> Result<()> {
+        if self.options.broadcast_buffers && !self.buffers.is_empty() && self.group.world_size() > 1 {
+            tch::no_grad(|| {
+                self.group
+                    .broadcast_coalesced(&self.buffers, BROADCAST_BUCKET_BYTES, 0)
+            })?;
+        }
+        Ok(())
     }
 
     /// `opt.backward_step(loss)` with gradients averaged over ranks: zero the
@@ -321,6 +362,37 @@ impl Drop for NoSync<'_> {
     fn drop(&mut self) {
         self.ddp.require_grad_sync.set(self.previous);
     }
+}
+
+/// c10d's shape check names variables by position (`params[2]`): name them by the
+/// `VarStore` path too, and say what to fix.
+fn different_models(e: Error, names: &[&str]) -> Error {
+    let Error::Collective { message, .. } = &e else {
+        return e;
+    };
+    let mut named = String::new();
+    let mut rest = message.as_str();
+    while let Some(at) = rest.find("params[") {
+        let (before, after) = rest.split_at(at + "params[".len());
+        named.push_str(before);
+        let digits: String = after.chars().take_while(char::is_ascii_digit).collect();
+        named.push_str(&digits);
+        rest = &after[digits.len()..];
+        if let (Some(name), Some(tail)) = (
+            digits.parse::<usize>().ok().and_then(|i| names.get(i)),
+            rest.strip_prefix(']'),
+        ) {
+            named.push_str(&format!("] (variable \"{name}\")"));
+            rest = tail;
+        }
+    }
+    named.push_str(rest);
+    Error::Config(format!(
+        "the ranks built different models: {named}\nhint: every rank must create the same \
+         variables, with the same names, shapes and dtypes, before `.build(&vs, lr)` (or \
+         DistributedDataParallel::new); look for model sizes that depend on the rank or on \
+         rank-local data"
+    ))
 }
 
 fn reducer_call(status: i32) -> Result<()> {

@@ -62,7 +62,38 @@ pub enum Error {
 
 impl From<tch::TchError> for Error {
     fn from(e: tch::TchError) -> Self {
-        Error::Torch(e.to_string())
+        let message = match e {
+            tch::TchError::Torch(m) => m,
+            other => other.to_string(),
+        };
+        Error::Torch(without_cpp_frames(&message))
+    }
+}
+
+/// libtorch's message without the C++ stack trace that follows it
+/// (`Exception raised from … (most recent call first):` and the frames), as PyTorch
+/// shows errors unless `TORCH_SHOW_CPP_STACKTRACES=1` asks for the frames.
+pub(crate) fn without_cpp_frames(message: &str) -> String {
+    if std::env::var("TORCH_SHOW_CPP_STACKTRACES").is_ok_and(|v| v == "1") {
+        return message.to_string();
+    }
+    let mut kept: Vec<&str> = Vec::new();
+    for line in message.lines() {
+        if line.trim_start().starts_with("Exception raised from ") {
+            break;
+        }
+        kept.push(line);
+    }
+    kept.join("\n").trim_end().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn cpp_frames_are_cut_unless_asked_for() {
+        let raw = "Timed out waiting 10000ms for recv\nException raised from recv at /pytorch/gloo.cc:78 (most recent call first):\nframe #0: c10::Error::Error() + 0x8c";
+        assert_eq!(super::without_cpp_frames(raw), "Timed out waiting 10000ms for recv");
+        assert_eq!(super::without_cpp_frames("no frames"), "no frames");
     }
 }
 

@@ -29,6 +29,8 @@ pub mod launch;
 mod log;
 mod optim;
 mod process_group;
+pub mod record;
+mod rng;
 mod store;
 
 pub use amp::{autocast, Autocast, GradScaler, MixedPrecision};
@@ -45,6 +47,7 @@ pub use error::{Error, Result};
 pub use init::{current, init, init_with, Context, InitOptions, DEFAULT_TIMEOUT};
 pub use optim::{Optimizer, OptimizerKind};
 pub use process_group::{Backend, ProcessGroup, ReduceOp};
+pub use rng::AgreedSeed;
 pub use store::Store;
 
 #[doc(inline)]

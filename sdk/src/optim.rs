@@ -420,9 +420,23 @@ impl Optimizer {
         torch_sys_result()
     }
 
+    /// Sets the momentum of parameter group `group` (SGD, RMSprop), as tch's
+    /// `set_momentum_group`.
+    pub fn set_momentum_group(&mut self, group: usize, momentum: f64) -> Result<()> {
+        unsafe { torch_sys::ato_set_momentum_group(self.raw, group, momentum) };
+        torch_sys_result()
+    }
+
     /// Sets the weight decay of every parameter group.
     pub fn set_weight_decay(&mut self, weight_decay: f64) -> Result<()> {
         unsafe { torch_sys::ato_set_weight_decay(self.raw, weight_decay) };
+        torch_sys_result()
+    }
+
+    /// Sets the weight decay of parameter group `group`, as tch's
+    /// `set_weight_decay_group` (minGPT's no-decay group for biases and norms).
+    pub fn set_weight_decay_group(&mut self, group: usize, weight_decay: f64) -> Result<()> {
+        unsafe { torch_sys::ato_set_weight_decay_group(self.raw, group, weight_decay) };
         torch_sys_result()
     }
 

@@ -4,6 +4,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use tch::nn::VarStore;
 use tch::{Device, TchError, Tensor};
@@ -15,6 +16,7 @@ use crate::env::LaunchEnv;
 use crate::init::{self, Context, InitOptions};
 use crate::optim::{Optimizer, OptimizerKind};
 use crate::process_group::Backend;
+use crate::rng::AgreedSeed;
 
 pub use crate::error::Error;
 
@@ -36,8 +38,17 @@ thread_local! {
     static DEPTH: Cell<usize> = const { Cell::new(0) };
 }
 
+/// Ends the program as `main` returning an error does: `Error: …` on stderr (the
+/// message names the problem and the fix) and exit code 1, without a panic's
+/// pointer into the SDK's sources. Every caller is at a point where nothing is half
+/// written: checkpoints are complete or absent.
 fn fail(what: &str, e: impl std::fmt::Display) -> ! {
-    panic!("tch-distributed: {what}: {e}")
+    let rank = init::current()
+        .filter(|c| c.world_size() > 1)
+        .map(|c| format!("rank {}: ", c.rank()))
+        .unwrap_or_default();
+    eprintln!("Error: {rank}{what}: {e}");
+    std::process::exit(1)
 }
 
 /// How many ranks to start when the program runs without a launcher:
@@ -90,13 +101,10 @@ pub fn enter(options: Options) -> Session {
             .unwrap_or_else(|e| fail("mixed_precision", e));
     PRECISION.with(|p| p.set(precision));
     if ctx.world_size() > 1 {
-        // Every rank draws the same random numbers (initial weights, shuffles) unless
-        // the program seeds them itself, so sharded shuffles stay disjoint.
-        let mut seed = Tensor::from_slice(&[rand_seed()]);
-        if let Err(e) = ctx.process_group().broadcast(&mut seed, 0) {
-            fail("sharing the random seed", e)
-        }
-        tch::manual_seed(seed.int64_value(&[0]));
+        // Every rank starts from the same random state (initial weights, dropout),
+        // unless the program seeds it itself. Shuffles do not rely on it: sharded loops
+        // draw theirs under an `AgreedSeed`.
+        tch::manual_seed((ctx.seed() & i64::MAX as u64) as i64);
     }
     if ctx.is_main_process() {
         println!("{}", banner(&ctx, &options, precision, &why));
@@ -131,14 +139,6 @@ fn banner(ctx: &Context, options: &Options, precision: MixedPrecision, why: &str
     line
 }
 
-fn rand_seed() -> i64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    (nanos as i64 ^ (std::process::id() as i64) << 32) & i64::MAX
-}
-
 fn self_launch(ranks: usize) -> i32 {
     let exe = std::env::current_exe()
         .unwrap_or_else(|e| fail("finding this program to launch its ranks", e));
@@ -169,6 +169,9 @@ impl Session {
     pub fn finish(&self, failed: bool) {
         if !self.outermost || failed {
             return;
+        }
+        if let Err(e) = crate::record::write_models() {
+            crate::log::warn(format_args!("{e}"));
         }
         if let Some(ctx) = init::current() {
             if let Err(e) = ctx.barrier() {
@@ -219,12 +222,14 @@ pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Opti
         find_unused_parameters: options.find_unused_parameters,
         ..defaults
     };
-    let wrap =
-        |what: &str, e: crate::Error| TchError::Torch(format!("tch-distributed: {what}: {e}"));
+    // Failing to wrap the model ends the program with the cause and the fix: returned
+    // through the caller's `?`, tch's error type would print it as an "Internal torch
+    // error".
     let ddp = DistributedDataParallel::new(vs, ctx.process_group(), ddp_options)
-        .map_err(|e| wrap("wrapping the model in DDP", e))?;
+        .unwrap_or_else(|e| fail("wrapping the model in DistributedDataParallel", e));
+    crate::record::model_built(vs);
     let mut opt = Optimizer::new(config, vs, lr)
-        .map_err(|e| wrap("building the optimizer", e))?
+        .map_err(|e| TchError::Torch(format!("tch-distributed: building the optimizer: {e}")))?
         .distributed(ddp)
         .accumulate(options.grad_accum.unwrap_or(1));
     if PRECISION.with(Cell::get) == MixedPrecision::Fp16 {
@@ -343,28 +348,62 @@ pub trait ShardOther {
     fn __tchd_iter(&self) -> Self::Iter;
 }
 
-impl ShardKnown for Probe<tch::data::TextDataIter> {
+/// The head of a `for` loop: its iterator expression is evaluated while this lives,
+/// under an [`AgreedSeed`] keyed by the loop (`site`, fixed by the macro) and how many
+/// times it has started (`runs`, one counter per loop), so a shuffle drawn there is
+/// the same on every rank. Dropped once the loop's iterator exists.
+pub struct LoopHead {
+    site: u64,
+    run: u64,
+    _agreed: AgreedSeed,
+}
+
+/// Enters the head of loop `site`; see [`LoopHead`].
+pub fn loop_head(site: u64, runs: &AtomicU64) -> LoopHead {
+    let run = runs.fetch_add(1, Ordering::Relaxed);
+    let agreed = AgreedSeed::enter(crate::rng::mix(site) ^ run)
+        .unwrap_or_else(|e| fail("agreeing on the loop's shuffle", e));
+    LoopHead {
+        site,
+        run,
+        _agreed: agreed,
+    }
+}
+
+impl LoopHead {
+    fn shard<I: Iterator>(self, iter: I) -> Sharded<I>
+    where
+        I::Item: crate::record::Samples,
+    {
+        Sharded::new(iter).recording(crate::record::Recording::start(self.site, self.run))
+    }
+}
+
+impl ShardKnown for Probe<(LoopHead, tch::data::TextDataIter)> {
     type Iter = Sharded<tch::data::TextDataIter>;
     fn __tchd_iter(&self) -> Self::Iter {
-        Sharded::new(self.take())
+        let (head, iter) = self.take();
+        head.shard(iter)
     }
 }
-impl ShardKnown for Probe<tch::data::Iter2> {
+impl ShardKnown for Probe<(LoopHead, tch::data::Iter2)> {
     type Iter = Sharded<tch::data::Iter2>;
     fn __tchd_iter(&self) -> Self::Iter {
-        Sharded::new(self.take())
+        let (head, iter) = self.take();
+        head.shard(iter)
     }
 }
-impl<'a> ShardKnown for Probe<&'a mut tch::data::Iter2> {
+impl<'a> ShardKnown for Probe<(LoopHead, &'a mut tch::data::Iter2)> {
     type Iter = Sharded<&'a mut tch::data::Iter2>;
     fn __tchd_iter(&self) -> Self::Iter {
-        Sharded::new(self.take())
+        let (head, iter) = self.take();
+        head.shard(iter)
     }
 }
-impl<T: IntoIterator> ShardOther for &Probe<T> {
+impl<T: IntoIterator> ShardOther for &Probe<(LoopHead, T)> {
     type Iter = T;
     fn __tchd_iter(&self) -> T {
-        self.take()
+        self.take().1
     }
 }
 

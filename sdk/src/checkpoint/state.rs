@@ -7,12 +7,12 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use tch::nn::VarStore;
-use tch::{Device, Tensor};
+use tch::Tensor;
 
 use super::{io, save_synced, sync_dir, sync_file};
 use crate::data::LoaderPosition;
 use crate::error::{Error, Result};
-use crate::ffi;
+use crate::rng::{generators, rng_state, set_rng_state};
 use crate::init;
 use crate::log;
 use crate::optim::Optimizer;
@@ -121,27 +121,6 @@ fn rank_file(rank: usize) -> String {
 /// Whether every rank's `ok` is true (one all-reduce; a job of one needs none).
 fn all_ok(ok: bool) -> Result<bool> {
     Ok(init::all_reduce_scalar(ok as i64, ReduceOp::Min)? == 1)
-}
-
-/// The generators a rank's random state covers: the CPU's, and its CUDA device's
-/// when the model lives on one. Names as in the rank's file.
-fn generators(device: Device) -> Vec<(&'static str, i32)> {
-    let mut gens = vec![("cpu", -1)];
-    if let Device::Cuda(index) = device {
-        gens.push(("cuda", index as i32));
-    }
-    gens
-}
-
-fn rng_state(cuda_index: i32) -> Result<Tensor> {
-    let mut out: ffi::Tensor = std::ptr::null_mut();
-    ffi::check(unsafe { ffi::tdc_rng_state(cuda_index, &mut out) }).map_err(Error::Torch)?;
-    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
-}
-
-fn set_rng_state(cuda_index: i32, state: &Tensor) -> Result<()> {
-    ffi::check(unsafe { ffi::tdc_set_rng_state(cuda_index, ffi::tensor(state)) })
-        .map_err(Error::Torch)
 }
 
 /// A checkpoint read into memory and checked, not yet applied.

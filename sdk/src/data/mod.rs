@@ -1,8 +1,6 @@
 //! Splitting data across ranks: the sampler, datasets, the loader, and `shard` for
 //! tch's own iterators.
 
-use tch::{Device, Tensor};
-
 use crate::init;
 
 mod batch_size;
@@ -39,7 +37,10 @@ pub fn shard<I: IntoIterator>(batches: I) -> Sharded<I::IntoIter> {
 /// and no rank waits on a collective that the others never reach. The shards are
 /// disjoint except for those `world_size - batches % world_size` repeated batches,
 /// and together they cover the epoch. Every rank must see the same sequence of
-/// batches (the same data and shuffle seed; `#[distributed]` seeds every rank alike).
+/// batches: the same data, shuffled the same way. `#[distributed]` draws the shuffle
+/// in a sharded loop's head under an [`AgreedSeed`](crate::AgreedSeed); with this
+/// function, draw it under one yourself (or use the [`DataLoader`](crate::DataLoader),
+/// whose sampler is seeded explicitly).
 ///
 /// It reads one batch ahead, to know which of its batches is the epoch's last: there
 /// an [`Optimizer`](crate::Optimizer) accumulating gradients ends its cycle early.
@@ -53,8 +54,8 @@ pub struct Sharded<I: Iterator> {
     /// How many batches `inner` has yielded.
     seen: usize,
     done: bool,
-    /// The seed libtorch's generators get when the loop ends (see `Drop`).
-    reseed: Option<i64>,
+    /// What the loop yields, for `TCH_DISTRIBUTED_RECORD`.
+    recording: Option<crate::record::Recording<I::Item>>,
 }
 
 impl<I: Iterator> Sharded<I> {
@@ -67,11 +68,6 @@ impl<I: Iterator> Sharded<I> {
 
     /// Shards `inner` for `rank` of `world_size` ranks.
     pub fn for_rank(inner: I, rank: usize, world_size: usize) -> Self {
-        // Drawn while every rank's generator is in the same state (as at the start
-        // of the function), so every rank draws the same seed.
-        let reseed = (world_size > 1).then(|| {
-            Tensor::randint(i64::MAX, [1], (tch::Kind::Int64, Device::Cpu)).int64_value(&[0])
-        });
         Sharded {
             inner: inner.peekable(),
             rank,
@@ -79,8 +75,21 @@ impl<I: Iterator> Sharded<I> {
             first: Vec::new(),
             seen: 0,
             done: false,
-            reseed,
+            recording: None,
         }
+    }
+
+    /// Records the rows this rank gets, when `TCH_DISTRIBUTED_RECORD` asks for it.
+    pub(crate) fn recording(mut self, recording: Option<crate::record::Recording<I::Item>>) -> Self {
+        self.recording = recording;
+        self
+    }
+
+    fn yielded(&mut self, item: I::Item) -> Option<I::Item> {
+        if let Some(r) = &mut self.recording {
+            r.add(&item);
+        }
+        Some(item)
     }
 }
 
@@ -99,7 +108,8 @@ impl<I: Iterator> Iterator for Sharded<I> {
             self.seen += 1;
             got += 1;
             if i == self.rank {
-                return self.skip_rest(i, item);
+                self.skip_rest(i);
+                return self.yielded(item);
             }
             if self.seen <= self.rank {
                 self.first.push(item);
@@ -115,26 +125,23 @@ impl<I: Iterator> Iterator for Sharded<I> {
         // as the ranks after the last real batch do in turn.
         let k = (self.rank - got) % self.seen;
         crate::optim::set_end_of_data(true);
-        Some(self.first.swap_remove(k))
+        let item = self.first.swap_remove(k);
+        self.yielded(item)
     }
 }
 
-/// During the loop, the ranks' random generators drift apart whenever they draw
-/// different amounts (dropout on a smaller last batch). The next shuffle must be the
-/// same on every rank, so when the loop ends every rank reseeds libtorch's
-/// generators with the seed they all drew when the loop started.
 impl<I: Iterator> Drop for Sharded<I> {
     fn drop(&mut self) {
         crate::optim::set_end_of_data(false);
-        if let Some(seed) = self.reseed {
-            tch::manual_seed(seed);
+        if let Some(r) = self.recording.take() {
+            r.finish();
         }
     }
 }
 
 impl<I: Iterator> Sharded<I> {
     /// Consumes the rest of the round after this rank's batch at position `i`.
-    fn skip_rest(&mut self, i: usize, mine: I::Item) -> Option<I::Item> {
+    fn skip_rest(&mut self, i: usize) {
         for _ in i + 1..self.world_size {
             if self.inner.next().is_none() {
                 break;
@@ -142,7 +149,6 @@ impl<I: Iterator> Sharded<I> {
             self.seen += 1;
         }
         crate::optim::set_end_of_data(self.inner.peek().is_none());
-        Some(mine)
     }
 }
 
