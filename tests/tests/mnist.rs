@@ -2,89 +2,15 @@
 //! 2-rank run under `tchrun`, on a small synthetic dataset in MNIST's idx format.
 
 use std::fs;
-use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{example, run_tchrun, run_with, scratch_dir};
-
-const TRAIN: usize = 512;
-const TEST: usize = 128;
-
-/// A small deterministic PRNG (xorshift64*).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
-/// `n` 28x28 images and their labels: class k is a bright 5x5 blob centred at a
-/// class-dependent position (two rows of five), jittered by up to a pixel, on a
-/// noisy background.
-fn synthetic(n: usize, rng: &mut Rng) -> (Vec<u8>, Vec<u8>) {
-    let mut images = Vec::with_capacity(n * 28 * 28);
-    let mut labels = Vec::with_capacity(n);
-    for _ in 0..n {
-        let k = rng.below(10) as usize;
-        let cy = [8, 20][k / 5] + rng.below(3) as i64 - 1;
-        let cx = 4 + 5 * (k % 5) as i64 + rng.below(3) as i64 - 1;
-        for y in 0..28i64 {
-            for x in 0..28i64 {
-                let pixel = if (y - cy).abs() <= 2 && (x - cx).abs() <= 2 {
-                    180 + rng.below(76)
-                } else {
-                    rng.below(60)
-                };
-                images.push(pixel as u8);
-            }
-        }
-        labels.push(k as u8);
-    }
-    (images, labels)
-}
-
-fn write_idx(path: &Path, magic: u32, dims: &[u32], data: &[u8]) {
-    let mut bytes = magic.to_be_bytes().to_vec();
-    for d in dims {
-        bytes.extend(d.to_be_bytes());
-    }
-    bytes.extend(data);
-    fs::write(path, bytes).unwrap();
-}
-
-/// Writes the four MNIST idx files into `dir`.
-fn write_dataset(dir: &Path) {
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    for (prefix, n) in [("train", TRAIN), ("t10k", TEST)] {
-        let (images, labels) = synthetic(n, &mut rng);
-        let n = n as u32;
-        write_idx(
-            &dir.join(format!("{prefix}-images-idx3-ubyte")),
-            2051,
-            &[n, 28, 28],
-            &images,
-        );
-        write_idx(
-            &dir.join(format!("{prefix}-labels-idx1-ubyte")),
-            2049,
-            &[n],
-            &labels,
-        );
-    }
-}
+use tch_distributed_tests::{example, run_tchrun, run_with, scratch_dir, write_mnist};
 
 #[test]
 fn two_ranks_learn_synthetic_mnist_with_one_printer_and_one_checkpoint() {
     let dir = scratch_dir("mnist");
-    write_dataset(&dir);
+    write_mnist(&dir, 512, 128);
     let exe = example("mnist");
     let checkpoint = dir.join("mnist.safetensors");
     let run = run_tchrun(

@@ -1,0 +1,253 @@
+//! What every corpus program is checked for: run on several ranks under `tchrun` with
+//! `TCH_DISTRIBUTED_RECORD`, and as one process against its plain twin.
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use tch::Tensor;
+pub use tch_distributed_tests::{run_with, scratch_dir, tchrun, Run};
+
+/// Per run: multi-process runs on 2 CPU cores take seconds, a hang is killed here.
+pub const TIMEOUT: Duration = Duration::from_secs(240);
+
+/// Runs `program args…` on `ranks` ranks under `tchrun`, recording into `dir/record`
+/// (`TCH_DISTRIBUTED_RECORD`); panics with the output unless it exits 0.
+pub fn run_ranks(program: &str, args: &[&str], ranks: usize, dir: &Path) -> Run {
+    let mut cmd = Command::new(tchrun());
+    cmd.arg("--nproc-per-node")
+        .arg(ranks.to_string())
+        .arg(program)
+        .args(args)
+        .env("TCH_DISTRIBUTED_RECORD", dir.join("record"))
+        .env_remove("TCH_DISTRIBUTED_NPROC");
+    let run = run_with(cmd, dir, TIMEOUT, |_, _| {});
+    run.assert_success();
+    run
+}
+
+/// Runs `program args…` as one process without a launcher.
+pub fn run_alone(program: &str, args: &[&str], dir: &Path) -> Run {
+    let mut cmd = Command::new(program);
+    cmd.args(args);
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TCH_DISTRIBUTED_NPROC",
+        "TCH_DISTRIBUTED_RECORD",
+        "SLURM_PROCID",
+    ] {
+        cmd.env_remove(var);
+    }
+    let run = run_with(cmd, dir, TIMEOUT, |_, _| {});
+    run.assert_success();
+    run
+}
+
+/// The tensors of a safetensors file, by name.
+pub fn read_tensors(path: &Path) -> BTreeMap<String, Tensor> {
+    Tensor::read_safetensors(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .into_iter()
+        .collect()
+}
+
+/// Asserts that two sets of named tensors are equal bit for bit (same names, dtypes,
+/// shapes and values; NaN equal to NaN in the same place).
+pub fn assert_same_tensors(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>, what: &str) {
+    let names = |m: &BTreeMap<String, Tensor>| m.keys().cloned().collect::<Vec<_>>();
+    assert_eq!(names(a), names(b), "{what}: different variables");
+    for (name, x) in a {
+        let y = &b[name];
+        assert_eq!(x.kind(), y.kind(), "{what}: {name} dtype");
+        assert_eq!(x.size(), y.size(), "{what}: {name} shape");
+        assert!(
+            x.equal_nan(y),
+            "{what}: {name} differs (max abs difference {})",
+            (x - y).abs().max().double_value(&[])
+        );
+    }
+}
+
+trait EqualNan {
+    fn equal_nan(&self, other: &Tensor) -> bool;
+}
+impl EqualNan for Tensor {
+    fn equal_nan(&self, other: &Tensor) -> bool {
+        self.isnan().equal(&other.isnan())
+            && self
+                .nan_to_num(0.0, None, None)
+                .equal(&other.nan_to_num(0.0, None, None))
+    }
+}
+
+/// Asserts that every rank ended with the same parameters and buffers, bit for bit,
+/// for every model the function built an optimizer for; returns how many there were.
+pub fn assert_ranks_agree(dir: &Path, ranks: usize) -> usize {
+    let record = dir.join("record");
+    let mut models = 0;
+    while record
+        .join(format!("rank-0-model-{models}.safetensors"))
+        .exists()
+    {
+        let rank0 = read_tensors(&record.join(format!("rank-0-model-{models}.safetensors")));
+        assert!(!rank0.is_empty(), "model {models} has no variables");
+        for rank in 1..ranks {
+            let other =
+                read_tensors(&record.join(format!("rank-{rank}-model-{models}.safetensors")));
+            assert_same_tensors(
+                &rank0,
+                &other,
+                &format!("model {models}, rank {rank} vs rank 0"),
+            );
+        }
+        models += 1;
+    }
+    assert!(models > 0, "no model recorded in {}", record.display());
+    models
+}
+
+/// One run of one sharded loop: the sample fingerprints each rank was given.
+#[derive(Debug)]
+pub struct LoopRun {
+    pub site: u64,
+    pub run: u64,
+    pub per_rank: Vec<Vec<u64>>,
+}
+
+/// Every sharded loop's runs, in the order of their sites' first appearance and runs.
+pub fn loop_runs(dir: &Path, ranks: usize) -> Vec<LoopRun> {
+    let mut runs: BTreeMap<(u64, u64), Vec<Option<Vec<u64>>>> = BTreeMap::new();
+    for rank in 0..ranks {
+        let path = dir.join("record").join(format!("rank-{rank}.jsonl"));
+        let text =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        for line in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            let key = (v["loop"].as_u64().unwrap(), v["run"].as_u64().unwrap());
+            let rows: Vec<u64> = v["rows"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r.as_u64().unwrap())
+                .collect();
+            let slot = runs.entry(key).or_insert_with(|| vec![None; ranks]);
+            assert!(slot[rank].is_none(), "rank {rank} ran loop {key:?} twice");
+            slot[rank] = Some(rows);
+        }
+    }
+    runs.into_iter()
+        .map(|((site, run), per_rank)| LoopRun {
+            site,
+            run,
+            per_rank: per_rank
+                .into_iter()
+                .enumerate()
+                .map(|(r, rows)| {
+                    rows.unwrap_or_else(|| panic!("rank {r} did not run loop {site} run {run}"))
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+/// Asserts, for each run of each sharded loop, that the ranks got the same number of
+/// samples, disjoint but for `Sharded`'s padding (at most `ranks - 1` repeated
+/// batches of `batch` rows), that together they are `per_epoch` distinct samples,
+/// all from `universe` (the fingerprints of every sample the data holds). Returns the
+/// number of loop runs checked.
+pub fn assert_shards_partition(
+    dir: &Path,
+    ranks: usize,
+    batch: usize,
+    per_epoch: usize,
+    universe: &HashSet<u64>,
+) -> usize {
+    let runs = loop_runs(dir, ranks);
+    assert!(!runs.is_empty(), "no sharded loop was recorded");
+    for r in &runs {
+        let what = format!("loop {} run {}", r.site, r.run);
+        let sizes: Vec<usize> = r.per_rank.iter().map(Vec::len).collect();
+        assert!(
+            sizes.iter().all(|&s| s == sizes[0]),
+            "{what}: uneven shards {sizes:?}"
+        );
+        let all: Vec<u64> = r.per_rank.concat();
+        let distinct: HashSet<u64> = all.iter().copied().collect();
+        let repeated = all.len() - distinct.len();
+        assert!(
+            repeated <= (ranks - 1) * batch,
+            "{what}: {repeated} samples given to more than one rank (overlapping shards; padding allows {})",
+            (ranks - 1) * batch
+        );
+        assert_eq!(
+            distinct.len(),
+            per_epoch,
+            "{what}: the shards do not cover the epoch"
+        );
+        let foreign = distinct.difference(universe).count();
+        assert_eq!(foreign, 0, "{what}: {foreign} samples are not in the data");
+    }
+    runs.len()
+}
+
+/// Asserts that `stdout` holds exactly `count` lines starting with `prefix` (rank 0's,
+/// once each).
+pub fn assert_printed(stdout: &str, prefix: &str, count: usize) {
+    let n = stdout.lines().filter(|l| l.starts_with(prefix)).count();
+    assert_eq!(n, count, "lines starting with {prefix:?} in:\n{stdout}");
+}
+
+/// stdout without the SDK's own lines (the banner).
+pub fn program_output(stdout: &str) -> String {
+    stdout
+        .lines()
+        .filter(|l| !l.starts_with("tch-distributed:"))
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
+
+/// Runs `program` (with the attribute) and `plain` (the same file without it) as one
+/// process each, `args(out)` naming the file each writes; asserts that both print the
+/// same and write the same tensors, bit for bit.
+pub fn assert_single_process_matches_plain(
+    program: &str,
+    plain: &str,
+    args: impl Fn(&str) -> Vec<String>,
+    dir: &Path,
+) {
+    let outputs: Vec<(Run, PathBuf)> = [("distributed", program), ("plain", plain)]
+        .iter()
+        .map(|(name, exe)| {
+            let sub = dir.join(name);
+            std::fs::create_dir_all(&sub).unwrap();
+            let out = sub.join("out.safetensors");
+            let args = args(out.to_str().unwrap());
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            (run_alone(exe, &args, &sub), out)
+        })
+        .collect();
+    let (ours, plain_run) = (&outputs[0], &outputs[1]);
+    assert_eq!(
+        program_output(&ours.0.stdout),
+        program_output(&plain_run.0.stdout),
+        "one process prints differently with the attribute"
+    );
+    assert_same_tensors(
+        &read_tensors(&ours.1),
+        &read_tensors(&plain_run.1),
+        "one process with the attribute vs without",
+    );
+}
+
+/// The fingerprints of the rows of `t` (see `tch_distributed::record`).
+pub fn fingerprints(t: &Tensor) -> HashSet<u64> {
+    tch_distributed::record::fingerprint_rows(t)
+        .into_iter()
+        .collect()
+}
