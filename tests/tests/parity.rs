@@ -24,6 +24,11 @@
 //!   by the training, so the test asserts a tolerance there. (That this is the only
 //!   difference was checked by hand: with `Tensor.lerp_` replaced by `mul_(1 - w).add_(end,
 //!   alpha=w)` in the Python run, Adam too is bit for bit equal after 100 steps.)
+//!
+//! A second case, `batchnorm_convnet_matches_ddp_with_broadcast_buffers`
+//! (`parity_bn_worker`, `tests/parity/torch_ddp_bn.py`), trains a convnet with batch
+//! norms against `DistributedDataParallel(broadcast_buffers=True)` and compares the
+//! running statistics too.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -35,6 +40,7 @@ use tch::{Kind, Tensor};
 use tch_distributed_tests::{run_tchrun, run_with, scratch_dir};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_parity_worker");
+const BN_WORKER: &str = env!("CARGO_BIN_EXE_parity_bn_worker");
 
 /// Writes `DIR/data.safetensors` (`x`: 64 × 8, `y`: 64 × 4) and
 /// `DIR/init.safetensors` (the MLP's weights, under the VarStore's names, drawn as
@@ -53,6 +59,46 @@ fn write_fixture(dir: &Path) {
         ("l1.bias", uniform(&[32], 8.0)),
         ("l2.weight", uniform(&[4, 32], 32.0)),
         ("l2.bias", uniform(&[4], 32.0)),
+    ];
+    Tensor::write_safetensors(&[("x", &x), ("y", &y)], dir.join("data.safetensors")).unwrap();
+    let weights: Vec<(&str, &Tensor)> = weights.iter().map(|(n, t)| (*n, t)).collect();
+    Tensor::write_safetensors(&weights, dir.join("init.safetensors")).unwrap();
+}
+
+/// Writes the BatchNorm case's `DIR/data.safetensors` (`x`: 80 × 1 × 8 × 8 images,
+/// `y`: 80 class indices in 0..4, the quadrant of largest sum) and `DIR/init.safetensors`
+/// (the convnet's weights, drawn as PyTorch's `nn.Conv2d`/`nn.Linear` draw them, its
+/// batch norms' affine weights around 1 and biases around 0, and their running
+/// statistics at their initial zeros and ones, under the VarStore's names).
+fn write_bn_fixture(dir: &Path) {
+    tch::manual_seed(20240608);
+    let cpu = (Kind::Float, tch::Device::Cpu);
+    let x = Tensor::randn([80, 1, 8, 8], cpu);
+    let y = x
+        .view([80, 2, 4, 2, 4])
+        .sum_dim_intlist([2, 4].as_slice(), false, Kind::Float)
+        .view([80, 4])
+        .argmax(1, false);
+    let uniform = |shape: &[i64], lo: f64, hi: f64| Tensor::rand(shape, cpu) * (hi - lo) + lo;
+    let fan_in = |shape: &[i64], fan_in: f64| {
+        let bound = 1.0 / fan_in.sqrt();
+        uniform(shape, -bound, bound)
+    };
+    let weights = [
+        ("c1.weight", fan_in(&[4, 1, 3, 3], 9.0)),
+        ("c1.bias", fan_in(&[4], 9.0)),
+        ("bn1.weight", uniform(&[4], 0.5, 1.5)),
+        ("bn1.bias", uniform(&[4], -0.1, 0.1)),
+        ("bn1.running_mean", Tensor::zeros([4], cpu)),
+        ("bn1.running_var", Tensor::ones([4], cpu)),
+        ("c2.weight", fan_in(&[8, 4, 3, 3], 36.0)),
+        ("c2.bias", fan_in(&[8], 36.0)),
+        ("bn2.weight", uniform(&[8], 0.5, 1.5)),
+        ("bn2.bias", uniform(&[8], -0.1, 0.1)),
+        ("bn2.running_mean", Tensor::zeros([8], cpu)),
+        ("bn2.running_var", Tensor::ones([8], cpu)),
+        ("l.weight", fan_in(&[4, 128], 128.0)),
+        ("l.bias", fan_in(&[4], 128.0)),
     ];
     Tensor::write_safetensors(&[("x", &x), ("y", &y)], dir.join("data.safetensors")).unwrap();
     let weights: Vec<(&str, &Tensor)> = weights.iter().map(|(n, t)| (*n, t)).collect();
@@ -82,6 +128,12 @@ struct Difference {
 }
 
 fn compare(ours: &Path, theirs: &Path) -> Difference {
+    compare_where(ours, theirs, |_| true)
+}
+
+/// [`compare`] over the tensors whose name `pick` accepts (both files must hold the
+/// same names).
+fn compare_where(ours: &Path, theirs: &Path, pick: impl Fn(&str) -> bool) -> Difference {
     let (ours, theirs) = (read(ours), read(theirs));
     let names = |m: &BTreeMap<String, Vec<f32>>| m.keys().cloned().collect::<Vec<_>>();
     assert_eq!(names(&ours), names(&theirs), "the same parameter names");
@@ -90,7 +142,7 @@ fn compare(ours: &Path, theirs: &Path) -> Difference {
         differing: 0,
         elements: 0,
     };
-    for (name, a) in &ours {
+    for (name, a) in ours.iter().filter(|(name, _)| pick(name)) {
         let b = &theirs[name];
         assert_eq!(a.len(), b.len(), "{name}");
         for (x, y) in a.iter().zip(b) {
@@ -170,4 +222,117 @@ fn sgd_momentum_and_adam_match_pytorch_ddp_on_two_ranks() {
     assert_eq!(adam(1).differing, 0, "Adam, step 1: bit for bit\n{report}");
     assert!(adam(10).max_abs < 1e-6, "Adam, step 10\n{report}");
     assert!(adam(100).max_abs < 1e-5, "Adam, step 100\n{report}");
+}
+
+/// The BatchNorm case: a small convnet (conv → batch norm → relu, twice, then a linear
+/// layer) trained in train mode with SGD and momentum for 10 steps, against
+/// `DistributedDataParallel(broadcast_buffers=True)`. The batch norms' running
+/// statistics are buffers (variables that are not trainable): PyTorch broadcasts rank
+/// 0's at the start of each forward pass that follows a synchronized one, the SDK at the
+/// end of each synchronized backward pass; either way every forward pass starts from
+/// the same values, and rank 0's running statistics after the last step are the same.
+/// PyTorch's rank 1 keeps its own last update, which the next forward pass would
+/// replace; ours has rank 0's already, so only PyTorch's rank 0 is compared.
+///
+/// A forward pass in train mode normalizes with the batch's statistics and only
+/// updates the running ones, so the parameters and rank 0's running statistics do not
+/// depend on the broadcast at all. What does: rank 1's running statistics (checked
+/// equal to rank 0's, which they are not without the broadcast, the ranks' batches
+/// being different) and an evaluation forward pass on each rank after training, which
+/// normalizes with them (compared with PyTorch's through DDP, which broadcasts rank 0's
+/// buffers before it).
+#[test]
+fn batchnorm_convnet_matches_ddp_with_broadcast_buffers() {
+    let dir = scratch_dir("parity-bn");
+    let d = dir.to_str().unwrap();
+    write_bn_fixture(&dir);
+
+    let run = run_tchrun(
+        &dir,
+        &["--nproc-per-node", "2", BN_WORKER, d],
+        Duration::from_secs(120),
+        |_, _| {},
+    );
+    run.assert_success();
+    assert!(run.stdout.contains("bn: 10 steps"), "{}", run.stdout);
+
+    let is_stat = |name: &str| name.contains(".running_");
+    let (rank0, rank1) = (
+        dir.join("rust-rank0.safetensors"),
+        dir.join("rust-rank1.safetensors"),
+    );
+    let saved = compare(&dir.join("rust.safetensors"), &rank0);
+    assert_eq!(saved.differing, 0, "vs.save wrote rank 0's variables");
+    let params = compare_where(&rank0, &rank1, |n| !is_stat(n));
+    let stats = compare_where(&rank0, &rank1, is_stat);
+    let mut report = format!(
+        "BatchNorm convnet (2 ranks, gloo, 10 steps), ours, rank 1 against rank 0: \
+         parameters {:.3e}, running statistics {:.3e}\n",
+        params.max_abs, stats.max_abs
+    );
+    let init = dir.join("init.safetensors");
+    let moved = (
+        compare_where(&init, &rank0, |n| !is_stat(n)),
+        compare_where(&init, &rank0, is_stat),
+    );
+    assert!(
+        moved.0.max_abs > 0.01 && moved.1.max_abs > 0.01,
+        "the parameters and the running statistics moved: {moved:?}"
+    );
+    assert_eq!(
+        params.differing, 0,
+        "every rank has the same parameters\n{report}"
+    );
+    assert_eq!(
+        stats.differing, 0,
+        "every rank has rank 0's running statistics\n{report}"
+    );
+
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+    if !python.exists() {
+        // As in `sgd_momentum_and_adam_match_pytorch_ddp_on_two_ranks`.
+        report.push_str(&format!(
+            "no venv python at {}: comparison with PyTorch skipped\n",
+            python.display()
+        ));
+        std::io::stderr().write_all(report.as_bytes()).unwrap();
+        return;
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("parity/torch_ddp_bn.py");
+    let mut cmd = Command::new(&python);
+    cmd.arg(&script).arg(d);
+    run_with(cmd, &dir, Duration::from_secs(120), |_, _| {}).assert_success();
+
+    let theirs = dir.join("torch.safetensors");
+    let params = compare_where(&rank0, &theirs, |n| !is_stat(n));
+    let stats = compare_where(&rank0, &theirs, is_stat);
+    report.push_str(&format!(
+        "  against PyTorch DDP(broadcast_buffers=True), rank 0, max |ours - theirs|: \
+         parameters {:.3e} ({} of {} elements differ in their bits), \
+         running statistics {:.3e} ({} of {} differ)\n",
+        params.max_abs,
+        params.differing,
+        params.elements,
+        stats.max_abs,
+        stats.differing,
+        stats.elements
+    ));
+    let eval: Vec<Difference> = (0..2)
+        .map(|r| {
+            let file = |side: &str| dir.join(format!("{side}-eval-rank{r}.safetensors"));
+            compare(&file("rust"), &file("torch"))
+        })
+        .collect();
+    for (r, diff) in eval.iter().enumerate() {
+        report.push_str(&format!(
+            "  evaluation logits (running statistics in use), rank {r}: {:.3e} ({} of {} differ)\n",
+            diff.max_abs, diff.differing, diff.elements
+        ));
+    }
+    std::io::stderr().write_all(report.as_bytes()).unwrap();
+    assert!(params.max_abs <= 1e-6, "parameters\n{report}");
+    assert!(stats.max_abs <= 1e-6, "running statistics\n{report}");
+    for (r, diff) in eval.iter().enumerate() {
+        assert!(diff.max_abs <= 1e-6, "evaluation on rank {r}\n{report}");
+    }
 }
