@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/Logging.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
@@ -90,6 +91,21 @@ int tdc_nccl_compiled(void) {
   return tdc::nccl_compiled() ? 1 : 0;
 }
 
+// While connecting, c10d logs each failed attempt (warnings, then an error) with the
+// C++ stack trace ("TCP client failed to connect/validate …" and the frames). The
+// failure reaches the caller as an error that says where and what to check, so c10d's
+// own lines are silenced during the connection, unless TORCH_CPP_LOG_LEVEL or
+// TORCH_SHOW_CPP_STACKTRACES=1 asks for libtorch's own output.
+struct QuietConnectWarnings {
+  int saved = FLAGS_caffe2_log_level;
+  QuietConnectWarnings() {
+    const char* show = std::getenv("TORCH_SHOW_CPP_STACKTRACES");
+    bool asked = std::getenv("TORCH_CPP_LOG_LEVEL") != nullptr || (show != nullptr && std::string(show) == "1");
+    if (!asked && saved < 3) FLAGS_caffe2_log_level = 3;  // fatal only
+  }
+  ~QuietConnectWarnings() { FLAGS_caffe2_log_level = saved; }
+};
+
 tdc_store* tdc_tcp_store_new(
     const char* host, int port, int world_size, int is_server,
     int64_t timeout_ms) {
@@ -101,6 +117,7 @@ tdc_store* tdc_tcp_store_new(
     // The process group's own rendezvous waits for every rank, with its timeout.
     opts.waitWorkers = false;
     opts.timeout = ms(timeout_ms);
+    QuietConnectWarnings quiet;
     return new tdc_store{c10::make_intrusive<c10d::TCPStore>(host, opts)};
   })
 }

@@ -257,7 +257,8 @@ impl DistributedDataParallel {
             }
         };
         self.stats.set(stats);
-        loss.f_backward().map_err(|e| reducer_error(e.to_string()))?;
+        loss.f_backward()
+            .map_err(|e| reducer_error(crate::error::torch_message(e)))?;
         // After the backward pass, never between a forward pass and its backward:
         // autograd saved the buffers (batch norm's running statistics) at the forward
         // pass and checks that they were not modified in place since.
@@ -275,7 +276,8 @@ impl DistributedDataParallel {
     ///
     /// Errors: [`Error::Collective`] when the broadcast fails.
     pub fn broadcast_buffers(&self) -> Result<()> {
-        if self.options.broadcast_buffers && !self.buffers.is_empty() && self.group.world_size() > 1 {
+        if self.options.broadcast_buffers && !self.buffers.is_empty() && self.group.world_size() > 1
+        {
             tch::no_grad(|| {
                 self.group
                     .broadcast_coalesced(&self.buffers, BROADCAST_BUCKET_BYTES, 0)

@@ -179,7 +179,11 @@ fn number(name: &str, value: &str) -> Result<usize> {
     value
         .trim()
         .parse()
-        .map_err(|_| Error::Config(format!("{name}={value:?} is not a non-negative integer")))
+        .map_err(|_| {
+            Error::Config(format!(
+                "{name}={value:?} is not a non-negative integer: the launcher sets it (tchrun, torchrun, srun); set it to a number, or unset RANK, WORLD_SIZE and LOCAL_RANK to run one process"
+            ))
+        })
 }
 
 fn port_number(port: &str) -> Result<u16> {

@@ -62,11 +62,16 @@ pub enum Error {
 
 impl From<tch::TchError> for Error {
     fn from(e: tch::TchError) -> Self {
-        let message = match e {
-            tch::TchError::Torch(m) => m,
-            other => other.to_string(),
-        };
-        Error::Torch(without_cpp_frames(&message))
+        Error::Torch(torch_message(e))
+    }
+}
+
+/// tch's error as a message: libtorch's own text without tch's "Internal torch error"
+/// prefix and without the C++ frames ([`without_cpp_frames`]).
+pub(crate) fn torch_message(e: tch::TchError) -> String {
+    match e {
+        tch::TchError::Torch(m) => without_cpp_frames(&m),
+        other => without_cpp_frames(&other.to_string()),
     }
 }
 
@@ -92,7 +97,10 @@ mod tests {
     #[test]
     fn cpp_frames_are_cut_unless_asked_for() {
         let raw = "Timed out waiting 10000ms for recv\nException raised from recv at /pytorch/gloo.cc:78 (most recent call first):\nframe #0: c10::Error::Error() + 0x8c";
-        assert_eq!(super::without_cpp_frames(raw), "Timed out waiting 10000ms for recv");
+        assert_eq!(
+            super::without_cpp_frames(raw),
+            "Timed out waiting 10000ms for recv"
+        );
         assert_eq!(super::without_cpp_frames("no frames"), "no frames");
     }
 }

@@ -119,7 +119,10 @@ fn agree_on_seed(store: &Store, rank: usize, world_size: usize) -> Result<u64> {
     }
     let bytes = store.get(KEY)?;
     let bytes: [u8; 8] = bytes.as_slice().try_into().map_err(|_| {
-        Error::Config(format!("the store's {KEY} holds {} bytes, not 8", bytes.len()))
+        Error::Config(format!(
+            "the store's {KEY} holds {} bytes, not 8",
+            bytes.len()
+        ))
     })?;
     Ok(u64::from_le_bytes(bytes))
 }

@@ -114,7 +114,10 @@ impl<T> Recording<T> {
             writeln!(f, "{line}")
         });
         if let Err(e) = written {
-            crate::log::warn(format_args!("{RECORD_ENV}: writing {}: {e}", path.display()));
+            crate::log::warn(format_args!(
+                "{RECORD_ENV}: writing {}: {e}",
+                path.display()
+            ));
         }
     }
 }

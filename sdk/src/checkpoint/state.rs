@@ -12,11 +12,11 @@ use tch::Tensor;
 use super::{io, save_synced, sync_dir, sync_file};
 use crate::data::LoaderPosition;
 use crate::error::{Error, Result};
-use crate::rng::{generators, rng_state, set_rng_state};
 use crate::init;
 use crate::log;
 use crate::optim::Optimizer;
 use crate::process_group::ReduceOp;
+use crate::rng::{generators, rng_state, set_rng_state};
 
 /// The manifest that marks a checkpoint complete: every file's size and FNV-1a hash.
 const COMPLETE: &str = "COMPLETE";

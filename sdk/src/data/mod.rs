@@ -80,7 +80,10 @@ impl<I: Iterator> Sharded<I> {
     }
 
     /// Records the rows this rank gets, when `TCH_DISTRIBUTED_RECORD` asks for it.
-    pub(crate) fn recording(mut self, recording: Option<crate::record::Recording<I::Item>>) -> Self {
+    pub(crate) fn recording(
+        mut self,
+        recording: Option<crate::record::Recording<I::Item>>,
+    ) -> Self {
         self.recording = recording;
         self
     }

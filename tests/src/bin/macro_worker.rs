@@ -5,7 +5,8 @@
 //! `OUT_DIR/params{rank}.txt`, and the model to `OUT_DIR/model.safetensors`.
 //! `--plain` runs the same function without the attribute. With `SEED=s` in the
 //! environment it seeds libtorch's generator first (unseeded, libtorch draws a seed
-//! at random); with `FAIL_RANK=r`, rank `r` returns an error after its first step.
+//! at random); with `FAIL_RANK=r`, rank `r` returns an error after its first step;
+//! with `MISMATCH=1`, rank `r`'s layer has `1 + r` outputs.
 
 use tch::data::Iter2;
 use tch::nn::{self, Module, OptimizerConfig};
@@ -30,9 +31,11 @@ train! {
     let xs = Tensor::arange(rows, (Kind::Float, Device::Cpu)).view([rows, 1]);
     let ys = &xs * 2.0 + 1.0;
     let vs = nn::VarStore::new(device);
-    let net = nn::linear(vs.root(), 1, 1, Default::default());
-    let mut opt = nn::Sgd::default().build(&vs, 1e-4)?;
     let rank = tch_distributed::current().map(|c| c.rank()).unwrap_or(0);
+    // MISMATCH=1: each rank builds a layer of its own width (ranks that disagree).
+    let width = if std::env::var("MISMATCH").is_ok() { 1 + rank as i64 } else { 1 };
+    let net = nn::linear(vs.root(), 1, width, Default::default());
+    let mut opt = nn::Sgd::default().build(&vs, 1e-4)?;
     let fail = std::env::var("FAIL_RANK").ok().and_then(|r| r.parse::<usize>().ok());
     let mut log = String::new();
     let mut steps = 0;

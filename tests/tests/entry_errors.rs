@@ -1,0 +1,110 @@
+//! Failures at a `#[distributed]` function's entry end the program as `main` returning
+//! an error does: `Error: …` naming the problem and the fix, exit code 1, no panic
+//! pointing into the SDK's sources and no C++ stack frames.
+
+use std::net::TcpListener;
+use std::process::Command;
+use std::time::Duration;
+
+use tch_distributed_tests::{run_with, scratch_dir, Run};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_macro_worker");
+
+/// The marks of an unclean failure.
+fn assert_clean(run: &Run, expected: &[&str]) {
+    assert_eq!(run.status.code(), Some(1), "stderr:\n{}", run.stderr);
+    for bad in [
+        "panicked",
+        "sdk/src/",
+        "Exception raised from",
+        "frame #",
+        "Internal torch error",
+    ] {
+        assert!(!run.stderr.contains(bad), "{bad:?} in:\n{}", run.stderr);
+    }
+    for text in expected {
+        assert!(
+            run.stderr.contains(text),
+            "{text:?} not in:\n{}",
+            run.stderr
+        );
+    }
+}
+
+fn worker(dir: &std::path::Path, env: &[(&str, &str)]) -> Run {
+    let mut cmd = Command::new(WORKER);
+    cmd.arg(dir).arg("8");
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TCH_DISTRIBUTED_NPROC",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd.envs(env.iter().copied());
+    run_with(cmd, dir, Duration::from_secs(60), |_, _| {})
+}
+
+#[test]
+fn a_bad_launch_environment_names_the_variable_and_the_fix() {
+    let dir = scratch_dir("entry-bad-rank");
+    let run = worker(&dir, &[("RANK", "abc"), ("WORLD_SIZE", "2")]);
+    assert_clean(
+        &run,
+        &[
+            "Error: reading the launch environment: RANK=\"abc\" is not a non-negative integer",
+            "unset RANK",
+        ],
+    );
+    assert!(run.stderr.starts_with("Error: "), "{}", run.stderr);
+}
+
+#[test]
+fn a_rendezvous_that_times_out_says_where_and_what_to_check() {
+    let dir = scratch_dir("entry-rendezvous");
+    // A port nobody listens on: rank 1 waits for rank 0's store, which never comes.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let port = port.to_string();
+    let run = worker(
+        &dir,
+        &[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", &port),
+            ("TCH_DISTRIBUTED_TIMEOUT", "3"),
+        ],
+    );
+    assert_clean(
+        &run,
+        &[
+            "Error: joining the process group: rendezvous at 127.0.0.1:",
+            "(rank 1, world size 2)",
+        ],
+    );
+}
+
+#[test]
+fn ranks_with_different_models_name_the_variable() {
+    let dir = scratch_dir("entry-mismatch");
+    let mut cmd = Command::new(tch_distributed_tests::tchrun());
+    cmd.args(["--nproc-per-node", "2", WORKER, dir.to_str().unwrap(), "8"])
+        .env("MISMATCH", "1");
+    let run = run_with(cmd, &dir, Duration::from_secs(60), |_, _| {});
+    // tchrun's own exit code is 1 when a rank fails; the rank's own line is clean.
+    assert_clean(
+        &run,
+        &[
+            "wrapping the model in DistributedDataParallel: the ranks built different models",
+            "(variable \"bias\")",
+            "hint: every rank must create the same variables",
+        ],
+    );
+}
