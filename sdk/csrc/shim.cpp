@@ -432,6 +432,15 @@ int tdc_set_rng_state(int cuda_index, tdc_tensor state) {
   })
 }
 
+int tdc_rng_current_seed(int cuda_index, uint64_t* out) {
+  TDC_PROTECT(1, {
+    auto gen = default_generator(cuda_index);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    *out = gen.current_seed();
+    return 0;
+  })
+}
+
 int tdc_seed_rng(int cuda_index, uint64_t seed) {
   TDC_PROTECT(1, {
     auto gen = default_generator(cuda_index);

@@ -93,6 +93,8 @@ int tdc_optimizer_load(void* opt, const uint8_t* data, size_t len);
  * `torch::Tensor*` the caller owns), and setting it back. */
 int tdc_rng_state(int cuda_index, tdc_tensor* out);
 int tdc_set_rng_state(int cuda_index, tdc_tensor state);
+// The seed one default generator was last seeded with (torch.Generator.initial_seed).
+int tdc_rng_current_seed(int cuda_index, uint64_t* out);
 // Seeds one default generator, as torch.Generator.manual_seed does.
 int tdc_seed_rng(int cuda_index, uint64_t seed);
 

@@ -120,6 +120,7 @@ extern "C" {
     pub fn tdc_optimizer_load(opt: *mut c_void, data: *const u8, len: usize) -> c_int;
     pub fn tdc_rng_state(cuda_index: c_int, out: *mut Tensor) -> c_int;
     pub fn tdc_set_rng_state(cuda_index: c_int, state: Tensor) -> c_int;
+    pub fn tdc_rng_current_seed(cuda_index: c_int, out: *mut u64) -> c_int;
     pub fn tdc_seed_rng(cuda_index: c_int, seed: u64) -> c_int;
 
     pub fn tdc_autocast_enter(

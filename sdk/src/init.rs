@@ -9,6 +9,7 @@ use tch::Device;
 use crate::env::LaunchEnv;
 use crate::error::{Error, Result};
 use crate::process_group::{Backend, ProcessGroup};
+use crate::rng::RandomState;
 use crate::store::Store;
 
 /// The timeout of collectives and rendezvous when none is given: 30 minutes, as
@@ -41,7 +42,7 @@ pub struct Context {
     device: Device,
     group: ProcessGroup,
     master: Option<(String, u16)>,
-    seed: u64,
+    random: RandomState,
 }
 
 static CONTEXT: Mutex<Option<Context>> = Mutex::new(None);
@@ -101,30 +102,6 @@ pub(crate) fn all_reduce_scalar(value: i64, op: crate::ReduceOp) -> Result<i64> 
         }
         _ => Ok(value),
     }
-}
-
-/// Rank 0 draws the job's seed and publishes it in the store; the others read it.
-fn agree_on_seed(store: &Store, rank: usize, world_size: usize) -> Result<u64> {
-    const KEY: &str = "tch_distributed/seed";
-    if world_size == 1 || rank == 0 {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
-        let seed = crate::rng::mix(nanos ^ (std::process::id() as u64) << 32);
-        if world_size > 1 {
-            store.set(KEY, &seed.to_le_bytes())?;
-        }
-        return Ok(seed);
-    }
-    let bytes = store.get(KEY)?;
-    let bytes: [u8; 8] = bytes.as_slice().try_into().map_err(|_| {
-        Error::Config(format!(
-            "the store's {KEY} holds {} bytes, not 8",
-            bytes.len()
-        ))
-    })?;
-    Ok(u64::from_le_bytes(bytes))
 }
 
 fn env_timeout() -> Result<Option<Duration>> {
@@ -228,7 +205,7 @@ impl Context {
             .map_err(place)?;
             (store, Some((env.master_addr.clone(), env.master_port)))
         };
-        let seed = agree_on_seed(&store, env.rank, env.world_size).map_err(place)?;
+        let random = RandomState::share(&store, env.rank, env.world_size, device).map_err(place)?;
         let group = ProcessGroup::new(&store, env.rank, env.world_size, backend, device, timeout)
             .map_err(place)?;
         Ok(Context {
@@ -239,7 +216,7 @@ impl Context {
             device,
             group,
             master,
-            seed,
+            random,
         })
     }
 
@@ -248,10 +225,17 @@ impl Context {
         self.rank
     }
 
-    /// The job's seed: drawn by rank 0 at rendezvous and the same on every rank. It
-    /// seeds [`AgreedSeed`](crate::AgreedSeed), so that shuffles agree on every rank.
+    /// The job's seed, the same on every rank: a hash of rank 0's random state when it
+    /// joined, so a program that seeds libtorch before joining (`tch::manual_seed` in
+    /// `main`) gets the same job seed run after run. It seeds
+    /// [`AgreedSeed`](crate::AgreedSeed), so that shuffles agree on every rank.
     pub fn seed(&self) -> u64 {
-        self.seed
+        self.random.seed()
+    }
+
+    /// Rank 0's random state when it joined (shared at rendezvous).
+    pub(crate) fn random_state(&self) -> &RandomState {
+        &self.random
     }
 
     /// Rank within this node, in `0..local_world_size`; it indexes this node's GPUs.

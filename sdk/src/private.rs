@@ -101,10 +101,13 @@ pub fn enter(options: Options) -> Session {
             .unwrap_or_else(|e| fail("mixed_precision", e));
     PRECISION.with(|p| p.set(precision));
     if ctx.world_size() > 1 {
-        // Every rank starts from the same random state (initial weights, dropout),
-        // unless the program seeds it itself. Shuffles do not rely on it: sharded loops
-        // draw theirs under an `AgreedSeed`.
-        tch::manual_seed((ctx.seed() & i64::MAX as u64) as i64);
+        // Every rank continues from rank 0's random state (initial weights, dropout):
+        // a seed the program set before the function is honoured, run after run.
+        // Shuffles do not rely on the ranks staying in step: sharded loops draw theirs
+        // under an `AgreedSeed`.
+        if let Err(e) = ctx.random_state().adopt(ctx.device()) {
+            fail("sharing rank 0's random state", e)
+        }
     }
     if ctx.is_main_process() {
         println!("{}", banner(&ctx, &options, precision, &why));
@@ -349,9 +352,11 @@ pub trait ShardOther {
 }
 
 /// The head of a `for` loop: its iterator expression is evaluated while this lives,
-/// under an [`AgreedSeed`] keyed by the loop (`site`, fixed by the macro) and how many
-/// times it has started (`runs`, one counter per loop), so a shuffle drawn there is
-/// the same on every rank. Dropped once the loop's iterator exists.
+/// under an [`AgreedSeed`] made from the loop (`site`, fixed by the macro), how many
+/// times it has started (`runs`, one counter per loop) and the seed libtorch was last
+/// seeded with, so a shuffle drawn there is the same on every rank. Dropped once the
+/// loop's iterator exists; a sharded loop then checks that every rank starts from the
+/// same batch.
 pub struct LoopHead {
     site: u64,
     run: u64,
@@ -361,7 +366,12 @@ pub struct LoopHead {
 /// Enters the head of loop `site`; see [`LoopHead`].
 pub fn loop_head(site: u64, runs: &AtomicU64) -> LoopHead {
     let run = runs.fetch_add(1, Ordering::Relaxed);
-    let agreed = AgreedSeed::enter(crate::rng::mix(site) ^ run)
+    // The seed libtorch was last seeded with (rank 0's, adopted at entry, or one the
+    // function set alike on every rank since): a program that seeds inside the
+    // function gets the same shuffles run after run. Drawing numbers leaves it alone.
+    let seeded = crate::rng::current_seed(-1)
+        .unwrap_or_else(|e| fail("reading the random generator's seed", e));
+    let agreed = AgreedSeed::seeded(crate::rng::mix(crate::rng::mix(site) ^ run ^ seeded))
         .unwrap_or_else(|e| fail("agreeing on the loop's shuffle", e));
     LoopHead {
         site,
@@ -375,7 +385,10 @@ impl LoopHead {
     where
         I::Item: crate::record::Samples,
     {
-        Sharded::new(iter).recording(crate::record::Recording::start(self.site, self.run))
+        Sharded::new(iter)
+            .recording(crate::record::Recording::start(self.site, self.run))
+            .check_same_start(<I::Item as crate::record::Samples>::samples)
+            .unwrap_or_else(|e| fail("starting a sharded loop", e))
     }
 }
 

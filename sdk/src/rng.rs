@@ -4,6 +4,7 @@
 use tch::{Device, Tensor};
 
 use crate::error::{Error, Result};
+use crate::store::Store;
 use crate::{ffi, init};
 
 /// The generators a rank's random state covers: the CPU's, and its CUDA device's
@@ -24,10 +25,77 @@ pub(crate) fn rng_state(cuda_index: i32) -> Result<Tensor> {
     Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
 }
 
+/// The seed the CPU's (`cuda_index < 0`) or a CUDA device's default generator was last
+/// seeded with (`tch::manual_seed`, or a state set since), as `torch.initial_seed()`;
+/// drawing numbers does not change it.
+pub(crate) fn current_seed(cuda_index: i32) -> Result<u64> {
+    let mut seed = 0;
+    ffi::check(unsafe { ffi::tdc_rng_current_seed(cuda_index, &mut seed) })
+        .map_err(Error::Torch)?;
+    Ok(seed)
+}
+
 /// Restores a state from [`rng_state`], as `torch.set_rng_state()`.
 pub(crate) fn set_rng_state(cuda_index: i32, state: &Tensor) -> Result<()> {
     ffi::check(unsafe { ffi::tdc_set_rng_state(cuda_index, ffi::tensor(state)) })
         .map_err(Error::Torch)
+}
+
+/// Rank 0's random state when the job formed, the same on every rank: each default
+/// generator's state (the CPU's, and the rank's CUDA device's) and the job's seed, a
+/// hash of it.
+#[derive(Clone)]
+pub(crate) struct RandomState {
+    seed: u64,
+    states: Vec<(&'static str, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for RandomState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RandomState").field("seed", &self.seed).finish()
+    }
+}
+
+impl RandomState {
+    /// Rank 0 publishes its generators' states in the store, the others read them: the
+    /// agreement is explicit, whatever each rank's generator holds. With a world of
+    /// one, this process's own state (nothing is published).
+    pub(crate) fn share(store: &Store, rank: usize, world_size: usize, device: Device) -> Result<Self> {
+        let mut states = Vec::new();
+        for (name, index) in generators(device) {
+            let key = format!("tch_distributed/random_state/{name}");
+            let bytes = if world_size == 1 || rank == 0 {
+                let state = rng_state(index)?;
+                let bytes = Vec::<u8>::try_from(&state)?;
+                if world_size > 1 {
+                    store.set(&key, &bytes)?;
+                }
+                bytes
+            } else {
+                store.get(&key)?
+            };
+            states.push((name, bytes));
+        }
+        let seed = states.iter().flat_map(|(_, b)| b).fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3)
+        });
+        Ok(RandomState { seed: mix(seed), states })
+    }
+
+    pub(crate) fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// Sets this rank's generators to rank 0's states, so every rank draws what rank 0
+    /// draws from here on (initial weights, dropout), as if each ran rank 0's program.
+    pub(crate) fn adopt(&self, device: Device) -> Result<()> {
+        for (name, index) in generators(device) {
+            if let Some((_, bytes)) = self.states.iter().find(|(n, _)| *n == name) {
+                set_rng_state(index, &Tensor::from_slice(bytes))?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// While it lives, every rank draws the same random numbers from libtorch's default
@@ -40,9 +108,9 @@ pub(crate) fn set_rng_state(cuda_index: i32, state: &Tensor) -> Result<()> {
 /// It is what makes a shuffle agree on every rank without hoping that the ranks'
 /// generators stayed in step, as PyTorch's `DistributedSampler` seeds its own
 /// generator with `seed + epoch`. `#[distributed]` puts one around the iterator
-/// expression of every `for` loop it shards (keyed by the loop and how many times it
-/// started), so `data.iter_shuffle(…)` or `Iter2::new(…).shuffle()` in the loop's head
-/// draws the same permutation on every rank. With a world of one process, or outside
+/// expression of every `for` loop it shards (seeded from the loop, how many times it
+/// started and libtorch's current seed), so `data.iter_shuffle(…)` or
+/// `Iter2::new(…).shuffle()` in the loop's head draws the same permutation on every rank. With a world of one process, or outside
 /// a job, it does nothing: a single process draws exactly what it draws without it.
 ///
 /// ```no_run
@@ -73,10 +141,17 @@ pub struct AgreedSeed {
 impl AgreedSeed {
     /// Seeds the generators from the job's seed and `key`; see [`AgreedSeed`].
     pub fn enter(key: u64) -> Result<AgreedSeed> {
+        match init::current() {
+            Some(ctx) => Self::seeded(mix(ctx.seed() ^ mix(key))),
+            None => Self::seeded(0),
+        }
+    }
+
+    /// Seeds the generators with `seed`, which the caller made the same on every rank.
+    pub(crate) fn seeded(seed: u64) -> Result<AgreedSeed> {
         let Some(ctx) = init::current().filter(|c| c.world_size() > 1) else {
             return Ok(AgreedSeed { saved: Vec::new() });
         };
-        let seed = mix(ctx.seed() ^ mix(key));
         let mut saved = Vec::new();
         for (_, index) in generators(ctx.device()) {
             saved.push((index, rng_state(index)?));

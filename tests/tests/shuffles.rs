@@ -9,6 +9,70 @@ use std::time::Duration;
 use tch_distributed_tests::{run_with, scratch_dir, tchrun};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_shuffle_worker");
+const MACRO_WORKER: &str = env!("CARGO_BIN_EXE_macro_worker");
+
+/// Runs `worker args…` on 2 ranks under tchrun with `env`, recording into `dir/record`.
+fn run_2_ranks(worker: &str, args: &[&str], env: &[(&str, &str)], dir: &std::path::Path) -> tch_distributed_tests::Run {
+    let mut cmd = Command::new(tchrun());
+    cmd.args(["--nproc-per-node", "2", worker])
+        .args(args)
+        .envs(env.iter().copied())
+        .env("TCH_DISTRIBUTED_RECORD", dir.join("record"));
+    run_with(cmd, dir, Duration::from_secs(120), |_, _| {})
+}
+
+/// What a recorded run trained on and ended with: rank 0's shards and its model file.
+fn outcome(dir: &std::path::Path) -> (String, Vec<u8>) {
+    let record = dir.join("record");
+    (
+        std::fs::read_to_string(record.join("rank-0.jsonl")).unwrap(),
+        std::fs::read(record.join("rank-0-model-0.safetensors")).unwrap(),
+    )
+}
+
+/// A seed set before the function (in `main`) or inside it, alike on every rank, gives
+/// the same 2-rank run bit for bit, every time; another seed gives another run.
+#[test]
+fn seeded_runs_repeat_bit_for_bit_and_another_seed_changes_them() {
+    for (worker, args, var) in [
+        (WORKER, vec!["96", "3"], "SEED"), // shuffle_worker seeds in main
+        (MACRO_WORKER, vec![], "SEED"),     // macro_worker seeds inside the function
+    ] {
+        let runs: Vec<(String, Vec<u8>)> = ["1", "1", "2"]
+            .iter()
+            .enumerate()
+            .map(|(i, seed)| {
+                let dir = scratch_dir(&format!("shuffles-seed-{i}"));
+                let mut args: Vec<&str> = args.clone();
+                let out = dir.to_str().unwrap().to_string();
+                if worker == MACRO_WORKER {
+                    args = vec![&out, "24"];
+                }
+                run_2_ranks(worker, &args, &[(var, seed)], &dir).assert_success();
+                outcome(&dir)
+            })
+            .collect();
+        assert!(runs[0] == runs[1], "{worker}: two runs with seed 1 differ");
+        assert!(runs[0].0 != runs[2].0, "{worker}: seed 2 shuffled as seed 1 did");
+        assert!(runs[0].1 != runs[2].1, "{worker}: seed 2 trained the model seed 1 did");
+    }
+}
+
+/// Ranks that seed libtorch each with its own seed inside the function would shuffle
+/// differently: every rank stops at the loop with an error that says so.
+#[test]
+fn rank_dependent_seeds_before_a_sharded_loop_are_reported() {
+    let dir = scratch_dir("shuffles-seed-by-rank");
+    let run = run_2_ranks(WORKER, &["96", "2"], &[("SEED_BY_RANK", "5")], &dir);
+    assert!(!run.status.success(), "{}", run.stdout);
+    assert!(
+        run.stderr.contains("Error: rank 0: starting a sharded loop: the ranks' first batches differ")
+            && run.stderr.contains("seed libtorch alike on every rank"),
+        "{}",
+        run.stderr
+    );
+    assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
+}
 
 #[test]
 fn ranks_that_drew_different_random_numbers_still_share_each_epochs_shuffle() {

@@ -1,7 +1,11 @@
 //! Splitting data across ranks: the sampler, datasets, the loader, and `shard` for
 //! tch's own iterators.
 
+use tch::Tensor;
+
+use crate::error::{Error, Result};
 use crate::init;
+use crate::process_group::ReduceOp;
 
 mod batch_size;
 mod dataset;
@@ -86,6 +90,39 @@ impl<I: Iterator> Sharded<I> {
     ) -> Self {
         self.recording = recording;
         self
+    }
+
+    /// Checks, with one all-reduce, that every rank's loop starts with the same batch
+    /// (`samples` fingerprints a batch): the same data, shuffled the same way. Ranks
+    /// that would deal different sequences get an error, all of them, instead of
+    /// training on overlapping shards in silence.
+    ///
+    /// Errors: [`Error::Config`] when the first batches differ, [`Error::Collective`]
+    /// when the all-reduce fails.
+    pub(crate) fn check_same_start(mut self, samples: fn(&I::Item) -> Vec<u64>) -> Result<Self> {
+        let Some(ctx) = init::current().filter(|c| c.world_size() > 1) else {
+            return Ok(self);
+        };
+        let first = self.inner.peek().map(samples).unwrap_or_default();
+        let mine = first
+            .iter()
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, f| crate::rng::mix(h ^ f)) as i64;
+        // max(x) and max(!x) = !min(x): every rank learns whether all are equal.
+        let mut extremes = Tensor::from_slice(&[mine, !mine]).to_device(ctx.device());
+        ctx.process_group().all_reduce(&mut extremes, ReduceOp::Max)?;
+        let extremes = Vec::<i64>::try_from(extremes.to_device(tch::Device::Cpu))?;
+        if extremes[0] != !extremes[1] {
+            return Err(Error::Config(
+                "the ranks' first batches differ at the start of a sharded loop: each rank would deal \
+                 from a differently shuffled (or a different) dataset, and the shards would overlap. \
+                 Build the same data on every rank, draw the shuffle in the loop's head \
+                 (`for b in data.iter_shuffle(…)`, `for b in Iter2::new(…).shuffle()`), and seed \
+                 libtorch alike on every rank (a `tch::manual_seed` that depends on the rank makes \
+                 the shuffles differ)"
+                    .into(),
+            ));
+        }
+        Ok(self)
     }
 
     fn yielded(&mut self, item: I::Item) -> Option<I::Item> {
