@@ -11,7 +11,6 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 use common::*;
-use tch::data::TextData;
 
 const PROGRAM: &str = env!("CARGO_BIN_EXE_char_rnn");
 const PLAIN: &str = env!("CARGO_BIN_EXE_char_rnn_plain");
@@ -21,39 +20,12 @@ const BATCH: usize = 16;
 const CHARS: usize = 1050;
 const EPOCHS: usize = 3;
 
-/// `CHARS` characters from a fixed xorshift stream over 30 characters (no newline, so
-/// that a sample stays on its line): every window of 17 is distinct.
-fn write_text(path: &Path) {
-    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz ,.;";
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    let text: Vec<u8> = (0..CHARS)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ALPHABET[(state % ALPHABET.len() as u64) as usize]
-        })
-        .collect();
-    std::fs::write(path, text).unwrap();
-}
-
 /// Writes the text; returns its path, the fingerprints of every window the program's
 /// `iter_shuffle` can yield, and how many distinct windows an epoch trains on.
 fn data(dir: &Path) -> (PathBuf, HashSet<u64>, usize) {
-    let path = dir.join("input.txt");
-    write_text(&path);
-    let data = TextData::new(&path).unwrap();
-    let windows = data.data().unfold(0, SEQ_LEN + 1, 1);
-    let n = windows.size()[0] as usize;
-    assert_eq!(n, CHARS - SEQ_LEN as usize, "windows of {}", SEQ_LEN + 1);
-    let batch = data.iter_shuffle(SEQ_LEN + 1, BATCH as i64).next().unwrap();
-    assert_eq!(batch.kind(), windows.kind(), "TextDataIter's dtype");
-    assert_eq!(batch.size(), [BATCH as i64, SEQ_LEN + 1]);
-    let universe = fingerprints(&windows);
-    assert_eq!(universe.len(), n, "every window of the text is distinct");
-    assert!(fingerprints(&batch).is_subset(&universe));
-    // TextDataIter drops the incomplete last batch.
-    (path, universe, n / BATCH * BATCH)
+    let (path, universe, batches) =
+        write_text_data(dir, CHARS, 0x2545_f491_4f6c_dd1d, SEQ_LEN + 1, BATCH);
+    (path, universe, batches * BATCH)
 }
 
 #[test]

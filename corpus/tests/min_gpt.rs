@@ -11,7 +11,6 @@ use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use common::*;
-use tch::data::TextData;
 use tch::{Kind, Tensor};
 
 const PROGRAM: &str = env!("CARGO_BIN_EXE_min_gpt");
@@ -25,47 +24,10 @@ const N_LAYER: usize = 2;
 const CHARS: usize = 1300;
 const EPOCHS: usize = 2;
 
-/// `CHARS` characters from a fixed xorshift stream over 30 characters (no newline, so
-/// that a sample stays on its line): every window of 17 is distinct.
-fn write_text(path: &Path) {
-    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz ,.;";
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let text: Vec<u8> = (0..CHARS)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ALPHABET[(state % ALPHABET.len() as u64) as usize]
-        })
-        .collect();
-    std::fs::write(path, text).unwrap();
-}
-
 /// Writes the text; returns its path, the fingerprints of every window the program's
 /// `iter_shuffle` can yield, and how many batches an epoch has.
 fn data(dir: &Path) -> (PathBuf, HashSet<u64>, usize) {
-    let path = dir.join("input.txt");
-    write_text(&path);
-    let data = TextData::new(&path).unwrap();
-    let windows = data.data().unfold(0, BLOCK_SIZE + 1, 1);
-    let n = windows.size()[0] as usize;
-    assert_eq!(
-        n,
-        CHARS - BLOCK_SIZE as usize,
-        "windows of {}",
-        BLOCK_SIZE + 1
-    );
-    let batch = data
-        .iter_shuffle(BLOCK_SIZE + 1, BATCH as i64)
-        .next()
-        .unwrap();
-    assert_eq!(batch.kind(), windows.kind(), "TextDataIter's dtype");
-    assert_eq!(batch.size(), [BATCH as i64, BLOCK_SIZE + 1]);
-    let universe = fingerprints(&windows);
-    assert_eq!(universe.len(), n, "every window of the text is distinct");
-    assert!(fingerprints(&batch).is_subset(&universe));
-    // TextDataIter drops the incomplete last batch.
-    (path, universe, n / BATCH)
+    write_text_data(dir, CHARS, 0x9e37_79b9_7f4a_7c15, BLOCK_SIZE + 1, BATCH)
 }
 
 /// The names of the checkpoints a rank that takes `steps` optimizer steps writes.

@@ -90,6 +90,26 @@ pub fn venv_python(script: &str, args: &[&str], stdin: &str) -> Option<String> {
     Some(String::from_utf8(out.stdout).unwrap())
 }
 
+/// Removes the launch environment (torchrun's, SLURM's, the SDK's own) from `cmd`,
+/// so that it runs as one process unless the test sets it up.
+pub fn without_launcher(cmd: &mut Command) -> &mut Command {
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TCH_DISTRIBUTED_NPROC",
+        "TCH_DISTRIBUTED_RECORD",
+        "SLURM_PROCID",
+        "SLURM_STEP_NUM_TASKS",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
 /// A fresh, empty scratch directory for one test.
 pub fn scratch_dir(name: &str) -> PathBuf {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);

@@ -6,7 +6,7 @@ use std::net::TcpListener;
 use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{run_with, scratch_dir, Run};
+use tch_distributed_tests::{run_with, scratch_dir, without_launcher, Run};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_macro_worker");
 
@@ -33,17 +33,7 @@ fn assert_clean(run: &Run, expected: &[&str]) {
 
 fn worker(dir: &std::path::Path, env: &[(&str, &str)]) -> Run {
     let mut cmd = Command::new(WORKER);
-    cmd.arg(dir).arg("8");
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TCH_DISTRIBUTED_NPROC",
-    ] {
-        cmd.env_remove(var);
-    }
+    without_launcher(&mut cmd).arg(dir).arg("8");
     cmd.envs(env.iter().copied());
     run_with(cmd, dir, Duration::from_secs(60), |_, _| {})
 }

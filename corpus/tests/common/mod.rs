@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use tch::Tensor;
-pub use tch_distributed_tests::{run_with, scratch_dir, tchrun, Run};
+pub use tch_distributed_tests::{run_with, scratch_dir, tchrun, without_launcher, Run};
 
 /// Per run: multi-process runs on 2 CPU cores take seconds, a hang is killed here.
 pub const TIMEOUT: Duration = Duration::from_secs(240);
@@ -31,19 +31,7 @@ pub fn run_ranks(program: &str, args: &[&str], ranks: usize, dir: &Path) -> Run 
 /// Runs `program args…` as one process without a launcher.
 pub fn run_alone(program: &str, args: &[&str], dir: &Path) -> Run {
     let mut cmd = Command::new(program);
-    cmd.args(args);
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TCH_DISTRIBUTED_NPROC",
-        "TCH_DISTRIBUTED_RECORD",
-        "SLURM_PROCID",
-    ] {
-        cmd.env_remove(var);
-    }
+    without_launcher(&mut cmd).args(args);
     let run = run_with(cmd, dir, TIMEOUT, |_, _| {});
     run.assert_success();
     run
@@ -250,4 +238,42 @@ pub fn fingerprints(t: &Tensor) -> HashSet<u64> {
     tch_distributed::record::fingerprint_rows(t)
         .into_iter()
         .collect()
+}
+
+/// Writes `chars` characters from a fixed xorshift stream (`seed`) over 30 characters
+/// (no newline, so that a sample stays on its line) to `dir/input.txt`, for programs
+/// that read it with `TextData` and loop over `iter_shuffle(window, batch)`. Returns
+/// its path, the fingerprints of every window such a loop can yield (asserting that
+/// they are all distinct, and of `TextDataIter`'s dtype and shape), and how many
+/// batches an epoch has (`TextDataIter` drops the incomplete last batch).
+pub fn write_text_data(
+    dir: &Path,
+    chars: usize,
+    seed: u64,
+    window: i64,
+    batch: usize,
+) -> (PathBuf, HashSet<u64>, usize) {
+    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz ,.;";
+    let mut state = seed;
+    let text: Vec<u8> = (0..chars)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ALPHABET[(state % ALPHABET.len() as u64) as usize]
+        })
+        .collect();
+    let path = dir.join("input.txt");
+    std::fs::write(&path, text).unwrap();
+    let data = tch::data::TextData::new(&path).unwrap();
+    let windows = data.data().unfold(0, window, 1);
+    let n = windows.size()[0] as usize;
+    assert_eq!(n, chars + 1 - window as usize, "windows of {window}");
+    let first = data.iter_shuffle(window, batch as i64).next().unwrap();
+    assert_eq!(first.kind(), windows.kind(), "TextDataIter's dtype");
+    assert_eq!(first.size(), [batch as i64, window]);
+    let universe = fingerprints(&windows);
+    assert_eq!(universe.len(), n, "every window of the text is distinct");
+    assert!(fingerprints(&first).is_subset(&universe));
+    (path, universe, n / batch)
 }
