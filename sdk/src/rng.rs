@@ -52,7 +52,9 @@ pub(crate) struct RandomState {
 
 impl std::fmt::Debug for RandomState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RandomState").field("seed", &self.seed).finish()
+        f.debug_struct("RandomState")
+            .field("seed", &self.seed)
+            .finish()
     }
 }
 
@@ -60,7 +62,12 @@ impl RandomState {
     /// Rank 0 publishes its generators' states in the store, the others read them: the
     /// agreement is explicit, whatever each rank's generator holds. With a world of
     /// one, this process's own state (nothing is published).
-    pub(crate) fn share(store: &Store, rank: usize, world_size: usize, device: Device) -> Result<Self> {
+    pub(crate) fn share(
+        store: &Store,
+        rank: usize,
+        world_size: usize,
+        device: Device,
+    ) -> Result<Self> {
         let mut states = Vec::new();
         for (name, index) in generators(device) {
             let key = format!("tch_distributed/random_state/{name}");
@@ -76,10 +83,16 @@ impl RandomState {
             };
             states.push((name, bytes));
         }
-        let seed = states.iter().flat_map(|(_, b)| b).fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3)
-        });
-        Ok(RandomState { seed: mix(seed), states })
+        let seed = states
+            .iter()
+            .flat_map(|(_, b)| b)
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3)
+            });
+        Ok(RandomState {
+            seed: mix(seed),
+            states,
+        })
     }
 
     pub(crate) fn seed(&self) -> u64 {

@@ -12,7 +12,12 @@ const WORKER: &str = env!("CARGO_BIN_EXE_shuffle_worker");
 const MACRO_WORKER: &str = env!("CARGO_BIN_EXE_macro_worker");
 
 /// Runs `worker args…` on 2 ranks under tchrun with `env`, recording into `dir/record`.
-fn run_2_ranks(worker: &str, args: &[&str], env: &[(&str, &str)], dir: &std::path::Path) -> tch_distributed_tests::Run {
+fn run_2_ranks(
+    worker: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+    dir: &std::path::Path,
+) -> tch_distributed_tests::Run {
     let mut cmd = Command::new(tchrun());
     cmd.args(["--nproc-per-node", "2", worker])
         .args(args)
@@ -36,7 +41,7 @@ fn outcome(dir: &std::path::Path) -> (String, Vec<u8>) {
 fn seeded_runs_repeat_bit_for_bit_and_another_seed_changes_them() {
     for (worker, args, var) in [
         (WORKER, vec!["96", "3"], "SEED"), // shuffle_worker seeds in main
-        (MACRO_WORKER, vec![], "SEED"),     // macro_worker seeds inside the function
+        (MACRO_WORKER, vec![], "SEED"),    // macro_worker seeds inside the function
     ] {
         let runs: Vec<(String, Vec<u8>)> = ["1", "1", "2"]
             .iter()
@@ -53,8 +58,14 @@ fn seeded_runs_repeat_bit_for_bit_and_another_seed_changes_them() {
             })
             .collect();
         assert!(runs[0] == runs[1], "{worker}: two runs with seed 1 differ");
-        assert!(runs[0].0 != runs[2].0, "{worker}: seed 2 shuffled as seed 1 did");
-        assert!(runs[0].1 != runs[2].1, "{worker}: seed 2 trained the model seed 1 did");
+        assert!(
+            runs[0].0 != runs[2].0,
+            "{worker}: seed 2 shuffled as seed 1 did"
+        );
+        assert!(
+            runs[0].1 != runs[2].1,
+            "{worker}: seed 2 trained the model seed 1 did"
+        );
     }
 }
 
@@ -66,7 +77,8 @@ fn rank_dependent_seeds_before_a_sharded_loop_are_reported() {
     let run = run_2_ranks(WORKER, &["96", "2"], &[("SEED_BY_RANK", "5")], &dir);
     assert!(!run.status.success(), "{}", run.stdout);
     assert!(
-        run.stderr.contains("Error: rank 0: starting a sharded loop: the ranks' first batches differ")
+        run.stderr
+            .contains("Error: rank 0: starting a sharded loop: the ranks' first batches differ")
             && run.stderr.contains("seed libtorch alike on every rank"),
         "{}",
         run.stderr

@@ -106,10 +106,12 @@ impl<I: Iterator> Sharded<I> {
         let first = self.inner.peek().map(samples).unwrap_or_default();
         let mine = first
             .iter()
-            .fold(0xcbf2_9ce4_8422_2325u64, |h, f| crate::rng::mix(h ^ f)) as i64;
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, f| crate::rng::mix(h ^ f))
+            as i64;
         // max(x) and max(!x) = !min(x): every rank learns whether all are equal.
         let mut extremes = Tensor::from_slice(&[mine, !mine]).to_device(ctx.device());
-        ctx.process_group().all_reduce(&mut extremes, ReduceOp::Max)?;
+        ctx.process_group()
+            .all_reduce(&mut extremes, ReduceOp::Max)?;
         let extremes = Vec::<i64>::try_from(extremes.to_device(tch::Device::Cpu))?;
         if extremes[0] != !extremes[1] {
             return Err(Error::Config(

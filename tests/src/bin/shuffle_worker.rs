@@ -19,7 +19,10 @@ fn train(rows: i64, epochs: i64) -> anyhow::Result<()> {
     let net = nn::linear(vs.root(), 1, 1, Default::default());
     let mut opt = nn::Sgd::default().build(&vs, 1e-4)?;
     let rank = tch_distributed::current().map_or(0, |c| c.rank());
-    if let Some(seed) = std::env::var("SEED_BY_RANK").ok().and_then(|s| s.parse::<i64>().ok()) {
+    if let Some(seed) = std::env::var("SEED_BY_RANK")
+        .ok()
+        .and_then(|s| s.parse::<i64>().ok())
+    {
         tch::manual_seed(seed + rank as i64);
     }
     let main = rank == 0;
