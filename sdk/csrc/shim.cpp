@@ -190,6 +190,11 @@ tdc_pg* tdc_pg_new(
       auto backend = c10::make_intrusive<c10d::ProcessGroupGloo>(
           prefixed, rank, size, options);
       pg->setBackend(at::DeviceType::CPU, c10d::ProcessGroup::GLOO, backend);
+      if (!nccl) {
+        // As torch.distributed's "gloo": the same backend serves CUDA tensors (it
+        // stages them through host memory), so ranks can share a GPU.
+        pg->setBackend(at::DeviceType::CUDA, c10d::ProcessGroup::GLOO, backend);
+      }
       pg->setDefaultBackend(c10d::ProcessGroup::GLOO);
     }
     if (nccl) {

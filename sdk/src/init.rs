@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use tch::Device;
 
+use crate::devices;
 use crate::env::LaunchEnv;
 use crate::error::{Error, Result};
 use crate::process_group::{Backend, ProcessGroup};
@@ -43,6 +44,8 @@ pub struct Context {
     group: ProcessGroup,
     master: Option<(String, u16)>,
     random: RandomState,
+    /// GPUs this rank sees (0 on the CPU).
+    gpus: usize,
 }
 
 static CONTEXT: Mutex<Option<Context>> = Mutex::new(None);
@@ -138,26 +141,14 @@ impl Context {
             Some(t) => t,
             None => env_timeout()?.unwrap_or(DEFAULT_TIMEOUT),
         };
-        let device = match options.device {
-            Some(d) => d,
-            None if tch::Cuda::is_available() => {
-                let count = tch::Cuda::device_count() as usize;
-                if count == 1 {
-                    // A process given a GPU of its own (`srun --gpus-per-task=1`, or
-                    // CUDA_VISIBLE_DEVICES set per rank) uses the one it sees.
-                    Device::Cuda(0)
-                } else if env.local_rank >= count {
-                    return Err(Error::Config(format!(
-                        "LOCAL_RANK={} but only {count} GPU(s) are visible: start at most {count} processes per node \
-                         (--nproc-per-node), or change CUDA_VISIBLE_DEVICES",
-                        env.local_rank
-                    )));
-                } else {
-                    Device::Cuda(env.local_rank)
-                }
-            }
-            None => Device::Cpu,
+        let gpus = if tch::Cuda::is_available() {
+            tch::Cuda::device_count() as usize
+        } else {
+            0
         };
+        let device = options
+            .device
+            .unwrap_or_else(|| devices::local_device(env.local_rank, gpus));
         let backend = match options.backend {
             Some(b) => b,
             None => match std::env::var("TCH_DISTRIBUTED_BACKEND") {
@@ -206,6 +197,14 @@ impl Context {
             (store, Some((env.master_addr.clone(), env.master_port)))
         };
         let random = RandomState::share(&store, env.rank, env.world_size, device).map_err(place)?;
+        devices::check_own_gpus(
+            &store,
+            backend,
+            (env.rank, env.local_rank, env.local_world_size, env.world_size),
+            device,
+            gpus,
+        )
+        .map_err(place)?;
         let group = ProcessGroup::new(&store, env.rank, env.world_size, backend, device, timeout)
             .map_err(place)?;
         Ok(Context {
@@ -217,6 +216,7 @@ impl Context {
             group,
             master,
             random,
+            gpus,
         })
     }
 
@@ -287,14 +287,7 @@ impl Context {
     /// `tch-distributed: backend gloo, world size 2, local world size 2, devices cpu,
     /// rendezvous 127.0.0.1:29500, timeout 1800 s`.
     pub fn banner(&self) -> String {
-        let device = match self.device {
-            // One device per local rank.
-            Device::Cuda(_) => (0..self.local_world_size)
-                .map(|i| format!("cuda:{i}"))
-                .collect::<Vec<_>>()
-                .join(" "),
-            other => format!("{other:?}").to_lowercase(),
-        };
+        let device = devices::node_devices(self.local_world_size, self.device, self.gpus);
         let rendezvous = match &self.master {
             Some((addr, port)) => format!("{addr}:{port}"),
             None => "in-process (single process)".to_string(),

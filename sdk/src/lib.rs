@@ -21,6 +21,7 @@ mod amp;
 mod checkpoint;
 mod data;
 mod ddp;
+mod devices;
 mod env;
 mod error;
 mod ffi;

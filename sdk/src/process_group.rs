@@ -104,7 +104,9 @@ pub struct ProcessGroup {
 impl ProcessGroup {
     /// Joins the group through `store`: every rank must call this with the same
     /// `world_size`, `backend` and store. Gloo always serves CPU tensors; with
-    /// [`Backend::Nccl`] NCCL also serves CUDA tensors on `device` (`Device::Cuda(i)`).
+    /// [`Backend::Nccl`] NCCL serves CUDA tensors on `device` (`Device::Cuda(i)`), and
+    /// with [`Backend::Gloo`] Gloo serves them too (staged through host memory), as
+    /// `torch.distributed`'s `"gloo"` does, so several ranks can share one GPU.
     ///
     /// Errors: [`Error::BackendUnavailable`] when NCCL is asked for and was not built
     /// or `device` is not CUDA; [`Error::Rendezvous`] when the other ranks do not join
