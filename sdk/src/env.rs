@@ -1,6 +1,7 @@
 //! The launch environment contract: which rank this process is, and where rank 0's
-//! store is. Read from the variables that `torchrun` (and `tchrun`) set, or from
-//! those of a SLURM job step (`srun`).
+//! store is. Read from the variables that `torchrun` (and `tchrun`) set, from those of
+//! an MPI launcher (`mpirun` of Open MPI, MPICH or Intel MPI), or from those of a SLURM
+//! job step (`srun`).
 
 use crate::error::{Error, Result};
 
@@ -35,9 +36,24 @@ impl LaunchEnv {
     }
 
     /// As [`LaunchEnv::from_env`], reading variables through `var`.
+    ///
+    /// Whose variables count, when several launchers' are set: torchrun's (`RANK`)
+    /// first, then Open MPI's (`OMPI_COMM_WORLD_RANK`), then MPICH's and Intel MPI's
+    /// (`PMI_RANK` with `MPI_LOCALRANKID`), then a SLURM job step's
+    /// (`SLURM_STEP_NUM_TASKS`). An MPI launcher inside a SLURM allocation starts its
+    /// daemons with `srun`, so its ranks also see a job step's variables, which
+    /// describe the daemons rather than the ranks: the MPI variables win.
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<LaunchEnv>> {
-        if var("RANK").is_none() && var("SLURM_STEP_NUM_TASKS").is_some() {
-            return Self::from_slurm(&var).map(Some);
+        if var("RANK").is_none() {
+            if var("OMPI_COMM_WORLD_RANK").is_some() {
+                return Self::from_mpi(&var, &OPEN_MPI).map(Some);
+            }
+            if var("PMI_RANK").is_some() && var("MPI_LOCALRANKID").is_some() {
+                return Self::from_mpi(&var, &MPICH).map(Some);
+            }
+            if var("SLURM_STEP_NUM_TASKS").is_some() {
+                return Self::from_slurm(&var).map(Some);
+            }
         }
         let Some(rank) = var("RANK") else {
             if var("WORLD_SIZE").is_some() {
@@ -156,12 +172,74 @@ impl LaunchEnv {
         };
         let master_port = match var("MASTER_PORT") {
             Some(port) => port_number(&port)?,
+            None => port_from_job_id(&required("SLURM_JOB_ID")?),
+        };
+        Ok(LaunchEnv {
+            rank,
+            local_rank,
+            world_size,
+            local_world_size,
+            master_addr,
+            master_port,
+            agent_store_prefix: None,
+        })
+    }
+
+    /// A rank started by an MPI launcher (`mpirun -np N PROGRAM`), from the variables
+    /// that the launcher names in `vars`:
+    ///
+    /// | field | Open MPI | MPICH, Intel MPI |
+    /// |---|---|---|
+    /// | rank | `OMPI_COMM_WORLD_RANK` | `PMI_RANK` |
+    /// | world size | `OMPI_COMM_WORLD_SIZE` | `PMI_SIZE` |
+    /// | local rank | `OMPI_COMM_WORLD_LOCAL_RANK` | `MPI_LOCALRANKID` |
+    /// | local world size | `OMPI_COMM_WORLD_LOCAL_SIZE` | `MPI_LOCALNRANKS` |
+    ///
+    /// The store's host is `MASTER_ADDR`; else, when every rank runs on this node,
+    /// `127.0.0.1`; else the first host of the SLURM allocation (`SLURM_JOB_NODELIST`,
+    /// where rank 0 runs under SLURM's default placement). The port is `MASTER_PORT`,
+    /// else 15000 + the last four digits of the job's id (`PMIX_NAMESPACE`, Open MPI's
+    /// `OMPI_MCA_ess_base_jobid`, `SLURM_JOB_ID`), as for a SLURM job step, else 29500
+    /// (torchrun's default).
+    fn from_mpi(var: &impl Fn(&str) -> Option<String>, vars: &MpiVars) -> Result<LaunchEnv> {
+        let required = |name: &str| {
+            var(name).ok_or_else(|| {
+                Error::Config(format!(
+                    "{name} is not set, but {} is: {} sets both; set them all or none",
+                    vars.rank, vars.launcher
+                ))
+            })
+        };
+        let rank = number(vars.rank, &required(vars.rank)?)?;
+        let world_size = number(vars.size, &required(vars.size)?)?;
+        let local_rank = number(vars.local_rank, &required(vars.local_rank)?)?;
+        let local_world_size = number(vars.local_size, &required(vars.local_size)?)?;
+        if rank >= world_size || local_rank >= local_world_size || local_world_size > world_size {
+            return Err(Error::Config(format!(
+                "{} rank {rank} (local {local_rank}) does not fit {world_size} ranks, {local_world_size} on this node",
+                vars.launcher
+            )));
+        }
+        let master_addr = match var("MASTER_ADDR") {
+            Some(addr) => addr,
+            None if local_world_size == world_size => "127.0.0.1".to_string(),
             None => {
-                let job = required("SLURM_JOB_ID")?;
-                let digits: String = job.chars().filter(char::is_ascii_digit).collect();
-                let last4 = &digits[digits.len().saturating_sub(4)..];
-                15000 + last4.parse::<u16>().unwrap_or(0)
+                let list = var("SLURM_JOB_NODELIST").or_else(|| var("SLURM_NODELIST"));
+                list.as_deref().and_then(first_host).ok_or_else(|| {
+                    Error::Config(format!(
+                        "the {} ranks run on several hosts and MASTER_ADDR is not set: pass the address of \
+                         rank 0's host to every rank, e.g. {}",
+                        vars.launcher, vars.pass_master
+                    ))
+                })?
             }
+        };
+        let master_port = match var("MASTER_PORT") {
+            Some(port) => port_number(&port)?,
+            None => ["PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "SLURM_JOB_ID"]
+                .iter()
+                .find_map(|name| var(name))
+                .map_or(29500, |job| port_from_job_id(&job)),
         };
         Ok(LaunchEnv {
             rank,
@@ -175,13 +253,50 @@ impl LaunchEnv {
     }
 }
 
+/// The variables an MPI launcher sets for each rank.
+struct MpiVars {
+    launcher: &'static str,
+    rank: &'static str,
+    size: &'static str,
+    local_rank: &'static str,
+    local_size: &'static str,
+    /// How to give every rank `MASTER_ADDR` with this launcher.
+    pass_master: &'static str,
+}
+
+const OPEN_MPI: MpiVars = MpiVars {
+    launcher: "Open MPI's mpirun",
+    rank: "OMPI_COMM_WORLD_RANK",
+    size: "OMPI_COMM_WORLD_SIZE",
+    local_rank: "OMPI_COMM_WORLD_LOCAL_RANK",
+    local_size: "OMPI_COMM_WORLD_LOCAL_SIZE",
+    pass_master: "`mpirun -x MASTER_ADDR=node0 -x MASTER_PORT=29500 …`",
+};
+
+const MPICH: MpiVars = MpiVars {
+    launcher: "MPICH's or Intel MPI's mpirun",
+    rank: "PMI_RANK",
+    size: "PMI_SIZE",
+    local_rank: "MPI_LOCALRANKID",
+    local_size: "MPI_LOCALNRANKS",
+    pass_master: "`mpirun -genv MASTER_ADDR node0 -genv MASTER_PORT 29500 …`",
+};
+
+/// The store's port for a job that names no `MASTER_PORT`: 15000 + the last four
+/// digits of its id, as PyTorch Lightning picks it for a SLURM job.
+fn port_from_job_id(job: &str) -> u16 {
+    let digits: String = job.chars().filter(char::is_ascii_digit).collect();
+    let last4 = &digits[digits.len().saturating_sub(4)..];
+    15000 + last4.parse::<u16>().unwrap_or(0)
+}
+
 fn number(name: &str, value: &str) -> Result<usize> {
     value
         .trim()
         .parse()
         .map_err(|_| {
             Error::Config(format!(
-                "{name}={value:?} is not a non-negative integer: the launcher sets it (tchrun, torchrun, srun); set it to a number, or unset RANK, WORLD_SIZE and LOCAL_RANK to run one process"
+                "{name}={value:?} is not a non-negative integer: the launcher sets it (tchrun, torchrun, srun, mpirun); set it to a number, or unset RANK, WORLD_SIZE and LOCAL_RANK to run one process"
             ))
         })
 }
@@ -300,6 +415,148 @@ mod tests {
         let mut torchrun = step.to_vec();
         torchrun.extend([("RANK", "0"), ("WORLD_SIZE", "1")]);
         assert_eq!(parse(&torchrun).unwrap().unwrap().world_size, 1);
+    }
+
+    /// Open MPI's variables, as `mpirun -np 4` on two hosts sets them for rank 3.
+    const OMPI_RANK_3: [(&str, &str); 5] = [
+        ("OMPI_COMM_WORLD_RANK", "3"),
+        ("OMPI_COMM_WORLD_SIZE", "4"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ("PMIX_NAMESPACE", "330760193"),
+    ];
+
+    #[test]
+    fn an_open_mpi_rank() {
+        let mut vars = OMPI_RANK_3.to_vec();
+        vars.extend([("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29400")]);
+        let env = parse(&vars).unwrap().unwrap();
+        assert_eq!(
+            (
+                env.rank,
+                env.world_size,
+                env.local_rank,
+                env.local_world_size
+            ),
+            (3, 4, 1, 2)
+        );
+        assert_eq!(
+            (env.master_addr.as_str(), env.master_port),
+            ("10.0.0.1", 29400)
+        );
+        // Several hosts and no MASTER_ADDR: the error says how to pass it.
+        let e = parse(&OMPI_RANK_3).unwrap_err().to_string();
+        assert!(e.contains("MASTER_ADDR") && e.contains("mpirun -x"), "{e}");
+        // Under SLURM the allocation's first host, and the job's own port.
+        let mut slurm = OMPI_RANK_3.to_vec();
+        slurm.extend([
+            ("SLURM_JOB_NODELIST", "gpu[03-04]"),
+            // mpirun's daemons are an srun step: these describe them, not the ranks.
+            ("SLURM_STEP_NUM_TASKS", "2"),
+            ("SLURM_PROCID", "1"),
+            ("SLURM_LOCALID", "0"),
+        ]);
+        let env = parse(&slurm).unwrap().unwrap();
+        assert_eq!((env.rank, env.world_size), (3, 4));
+        assert_eq!(
+            (env.master_addr.as_str(), env.master_port),
+            ("gpu03", 15000 + 193)
+        );
+        // One host: loopback.
+        let one_host = [
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ];
+        let env = parse(&one_host).unwrap().unwrap();
+        assert_eq!(
+            (env.master_addr.as_str(), env.master_port),
+            ("127.0.0.1", 29500)
+        );
+        // torchrun's variables win.
+        let mut torchrun = one_host.to_vec();
+        torchrun.extend([("RANK", "0"), ("WORLD_SIZE", "1")]);
+        assert_eq!(parse(&torchrun).unwrap().unwrap().world_size, 1);
+    }
+
+    #[test]
+    fn an_mpich_or_intel_mpi_rank() {
+        let vars = [
+            ("PMI_RANK", "2"),
+            ("PMI_SIZE", "3"),
+            ("MPI_LOCALRANKID", "2"),
+            ("MPI_LOCALNRANKS", "3"),
+            ("MASTER_PORT", "29411"),
+        ];
+        let env = parse(&vars).unwrap().unwrap();
+        assert_eq!(
+            (
+                env.rank,
+                env.world_size,
+                env.local_rank,
+                env.local_world_size
+            ),
+            (2, 3, 2, 3)
+        );
+        assert_eq!(
+            (env.master_addr.as_str(), env.master_port),
+            ("127.0.0.1", 29411)
+        );
+        let e = parse(&[
+            ("PMI_RANK", "0"),
+            ("PMI_SIZE", "4"),
+            ("MPI_LOCALRANKID", "0"),
+            ("MPI_LOCALNRANKS", "2"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("-genv MASTER_ADDR"), "{e}");
+        // srun --mpi=pmi2 sets PMI_RANK without MPI_LOCALRANKID: SLURM's variables.
+        let env = parse(&[
+            ("PMI_RANK", "1"),
+            ("PMI_SIZE", "2"),
+            ("SLURM_JOB_ID", "42"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
+            ("SLURM_PROCID", "1"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_STEP_NODELIST", "localhost"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!((env.rank, env.local_rank, env.master_port), (1, 1, 15042));
+        // torchrun's variables win.
+        let mut torchrun = vars.to_vec();
+        torchrun.extend([("RANK", "0"), ("WORLD_SIZE", "1")]);
+        assert_eq!(parse(&torchrun).unwrap().unwrap().world_size, 1);
+    }
+
+    #[test]
+    fn mpi_errors_name_the_variable() {
+        let e = parse(&[("OMPI_COMM_WORLD_RANK", "0")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("OMPI_COMM_WORLD_SIZE is not set"), "{e}");
+        let e = parse(&[
+            ("PMI_RANK", "x"),
+            ("PMI_SIZE", "2"),
+            ("MPI_LOCALRANKID", "0"),
+            ("MPI_LOCALNRANKS", "2"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("PMI_RANK=\"x\""), "{e}");
+        let e = parse(&[
+            ("OMPI_COMM_WORLD_RANK", "2"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "1"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("rank 2 (local 0) does not fit 2 ranks"), "{e}");
+        assert_eq!(port_from_job_id("prterun-vm-32585@1"), 15000 + 5851);
+        assert_eq!(port_from_job_id("none"), 15000);
     }
 
     #[test]
