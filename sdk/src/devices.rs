@@ -114,7 +114,12 @@ pub(crate) fn check_own_gpus(
         })
         .collect::<Result<Vec<_>>>()?;
     match first_shared(&identities) {
-        Some(pair) => Err(shared_gpu_error(local_world_size, gpus, pair, &identities[pair.1])),
+        Some(pair) => Err(shared_gpu_error(
+            local_world_size,
+            gpus,
+            pair,
+            &identities[pair.1],
+        )),
         None => Ok(()),
     }
 }
@@ -127,7 +132,11 @@ mod tests {
     fn ranks_take_a_gpu_each_and_share_round_robin_when_there_are_more() {
         assert_eq!(local_device(3, 0), Device::Cpu);
         assert_eq!(local_device(1, 4), Device::Cuda(1));
-        assert_eq!(local_device(1, 1), Device::Cuda(0), "one visible GPU: that one");
+        assert_eq!(
+            local_device(1, 1),
+            Device::Cuda(0),
+            "one visible GPU: that one"
+        );
         assert_eq!(local_device(5, 2), Device::Cuda(1));
         assert_eq!(node_devices(3, Device::Cuda(0), 1), "cuda:0 cuda:0 cuda:0");
         assert_eq!(node_devices(2, Device::Cuda(0), 8), "cuda:0 cuda:1");
