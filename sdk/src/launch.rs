@@ -7,6 +7,7 @@
 
 use std::ffi::{OsStr, OsString};
 use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -129,7 +130,8 @@ pub fn free_port(addr: &str) -> Result<u16> {
 /// printed to stderr and the remaining ranks are stopped (`SIGTERM`, then
 /// `SIGKILL` after [`LaunchConfig::stop_grace`]). `SIGINT`/`SIGTERM` received
 /// while supervising are forwarded to every live rank, which are then stopped
-/// the same way. Handlers for those signals stay installed (doing nothing)
+/// the same way. Each rank is killed (`SIGKILL`) by the kernel if the launcher
+/// dies, even by `SIGKILL`: none outlives it. Handlers for those signals stay installed (doing nothing)
 /// after this returns, so call it once and exit with its result.
 ///
 /// Returns the exit code the launcher should exit with: 0 when every rank
@@ -207,6 +209,7 @@ pub fn launch_with_env(
         if set_omp {
             cmd.env("OMP_NUM_THREADS", "1");
         }
+        die_with_launcher(&mut cmd);
         match cmd.spawn() {
             Ok(child) => ranks.0.push(Rank {
                 rank,
@@ -261,6 +264,53 @@ pub fn launch_with_env(
         }
         thread::sleep(POLL_INTERVAL);
     }
+}
+
+/// Makes the rank started by `cmd` die with the launcher, so that no rank outlives
+/// it unsupervised when the launcher itself is killed (`SIGKILL`, the OOM killer, a
+/// lost SSH session): `tchrun`'s or a self-launching program's ranks exit within
+/// moments of it.
+///
+/// The child asks the kernel for `SIGKILL` when its parent dies
+/// (`PR_SET_PDEATHSIG`). `SIGKILL` rather than `SIGTERM`: a rank that installed
+/// [`Preemption`](crate::Preemption) would take `SIGTERM` as "checkpoint at the end
+/// of the step", and a rank blocked in a collective with a peer that is already gone
+/// never reaches that step; with the launcher dead, nothing would send the `SIGKILL`
+/// that normally follows the grace period, and the rank would wait out the
+/// collective timeout (30 minutes by default). Checkpoints are complete or absent,
+/// so killing a rank at any point loses at most the steps since the last one. A
+/// launcher that is merely asked to stop (`SIGINT`/`SIGTERM`) is not dying: it
+/// forwards the signal and gives the ranks their grace period as before.
+///
+/// The parent may die between `fork` and `prctl`, before the request is in place;
+/// the child would then have been re-parented already, so it checks that its parent
+/// is still the launcher that started it and exits at once otherwise.
+///
+/// The kernel sends the signal when the *thread* that forked the child exits: the
+/// launcher starts its ranks from the thread that then supervises them until the
+/// process exits.
+fn die_with_launcher(cmd: &mut Command) {
+    #[cfg(target_os = "linux")]
+    {
+        let launcher = std::process::id() as libc::pid_t;
+        // SAFETY: the closure runs in the child between fork and exec, where only
+        // async-signal-safe calls are allowed: prctl, getppid and _exit are, and
+        // `last_os_error` only reads errno (no allocation).
+        unsafe {
+            cmd.pre_exec(move || {
+                let (signal, unused) = (libc::SIGKILL as libc::c_ulong, 0 as libc::c_ulong);
+                if libc::prctl(libc::PR_SET_PDEATHSIG, signal, unused, unused, unused) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::getppid() != launcher {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cmd;
 }
 
 /// One started rank and, once reaped, its exit status.

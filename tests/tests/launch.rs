@@ -209,3 +209,100 @@ fn a_slurm_job_step_forms_the_job_from_srun_variables() {
         .collect();
     assert_eq!(params[0], params[1], "one model trained by both tasks");
 }
+
+/// The live children of `pid` (found through `/proc`; a zombie, already dead and
+/// waiting to be reaped, does not count).
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&p| {
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+            // pid (comm) state ppid …: comm may hold spaces, so read after the last ')'.
+            let mut fields = stat
+                .rsplit_once(')')
+                .map_or("", |(_, rest)| rest)
+                .split_whitespace();
+            let state = fields.next();
+            let ppid = fields.next().and_then(|f| f.parse::<u32>().ok());
+            state.is_some_and(|s| s != "Z") && ppid == Some(pid)
+        })
+        .collect()
+}
+
+/// Whether `pid` still runs (exists and is not a zombie).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|stat| {
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                .is_some_and(|state| state != "Z")
+        })
+        .unwrap_or(false)
+}
+
+/// Runs `cmd` (a launcher starting 2 ranks), waits until `ready` is in its stdout,
+/// SIGKILLs the launcher alone (not its process group) and returns how long its ranks
+/// took to exit, or the ranks still running 10 s later.
+fn kill_launcher(cmd: Command, name: &str, ready: &str) -> Result<Duration, Vec<u32>> {
+    let dir = scratch_dir(name);
+    let mut outcome = Err(Vec::new());
+    run_with(cmd, &dir, TIMEOUT, |pid, dir| {
+        wait_for_text(&dir.join("run.stdout"), ready, Duration::from_secs(60));
+        // Training is under way on both ranks.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let ranks = loop {
+            let ranks = children(pid);
+            if ranks.len() == 2 || std::time::Instant::now() > deadline {
+                break ranks;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(ranks.len(), 2, "the launcher's ranks: {ranks:?}");
+        std::thread::sleep(Duration::from_millis(500));
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        let killed = std::time::Instant::now();
+        outcome = loop {
+            let left: Vec<u32> = ranks.iter().copied().filter(|&r| alive(r)).collect();
+            if left.is_empty() {
+                break Ok(killed.elapsed());
+            }
+            if killed.elapsed() > Duration::from_secs(10) {
+                break Err(left);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        // run_with kills what is left of the process group once this returns.
+    });
+    outcome
+}
+
+#[test]
+fn ranks_exit_when_tchrun_is_sigkilled() {
+    let mut cmd = Command::new(tch_distributed_tests::tchrun());
+    cmd.args([
+        "--nproc-per-node",
+        "2",
+        WORKER,
+        "train",
+        "--steps",
+        "1000000",
+        "--sleep-ms",
+        "5",
+    ]);
+    let took = kill_launcher(cmd, "orphans-tchrun", "pid 1 ")
+        .unwrap_or_else(|left| panic!("ranks {left:?} still run 10 s after tchrun died"));
+    eprintln!("ranks exited {took:?} after tchrun was killed");
+}
+
+#[test]
+fn ranks_exit_when_a_self_launching_program_is_sigkilled() {
+    let dir = scratch_dir("orphans-self-out");
+    let mut cmd = Command::new(MACRO_WORKER);
+    // 2 epochs of 500,000 batches: far longer than the test.
+    cmd.args([dir.to_str().unwrap(), "2000000"]);
+    tch_distributed_tests::without_launcher(&mut cmd).env("TCH_DISTRIBUTED_NPROC", "2");
+    let took = kill_launcher(cmd, "orphans-self", "world size 2")
+        .unwrap_or_else(|left| panic!("ranks {left:?} still run 10 s after their launcher died"));
+    eprintln!("ranks exited {took:?} after the program that launched them was killed");
+}
