@@ -30,6 +30,7 @@ pub mod launch;
 mod log;
 mod optim;
 mod process_group;
+mod rank_helpers;
 pub mod record;
 mod rng;
 mod store;
@@ -48,6 +49,7 @@ pub use error::{Error, Result};
 pub use init::{current, init, init_with, Context, InitOptions, DEFAULT_TIMEOUT};
 pub use optim::{Optimizer, OptimizerKind};
 pub use process_group::{Backend, ProcessGroup, ReduceOp};
+pub use rank_helpers::{local_main_process_first, main_process_first};
 pub use rng::AgreedSeed;
 pub use store::Store;
 

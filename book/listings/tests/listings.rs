@@ -293,6 +293,42 @@ fn metrics_are_exact_on_any_number_of_ranks() {
 }
 
 #[test]
+fn a_dataset_downloaded_once_per_node() {
+    let dir = scratch_dir("download-once");
+    let cache = dir.join("cache");
+    let cache = cache.to_str().unwrap();
+    let listing = env!("CARGO_BIN_EXE_download_once");
+    let run = tchrun_listing(&dir, 3, listing, &[cache]);
+    // Local rank 0 downloads; ranks 1 and 2 wait for it, then find the file.
+    assert!(run.stdout.contains("rank 0: downloaded"), "{}", run.stdout);
+    assert_eq!(
+        run.stdout.matches("downloaded").count(),
+        1,
+        "{}",
+        run.stdout
+    );
+    assert_eq!(
+        run.stdout.matches("found in cache").count(),
+        2,
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stdout.contains("trained on 256 points"),
+        "{}",
+        run.stdout
+    );
+    // A second run finds it on every rank.
+    let run = tchrun_listing(&dir, 2, listing, &[cache]);
+    assert_eq!(
+        run.stdout.matches("found in cache").count(),
+        2,
+        "{}",
+        run.stdout
+    );
+}
+
+#[test]
 fn mixed_precision_accumulation_and_clipping() {
     let dir = scratch_dir("amp");
     let listing = env!("CARGO_BIN_EXE_mixed_precision");
