@@ -17,26 +17,7 @@ const BATCH: usize = 32;
 /// Writes the MNIST files and the pretrained weights (`finetune pretrain`, one process);
 /// returns the weights' path and the fingerprints of the training images.
 fn data(dir: &Path) -> (String, std::collections::HashSet<u64>) {
-    tch_distributed_tests::write_mnist(dir, TRAIN, 64);
-    let m = tch::vision::mnist::load_dir(dir).unwrap();
-    let weights = dir.join("pretrained.safetensors");
-    let pre = dir.join("pretrain");
-    std::fs::create_dir_all(&pre).unwrap();
-    let run = run_alone(
-        PROGRAM,
-        &[
-            "pretrain",
-            dir.to_str().unwrap(),
-            weights.to_str().unwrap(),
-            "1",
-        ],
-        &pre,
-    );
-    assert_printed(&run.stdout, "pretrain epoch:", 1);
-    (
-        weights.to_str().unwrap().to_string(),
-        fingerprints(&m.train_images),
-    )
+    write_finetune_data(PROGRAM, dir, TRAIN)
 }
 
 #[test]

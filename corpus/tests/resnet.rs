@@ -13,75 +13,16 @@ use std::collections::HashSet;
 use std::path::Path;
 
 use common::*;
-use tch::{Kind, Tensor};
 
 const PROGRAM: &str = env!("CARGO_BIN_EXE_resnet");
 const PLAIN: &str = env!("CARGO_BIN_EXE_resnet_plain");
 const TRAIN: usize = 256;
 const TEST: usize = 64;
 const BATCH: usize = 32;
-const SIZE: i64 = 16;
 
-/// Ten well separated base colours, one per class.
-const PALETTE: [[u8; 3]; 10] = [
-    [200, 40, 40],
-    [40, 200, 40],
-    [40, 40, 200],
-    [200, 200, 40],
-    [200, 40, 200],
-    [40, 200, 200],
-    [120, 120, 120],
-    [230, 230, 230],
-    [30, 30, 30],
-    [230, 130, 30],
-];
-
-/// `n` distinct one-colour images (uint8, [n, 3, SIZE, SIZE]) and their labels.
-fn images(n: usize, state: &mut u64, seen: &mut HashSet<[u8; 3]>) -> (Tensor, Tensor) {
-    let mut next = || {
-        *state ^= *state >> 12;
-        *state ^= *state << 25;
-        *state ^= *state >> 27;
-        state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33
-    };
-    let mut colours = Vec::with_capacity(n * 3);
-    let mut labels = Vec::with_capacity(n);
-    while labels.len() < n {
-        let k = (next() % 10) as usize;
-        let colour = PALETTE[k].map(|c| (c as i64 + (next() % 49) as i64 - 24).clamp(0, 255) as u8);
-        if seen.insert(colour) {
-            colours.extend(colour);
-            labels.push(k as i64);
-        }
-    }
-    let images = Tensor::from_slice(&colours)
-        .view([n as i64, 3, 1, 1])
-        .expand([n as i64, 3, SIZE, SIZE], false)
-        .contiguous();
-    (images, Tensor::from_slice(&labels))
-}
-
-/// Writes the data file; returns its path and the fingerprints of its training images
-/// as the program sees them (scaled to [0, 1]).
+/// Writes the data file; returns its path and the fingerprints of its training images.
 fn data(dir: &Path) -> (String, HashSet<u64>) {
-    let mut state = 0x9e37_79b9_7f4a_7c15;
-    let mut seen = HashSet::new();
-    let (train_images, train_labels) = images(TRAIN, &mut state, &mut seen);
-    let (test_images, test_labels) = images(TEST, &mut state, &mut seen);
-    let path = dir.join("cifar.safetensors");
-    Tensor::write_safetensors(
-        &[
-            ("train_images", &train_images),
-            ("train_labels", &train_labels),
-            ("test_images", &test_images),
-            ("test_labels", &test_labels),
-        ],
-        &path,
-    )
-    .unwrap();
-    let universe = fingerprints(&(train_images.to_kind(Kind::Float) / 255.0));
-    assert_eq!(universe.len(), TRAIN, "the training images are distinct");
-    (path.to_str().unwrap().to_string(), universe)
+    write_resnet_data(dir, TRAIN, TEST)
 }
 
 #[test]

@@ -295,3 +295,84 @@ pub fn write_mnist(dir: &Path, train: usize, test: usize) {
         );
     }
 }
+
+/// The binary `name` of this workspace built next to the test executable
+/// (`target/<profile>/<name>`), found from the test executable's own path so that a
+/// suite copied to another machine (see `scripts/test_gpu.sh --package`) finds the
+/// binaries copied beside it. Panics, saying how to build it, when it is missing.
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    // target/<profile>/deps/<test> -> target/<profile>/<name>
+    let path = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: run `cargo build --workspace --bins` first",
+        path.display()
+    );
+    path
+}
+
+/// The Python to compare with: the project venv's when it exists, else `python3` on
+/// `PATH` (the GPU machine, which has PyTorch but no checkout's venv).
+pub fn python() -> PathBuf {
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+    if venv.exists() {
+        venv
+    } else {
+        PathBuf::from("python3")
+    }
+}
+
+/// The environment variable with which a test asks the worker programs for CUDA:
+/// `TCHD_TEST_DEVICE=cuda`. Unset (or `cpu`), the workers train on the CPU as always.
+pub const TEST_DEVICE_VAR: &str = "TCHD_TEST_DEVICE";
+
+/// Whether this worker was asked to train on CUDA (`TCHD_TEST_DEVICE=cuda`); panics on
+/// any value other than `cuda` or `cpu`.
+pub fn cuda_requested() -> bool {
+    match std::env::var(TEST_DEVICE_VAR).as_deref() {
+        Ok("cuda") => true,
+        Ok("cpu") | Err(_) => false,
+        Ok(other) => panic!("{TEST_DEVICE_VAR}={other:?}: use cuda or cpu"),
+    }
+}
+
+/// The device a worker trains on: `rank_device` (the rank's device, as
+/// `tch_distributed::init` chose it) when CUDA is requested, panicking unless it is
+/// a CUDA device, else the CPU.
+pub fn test_device(rank_device: tch::Device) -> tch::Device {
+    if cuda_requested() {
+        assert!(
+            rank_device.is_cuda(),
+            "{TEST_DEVICE_VAR}=cuda but this rank's device is {rank_device:?}: no GPU visible"
+        );
+        rank_device
+    } else {
+        tch::Device::Cpu
+    }
+}
+
+/// Whether CUDA is available to this process, as `tch::Cuda::is_available()` says once
+/// libtorch's CUDA library is loaded.
+///
+/// A Rust executable depends on `libtorch_cuda.so` only when it uses one of its symbols
+/// (rustc links with `--as-needed`): a program that calls `tch_distributed::init` does,
+/// but a test executable that only launches programs does not, and libtorch without
+/// its CUDA library reports no GPU on a machine that has one. So this loads it first
+/// (`dlopen`, found as the executable's own libraries are: `LD_LIBRARY_PATH`, then the
+/// rpath), as `import torch` does. libtorch settles which CUDA support it has at its
+/// first CUDA question, so call this before anything else asks.
+pub fn cuda_available() -> bool {
+    // Null for a CPU-only libtorch: then CUDA is simply not available.
+    unsafe {
+        libc::dlopen(
+            c"libtorch_cuda.so".as_ptr(),
+            libc::RTLD_NOW | libc::RTLD_GLOBAL,
+        )
+    };
+    tch::Cuda::is_available()
+}

@@ -16,13 +16,26 @@ pub const TIMEOUT: Duration = Duration::from_secs(240);
 /// Runs `program args…` on `ranks` ranks under `tchrun`, recording into `dir/record`
 /// (`TCH_DISTRIBUTED_RECORD`); panics with the output unless it exits 0.
 pub fn run_ranks(program: &str, args: &[&str], ranks: usize, dir: &Path) -> Run {
+    run_ranks_with(program, args, ranks, dir, &[])
+}
+
+/// `run_ranks` with `envs` added to the ranks' environment (the GPU suite sets
+/// `TCH_DISTRIBUTED_BACKEND` with it).
+pub fn run_ranks_with(
+    program: &str,
+    args: &[&str],
+    ranks: usize,
+    dir: &Path,
+    envs: &[(&str, &str)],
+) -> Run {
     let mut cmd = Command::new(tchrun());
     cmd.arg("--nproc-per-node")
         .arg(ranks.to_string())
         .arg(program)
         .args(args)
         .env("TCH_DISTRIBUTED_RECORD", dir.join("record"))
-        .env_remove("TCH_DISTRIBUTED_NPROC");
+        .env_remove("TCH_DISTRIBUTED_NPROC")
+        .envs(envs.iter().copied());
     let run = run_with(cmd, dir, TIMEOUT, |_, _| {});
     run.assert_success();
     run
@@ -276,4 +289,98 @@ pub fn write_text_data(
     assert_eq!(universe.len(), n, "every window of the text is distinct");
     assert!(fingerprints(&first).is_subset(&universe));
     (path, universe, n / batch)
+}
+
+/// Ten well separated base colours, one per class (`write_resnet_data`).
+const PALETTE: [[u8; 3]; 10] = [
+    [200, 40, 40],
+    [40, 200, 40],
+    [40, 40, 200],
+    [200, 200, 40],
+    [200, 40, 200],
+    [40, 200, 200],
+    [120, 120, 120],
+    [230, 230, 230],
+    [30, 30, 30],
+    [230, 130, 30],
+];
+
+/// The side of `write_resnet_data`'s images.
+const RESNET_SIZE: i64 = 16;
+
+/// `n` distinct one-colour images (uint8, [n, 3, RESNET_SIZE, RESNET_SIZE]) and their
+/// labels.
+fn one_colour_images(n: usize, state: &mut u64, seen: &mut HashSet<[u8; 3]>) -> (Tensor, Tensor) {
+    let mut next = || {
+        *state ^= *state >> 12;
+        *state ^= *state << 25;
+        *state ^= *state >> 27;
+        state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33
+    };
+    let mut colours = Vec::with_capacity(n * 3);
+    let mut labels = Vec::with_capacity(n);
+    while labels.len() < n {
+        let k = (next() % 10) as usize;
+        let colour = PALETTE[k].map(|c| (c as i64 + (next() % 49) as i64 - 24).clamp(0, 255) as u8);
+        if seen.insert(colour) {
+            colours.extend(colour);
+            labels.push(k as i64);
+        }
+    }
+    let images = Tensor::from_slice(&colours)
+        .view([n as i64, 3, 1, 1])
+        .expand([n as i64, 3, RESNET_SIZE, RESNET_SIZE], false)
+        .contiguous();
+    (images, Tensor::from_slice(&labels))
+}
+
+/// Writes the `resnet` program's data file (`dir/cifar.safetensors`, `train` and
+/// `test` distinct one-colour images, each labelled with the palette colour it was
+/// jittered from); returns its path and the fingerprints of its training images as
+/// the program sees them (scaled to [0, 1]).
+pub fn write_resnet_data(dir: &Path, train: usize, test: usize) -> (String, HashSet<u64>) {
+    let mut state = 0x9e37_79b9_7f4a_7c15;
+    let mut seen = HashSet::new();
+    let (train_images, train_labels) = one_colour_images(train, &mut state, &mut seen);
+    let (test_images, test_labels) = one_colour_images(test, &mut state, &mut seen);
+    let path = dir.join("cifar.safetensors");
+    Tensor::write_safetensors(
+        &[
+            ("train_images", &train_images),
+            ("train_labels", &train_labels),
+            ("test_images", &test_images),
+            ("test_labels", &test_labels),
+        ],
+        &path,
+    )
+    .unwrap();
+    let universe = fingerprints(&(train_images.to_kind(tch::Kind::Float) / 255.0));
+    assert_eq!(universe.len(), train, "the training images are distinct");
+    (path.to_str().unwrap().to_string(), universe)
+}
+
+/// Writes the `finetune` program's data: the MNIST files (`train` training and 64 test
+/// images) and the pretrained weights (`program pretrain`, one process, 1 epoch);
+/// returns the weights' path and the fingerprints of the training images.
+pub fn write_finetune_data(program: &str, dir: &Path, train: usize) -> (String, HashSet<u64>) {
+    tch_distributed_tests::write_mnist(dir, train, 64);
+    let m = tch::vision::mnist::load_dir(dir).unwrap();
+    let weights = dir.join("pretrained.safetensors");
+    let pre = dir.join("pretrain");
+    std::fs::create_dir_all(&pre).unwrap();
+    let run = run_alone(
+        program,
+        &[
+            "pretrain",
+            dir.to_str().unwrap(),
+            weights.to_str().unwrap(),
+            "1",
+        ],
+        &pre,
+    );
+    assert_printed(&run.stdout, "pretrain epoch:", 1);
+    (
+        weights.to_str().unwrap().to_string(),
+        fingerprints(&m.train_images),
+    )
 }

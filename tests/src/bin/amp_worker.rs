@@ -1,5 +1,7 @@
 //! Worker for the GradScaler test, under `tchrun` with 2 ranks: rank 1's gradient
 //! holds an inf (no DDP all-reduce spreads it), and every rank must skip the step.
+//! With `TCHD_TEST_DEVICE=cuda` the parameter and its gradients are on the rank's CUDA
+//! device (and the line says `on Cuda(…)`).
 
 use tch::nn::{self, VarStore};
 use tch::{Device, Kind, Tensor};
@@ -7,7 +9,8 @@ use tch_distributed::{GradScaler, Optimizer};
 
 fn main() -> anyhow::Result<()> {
     let ctx = tch_distributed::init()?;
-    let vs = VarStore::new(Device::Cpu);
+    let device = tch_distributed_tests::test_device(ctx.device());
+    let vs = VarStore::new(device);
     let p = vs.root().var_copy("p", &Tensor::from_slice(&[1.0f32, 2.0]));
     let mut opt = Optimizer::new(&nn::Sgd::default(), &vs, 0.1)?;
     let mut scaler = GradScaler::new();
@@ -18,7 +21,7 @@ fn main() -> anyhow::Result<()> {
     };
     opt.zero_grad()?;
     scaler
-        .scale(&(&p * Tensor::from_slice(&g)).sum(Kind::Float))
+        .scale(&(&p * Tensor::from_slice(&g).to_device(device)).sum(Kind::Float))
         .backward();
     let stepped = scaler.step(&mut opt)?;
     scaler.update()?;
@@ -27,5 +30,9 @@ fn main() -> anyhow::Result<()> {
         ctx.rank(),
         scaler.scale_value()
     );
+    if device.is_cuda() {
+        let values = Vec::<f32>::try_from(p.to_device(Device::Cpu))?;
+        println!("rank {}: on {device:?}, p {values:?}", ctx.rank());
+    }
     Ok(())
 }

@@ -6,6 +6,10 @@
 //!   dataset, gathered batch by batch with `gather_for_metrics`, to
 //!   `OUT/metric{rank}.txt`.
 //! - `data_worker uneven`: rank r builds a loader over `10 + r` samples (must fail).
+//!
+//! With `TCHD_TEST_DEVICE=cuda`, `loader` moves its batches to the rank's CUDA device
+//! (`DataLoader::to_device`, through pinned host memory, the default) and prints
+//! `rank R: batches on DEVICE, pinned BOOL`.
 
 use std::fmt::Write as _;
 
@@ -27,14 +31,23 @@ fn main() -> anyhow::Result<()> {
             let (out, n, batch): (&str, i64, usize) =
                 (&args[2], args[3].parse()?, args[4].parse()?);
             let ids = Tensor::arange(n, (Kind::Int64, Device::Cpu));
-            let loader = DataLoader::new(TensorDataset::new(&ids, &ids)?, batch)?.num_workers(1);
+            let device = tch_distributed_tests::test_device(ctx.device());
+            let mut loader =
+                DataLoader::new(TensorDataset::new(&ids, &ids)?, batch)?.num_workers(1);
+            if device.is_cuda() {
+                loader = loader.to_device(device);
+                // What the loader's worker does to each batch before the copy.
+                let pinned = ids.pin_memory(device).is_pinned(device);
+                println!("rank {rank}: batches on {device:?}, pinned {pinned}");
+            }
             let mut log = format!("steps per epoch {}\n", loader.len());
             let mut gathered = Vec::new();
             for epoch in 0..2 {
                 let mut seen = Vec::new();
                 for b in &loader {
                     let (x, _) = b?;
-                    seen.extend(Vec::<i64>::try_from(&x)?);
+                    anyhow::ensure!(x.device() == device, "a batch on {:?}", x.device());
+                    seen.extend(Vec::<i64>::try_from(&x.to_device(Device::Cpu))?);
                     if epoch == 0 {
                         gathered.push(loader.gather_for_metrics(&correct(&x))?);
                     }

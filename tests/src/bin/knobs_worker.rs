@@ -12,7 +12,8 @@
 //! - `buckets`: `bucket_cap_mb = 0.5`; writes the gradient buckets' sizes.
 //! - `bf16`, `fp16`, `auto`: `mixed_precision` with that value; writes
 //!   `OUT/kinds{rank}.txt` (the forward output's, the loss's and the parameters'
-//!   dtypes) and, for fp16, saves a checkpoint in `OUT/ckpt`.
+//!   dtypes) and, for fp16, saves a checkpoint in `OUT/ckpt`. On a CUDA device
+//!   (a machine with a GPU) also writes the device to `OUT/device{rank}.txt`.
 
 use tch::data::Iter2;
 use tch::nn::{self, Module, OptimizerConfig};
@@ -113,6 +114,7 @@ macro_rules! precision_fn {
             tch::manual_seed(0);
             let (xs, ys) = data();
             let vs = nn::VarStore::new(Device::cuda_if_available());
+            let (xs, ys) = (xs.to_device(vs.device()), ys.to_device(vs.device()));
             let net = nn::linear(vs.root(), 3, 1, Default::default());
             let mut opt = nn::Adam::default().build(&vs, 1e-3)?;
             let output = net.forward(&xs);
@@ -126,6 +128,10 @@ macro_rules! precision_fn {
                 opt.scaler().map(|s| s.scale_value())
             );
             std::fs::write(format!("{out}/kinds{}.txt", rank()), kinds)?;
+            if vs.device().is_cuda() {
+                let device = format!("{:?}", vs.device());
+                std::fs::write(format!("{out}/device{}.txt", rank()), device)?;
+            }
             if opt.scaler().is_some() {
                 tch_distributed::Checkpointer::new(format!("{out}/ckpt")).save_state(
                     &vs,

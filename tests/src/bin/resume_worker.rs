@@ -15,6 +15,11 @@
 //! `OUT/probe{rank}.safetensors`: they depend on the optimizer's state (moments,
 //! step counts), whose archive bytes are not comparable (libtorch keys the state by
 //! tensor addresses).
+//!
+//! With `TCHD_TEST_DEVICE=cuda` the model trains on the rank's CUDA device (the loader
+//! copies its batches there, and dropout draws from the CUDA generator, whose state the
+//! checkpoints keep), and each rank writes its device to `OUT/device{rank}`; otherwise
+//! everything runs on the CPU.
 
 use tch::nn::{self, ModuleT, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
@@ -35,8 +40,13 @@ fn train(out: &str, ckpt: &str, steps: u64, kind: &str) -> anyhow::Result<()> {
 
     let xs = Tensor::linspace(-1.0, 1.0, 40 * 6, (Kind::Float, Device::Cpu)).view([40, 6]);
     let ys = xs.sum_dim_intlist(1, true, Kind::Float).sin();
-    let loader = DataLoader::new(TensorDataset::new(&xs, &ys)?, 4)?;
-    let mut vs = nn::VarStore::new(Device::Cpu);
+    // The GPU test suite asks for CUDA (TCHD_TEST_DEVICE=cuda); other tests use the CPU.
+    let device = match tch_distributed_tests::cuda_requested() {
+        true => Device::cuda_if_available(),
+        false => Device::Cpu,
+    };
+    let loader = DataLoader::new(TensorDataset::new(&xs, &ys)?, 4)?.to_device(device);
+    let mut vs = nn::VarStore::new(device);
     let net = nn::seq_t()
         .add(nn::linear(vs.root() / "l1", 6, 16, Default::default()))
         .add_fn(|x| x.relu())
@@ -105,6 +115,10 @@ fn train(out: &str, ckpt: &str, steps: u64, kind: &str) -> anyhow::Result<()> {
         Tensor::write_safetensors(&named, format!("{out}/{name}{rank}.safetensors"))
     };
     write("final")?;
+    if tch_distributed_tests::cuda_requested() {
+        std::fs::write(format!("{out}/device{rank}"), format!("{device:?}"))?;
+    }
+    let (xs, ys) = (xs.to_device(device), ys.to_device(device));
     for _ in 0..2 {
         let loss = net
             .forward_t(&xs, false)

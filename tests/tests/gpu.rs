@@ -1,0 +1,568 @@
+//! The CUDA suite: NCCL on one rank, Gloo on CUDA tensors with 2 and 3 ranks sharing
+//! one GPU, autocast and loss scaling on CUDA, the pinned-memory `DataLoader`, a
+//! bit-for-bit resume after SIGKILL with the CUDA generator, and the examples.
+//!
+//! Not part of the default `cargo test`: it is built with `--features gpu` and run by
+//! `scripts/test_gpu.sh`, on this machine or (`--package DIR`) copied to a GPU machine
+//! without Rust. Every test first asserts that CUDA is available: without a GPU the
+//! suite fails, it never skips. The programs it runs are found beside the test
+//! executable (`target/<profile>/…`), never through paths fixed at compile time.
+//! The corpus programs have their own GPU target (`corpus/tests/gpu.rs`).
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use tch_distributed_tests::{
+    binary, example, python, run_with, scratch_dir, tchrun, without_launcher, write_mnist, Run,
+    TEST_DEVICE_VAR,
+};
+
+/// Per run: seconds on a GPU; a hang is killed here.
+const TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The first check of every test: this suite needs a GPU.
+fn require_gpu() {
+    // Loads libtorch's CUDA library, which this executable does not link, then asks
+    // `tch::Cuda::is_available()`.
+    assert!(
+        tch_distributed_tests::cuda_available(),
+        "this suite needs a GPU: CUDA is not available here (tch::Cuda::is_available() is \
+         false). Run it on a machine with an NVIDIA GPU, against a CUDA libtorch \
+         (scripts/test_gpu.sh; LD_LIBRARY_PATH=<torch>/lib for a copied package)"
+    );
+}
+
+/// How a multi-process run picks its backend.
+#[derive(Clone, Copy)]
+enum Backend {
+    /// No `TCH_DISTRIBUTED_BACKEND`: what the SDK chooses on a GPU (NCCL).
+    Default,
+    /// `TCH_DISTRIBUTED_BACKEND=gloo`: Gloo, CUDA tensors included; ranks share the GPU.
+    Gloo,
+    /// `TCH_DISTRIBUTED_BACKEND=nccl`.
+    Nccl,
+}
+
+/// `program args…` on `ranks` ranks under `tchrun` with `backend` and `envs`;
+/// not checked for success.
+fn launch(
+    ranks: usize,
+    backend: Backend,
+    program: &Path,
+    args: &[&str],
+    envs: &[(&str, &str)],
+    dir: &Path,
+) -> Run {
+    let mut cmd = Command::new(tchrun());
+    without_launcher(&mut cmd)
+        .arg("--nproc-per-node")
+        .arg(ranks.to_string())
+        .arg(program)
+        .args(args);
+    match backend {
+        Backend::Default => cmd.env_remove("TCH_DISTRIBUTED_BACKEND"),
+        Backend::Gloo => cmd.env("TCH_DISTRIBUTED_BACKEND", "gloo"),
+        Backend::Nccl => cmd.env("TCH_DISTRIBUTED_BACKEND", "nccl"),
+    };
+    cmd.envs(envs.iter().copied());
+    run_with(cmd, dir, TIMEOUT, |_, _| {})
+}
+
+/// `program args…` as one process without a launcher (nor a backend override).
+fn alone(program: &Path, args: &[&str], envs: &[(&str, &str)], dir: &Path) -> Run {
+    let mut cmd = Command::new(program);
+    without_launcher(&mut cmd)
+        .env_remove("TCH_DISTRIBUTED_BACKEND")
+        .args(args)
+        .envs(envs.iter().copied());
+    run_with(cmd, dir, TIMEOUT, |_, _| {})
+}
+
+/// Asserts that `text` holds `needle` exactly `count` times.
+fn assert_count(text: &str, needle: &str, count: usize) {
+    assert_eq!(
+        text.matches(needle).count(),
+        count,
+        "{needle:?} should appear {count} time(s) in:\n{text}"
+    );
+}
+
+/// Asserts that `stdout` holds the SDK's banner once, naming `backend`, `ranks`, and
+/// CUDA devices.
+fn assert_banner(stdout: &str, backend: &str, ranks: usize) {
+    let banner = format!("tch-distributed: backend {backend}, world size {ranks},");
+    assert_count(stdout, &banner, 1);
+    let line = stdout.lines().find(|l| l.contains(&banner)).unwrap();
+    assert!(line.contains("devices cuda"), "not on CUDA: {line}");
+}
+
+const CUDA: (&str, &str) = (TEST_DEVICE_VAR, "cuda");
+
+#[test]
+fn a_cuda_is_available_and_nccl_is_built_in() {
+    require_gpu();
+    assert!(
+        tch_distributed::Backend::nccl_available(),
+        "the binaries were built without the NCCL backend (the CUDA headers were not found \
+         when sdk/ compiled: see scripts/env.sh)"
+    );
+    eprintln!("{} CUDA device(s)", tch::Cuda::device_count());
+}
+
+/// Text for the character models: a few distinct lines, repeated, so that a small LSTM
+/// learns it within 100 steps.
+fn write_text(dir: &Path) -> std::path::PathBuf {
+    let path = dir.join("input.txt");
+    fs::write(
+        &path,
+        "First Citizen:\nBefore we proceed any further, hear me speak.\n\
+         All:\nSpeak, speak.\n\
+         First Citizen:\nYou are all resolved rather to die than to famish?\n"
+            .repeat(100),
+    )
+    .unwrap();
+    path
+}
+
+/// The mean losses of `shakespeare`'s log lines (`epoch E step N | loss X | …`).
+fn losses(stdout: &str) -> Vec<f64> {
+    stdout
+        .lines()
+        .filter_map(|l| l.split("| loss ").nth(1))
+        .map(|rest| rest.split(' ').next().unwrap().parse().unwrap())
+        .collect()
+}
+
+fn shakespeare(ranks: usize, backend: Backend, name: &str) {
+    let dir = scratch_dir(name);
+    let text = write_text(&dir);
+    let checkpoint = dir.join("model.safetensors");
+    let exe = example("shakespeare");
+    let args = [
+        "--data",
+        text.to_str().unwrap(),
+        "--checkpoint",
+        checkpoint.to_str().unwrap(),
+        "--steps",
+        "100",
+        "--log-every",
+        "20",
+        "--batch-size",
+        "16",
+        "--seq-len",
+        "32",
+        "--hidden",
+        "64",
+        "--lr",
+        "0.01",
+    ];
+    let run = launch(ranks, backend, &exe, &args, &[], &dir);
+    run.assert_success();
+    let expected = match backend {
+        Backend::Gloo => "gloo",
+        Backend::Default | Backend::Nccl => "nccl",
+    };
+    assert_banner(&run.stdout, expected, ranks);
+    assert_count(&run.stdout, "trained 100 steps", 1);
+    assert_count(&run.stdout, "sample:", 1);
+    let losses = losses(&run.stdout);
+    assert_eq!(
+        losses.len(),
+        5,
+        "one loss line per 20 steps:\n{}",
+        run.stdout
+    );
+    assert!(
+        losses[4] < 0.7 * losses[0],
+        "the loss did not fall: {losses:?}\n{}",
+        run.stdout
+    );
+    let saved = tch::Tensor::read_safetensors(&checkpoint).unwrap();
+    assert!(
+        saved.iter().any(|(n, _)| n.starts_with("lstm")),
+        "{saved:?}"
+    );
+    eprintln!("shakespeare, {ranks} rank(s), {expected}: losses {losses:?}");
+}
+
+#[test]
+fn nccl_on_one_rank_trains_shakespeare_and_the_loss_falls() {
+    require_gpu();
+    shakespeare(1, Backend::Default, "gpu-shakespeare-nccl");
+}
+
+#[test]
+fn gloo_on_two_ranks_sharing_the_gpu_trains_shakespeare() {
+    require_gpu();
+    shakespeare(2, Backend::Gloo, "gpu-shakespeare-gloo");
+}
+
+fn mnist(ranks: usize, backend: Backend, name: &str) {
+    let dir = scratch_dir(name);
+    write_mnist(&dir, 1024, 256);
+    let checkpoint = dir.join("mnist.safetensors");
+    let exe = example("mnist");
+    let args = [
+        "--data",
+        dir.to_str().unwrap(),
+        "--epochs",
+        "3",
+        "--batch-size",
+        "32",
+        "--lr",
+        "3e-3",
+        "--conv1",
+        "8",
+        "--conv2",
+        "16",
+        "--hidden",
+        "64",
+        "--checkpoint",
+        checkpoint.to_str().unwrap(),
+    ];
+    let run = launch(ranks, backend, &exe, &args, &[], &dir);
+    run.assert_success();
+    let expected = match backend {
+        Backend::Gloo => "gloo",
+        Backend::Default | Backend::Nccl => "nccl",
+    };
+    assert_banner(&run.stdout, expected, ranks);
+    let out = &run.stdout;
+    assert_eq!(
+        out.lines().filter(|l| l.starts_with("epoch:")).count(),
+        3,
+        "one line per epoch, from rank 0 only:\n{out}"
+    );
+    let accuracy: f64 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("final test accuracy:"))
+        .and_then(|s| s.trim().trim_end_matches('%').parse().ok())
+        .unwrap_or_else(|| panic!("no final accuracy line:\n{out}"));
+    assert!(
+        accuracy > 80.0,
+        "the net did not learn the synthetic classes ({accuracy}%):\n{out}"
+    );
+    assert_count(out, "final test accuracy:", 1);
+    assert!(checkpoint.exists(), "rank 0 saved the model");
+    eprintln!("mnist, {ranks} rank(s), {expected}: {accuracy}%");
+}
+
+#[test]
+fn mnist_example_on_one_rank_over_nccl_and_two_ranks_over_gloo() {
+    require_gpu();
+    mnist(1, Backend::Default, "gpu-mnist-nccl");
+    mnist(2, Backend::Gloo, "gpu-mnist-gloo");
+}
+
+#[test]
+fn ddp_gradients_on_cuda_equal_the_single_process_cpu_gradient() {
+    require_gpu();
+    let worker = binary("ddp_worker");
+    for (ranks, backend) in [(1, Backend::Nccl), (2, Backend::Gloo), (3, Backend::Gloo)] {
+        let dir = scratch_dir(&format!("gpu-ddp-{ranks}"));
+        let run = launch(ranks, backend, &worker, &["grad"], &[CUDA], &dir);
+        run.assert_success();
+        let out = &run.stdout;
+        assert_eq!(
+            out.lines()
+                .filter(|l| l.starts_with("device Cuda("))
+                .count(),
+            ranks,
+            "every rank on CUDA:\n{out}"
+        );
+        assert_eq!(
+            out.lines()
+                .filter(|l| l.starts_with("ok broadcast from rank 0"))
+                .count(),
+            ranks,
+            "{out}"
+        );
+        assert_eq!(
+            out.lines()
+                .filter(|l| l.starts_with("ok averaged gradient"))
+                .count(),
+            ranks,
+            "{out}"
+        );
+        for line in out.lines().filter(|l| l.starts_with("max_diff ")) {
+            let diff: f64 = line["max_diff ".len()..].parse().unwrap();
+            assert!(diff < 1e-5, "{ranks} ranks: {line}");
+        }
+    }
+    // Training steps over Gloo on CUDA: both ranks end identical.
+    let dir = scratch_dir("gpu-ddp-train");
+    let run = launch(
+        2,
+        Backend::Gloo,
+        &worker,
+        &["train", "--steps", "20"],
+        &[CUDA],
+        &dir,
+    );
+    run.assert_success();
+    assert_eq!(
+        run.stdout
+            .lines()
+            .filter(|l| l.starts_with("ok identical after 20 steps"))
+            .count(),
+        2,
+        "{}",
+        run.stdout
+    );
+}
+
+fn read(dir: &Path, name: &str) -> String {
+    fs::read_to_string(dir.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+#[test]
+fn bf16_and_fp16_autocast_on_cuda() {
+    require_gpu();
+    let worker = binary("knobs_worker");
+    let dir = scratch_dir("gpu-precision");
+    let d = dir.to_str().unwrap();
+    for (mode, banner, kinds) in [
+        (
+            "bf16",
+            "mixed precision bf16 (asked for)",
+            "output BFloat16 loss Float params Float scaler None",
+        ),
+        // As on the CPU: the first step at the initial scale 2^16 overflows the fp16
+        // weight gradient, so it is skipped and the scale halved.
+        (
+            "fp16",
+            "mixed precision fp16 with loss scaling (asked for)",
+            "output Half loss Float params Float scaler Some(32768.0)",
+        ),
+    ] {
+        let run = alone(&worker, &[d, mode], &[], &dir);
+        run.assert_success();
+        assert_banner(&run.stdout, "nccl", 1);
+        assert!(run.stdout.contains(banner), "{mode}:\n{}", run.stdout);
+        assert_eq!(read(&dir, "kinds0.txt"), kinds, "{mode}");
+        assert_eq!(read(&dir, "device0.txt"), "Cuda(0)", "{mode}");
+    }
+    let state = read(&dir, "ckpt/step-0000000000/state.json");
+    let state: serde_json::Value = serde_json::from_str(&state).unwrap();
+    assert_eq!(
+        state["grad_scaler"],
+        serde_json::json!([32768.0, 0]),
+        "the fp16 loss scaler's state is in the checkpoint"
+    );
+}
+
+/// The GPU's compute capability as PyTorch reports it, when python with torch runs.
+fn torch_capability() -> Option<(u32, u32)> {
+    let out = Command::new(python())
+        .args([
+            "-c",
+            "import torch; print(*torch.cuda.get_device_capability(0))",
+        ])
+        .output();
+    match out {
+        Ok(out) if out.status.success() => {
+            let text = String::from_utf8_lossy(&out.stdout);
+            let mut parts = text.split_whitespace().map(|s| s.parse().unwrap());
+            Some((parts.next()?, parts.next()?))
+        }
+        other => {
+            eprintln!("no python with torch ({other:?}): capability not cross-checked");
+            None
+        }
+    }
+}
+
+#[test]
+fn auto_mixed_precision_picks_bf16_from_compute_capability_8() {
+    require_gpu();
+    let worker = binary("knobs_worker");
+    let dir = scratch_dir("gpu-auto");
+    let run = alone(&worker, &[dir.to_str().unwrap(), "auto"], &[], &dir);
+    run.assert_success();
+    let line = run
+        .stdout
+        .lines()
+        .find(|l| l.contains("(auto: compute capability "))
+        .unwrap_or_else(|| panic!("no auto line in the banner:\n{}", run.stdout));
+    let capability = line
+        .split("(auto: compute capability ")
+        .nth(1)
+        .and_then(|s| s.split(')').next())
+        .unwrap();
+    let (major, minor) = capability.split_once('.').unwrap();
+    let (major, minor): (u32, u32) = (major.parse().unwrap(), minor.parse().unwrap());
+    let (choice, kind) = if major >= 8 {
+        ("bf16", "BFloat16")
+    } else {
+        ("fp16", "Half")
+    };
+    assert!(
+        line.contains(&format!("mixed precision {choice}")),
+        "compute capability {major}.{minor} should give {choice}: {line}"
+    );
+    assert!(
+        read(&dir, "kinds0.txt").starts_with(&format!("output {kind} ")),
+        "{}",
+        read(&dir, "kinds0.txt")
+    );
+    if let Some(theirs) = torch_capability() {
+        assert_eq!((major, minor), theirs, "PyTorch's compute capability");
+    }
+    eprintln!("{line}");
+}
+
+#[test]
+fn a_grad_scaler_overflow_on_one_rank_skips_the_step_on_every_rank_on_cuda() {
+    require_gpu();
+    let dir = scratch_dir("gpu-amp");
+    let run = launch(2, Backend::Gloo, &binary("amp_worker"), &[], &[CUDA], &dir);
+    run.assert_success();
+    for rank in 0..2 {
+        assert_count(
+            &run.stdout,
+            &format!("rank {rank}: stepped false, scale 32768"),
+            1,
+        );
+        // Skipped: the parameter is untouched.
+        assert_count(
+            &run.stdout,
+            &format!("rank {rank}: on Cuda(0), p [1.0, 2.0]"),
+            1,
+        );
+    }
+}
+
+fn seen(dir: &Path, rank: usize, epoch: usize) -> Vec<i64> {
+    read(dir, &format!("seen{rank}.txt"))
+        .lines()
+        .find(|l| l.starts_with(&format!("epoch {epoch}:")))
+        .unwrap()
+        .split(['[', ']', ','])
+        .filter_map(|s| s.trim().parse().ok())
+        .collect()
+}
+
+#[test]
+fn the_pinned_memory_loader_delivers_every_sample_to_cuda() {
+    require_gpu();
+    let worker = binary("data_worker");
+    let (n, batch) = (31usize, 4usize);
+    for (world, backend) in [
+        (1, Backend::Default),
+        (2, Backend::Gloo),
+        (3, Backend::Gloo),
+    ] {
+        let dir = scratch_dir(&format!("gpu-data{world}"));
+        let d = dir.to_str().unwrap();
+        let args = ["loader", d, &n.to_string(), &batch.to_string()];
+        let run = launch(world, backend, &worker, &args, &[CUDA], &dir);
+        run.assert_success();
+        for rank in 0..world {
+            assert_count(
+                &run.stdout,
+                &format!("rank {rank}: batches on Cuda(0), pinned true"),
+                1,
+            );
+        }
+        let per_rank = n.div_ceil(world);
+        for epoch in 0..2 {
+            let mut all = Vec::new();
+            for rank in 0..world {
+                let mine = seen(&dir, rank, epoch);
+                assert_eq!(mine.len(), per_rank, "world {world}, rank {rank}");
+                all.extend(mine);
+            }
+            let distinct: BTreeSet<i64> = all.iter().copied().collect();
+            assert_eq!(distinct, (0..n as i64).collect(), "world {world}");
+            assert_eq!(
+                all.len(),
+                per_rank * world,
+                "world {world}: only padding repeats"
+            );
+        }
+        let exact = (0..n).filter(|i| i % 3 != 1).count() as f64 / n as f64;
+        for rank in 0..world {
+            let metric = read(&dir, &format!("metric{rank}.txt"));
+            let (rows, value) = metric.split_once(' ').unwrap();
+            assert_eq!(
+                rows.parse::<usize>().unwrap(),
+                n,
+                "world {world}: padding dropped"
+            );
+            let value: f64 = value.parse().unwrap();
+            assert!(
+                (value - exact).abs() < 1e-6,
+                "world {world}: {value} != {exact}"
+            );
+        }
+    }
+}
+
+fn params(dir: &Path, file: &str) -> Vec<(String, tch::Tensor)> {
+    let mut named = tch::Tensor::read_safetensors(dir.join(format!("{file}.safetensors"))).unwrap();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named
+}
+
+fn assert_equal(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for ((na, ta), (nb, tb)) in a.iter().zip(b) {
+        assert_eq!(na, nb);
+        assert!(ta.equal(tb), "{what}: `{na}` differs");
+    }
+}
+
+#[test]
+fn resume_after_sigkill_on_cuda_is_bit_for_bit() {
+    require_gpu();
+    let worker = binary("resume_worker");
+    // Deterministic cuBLAS, so that two runs can agree bit for bit.
+    let cublas = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8");
+    let train = |dir: &Path, steps: &str, kind: &str, kill: bool| {
+        let ckpt = dir.join("ckpt");
+        let args = [dir.to_str().unwrap(), ckpt.to_str().unwrap(), steps, kind];
+        let mut envs = vec![CUDA, cublas];
+        if kill {
+            envs.extend([("KILL_AT", "6"), ("KILL_RANK", "1")]);
+        }
+        launch(2, Backend::Gloo, &worker, &args, &envs, dir)
+    };
+    for kind in ["sgd", "adam"] {
+        // Uninterrupted: 13 steps (checkpoints at 4, 8, 12).
+        let straight = scratch_dir(&format!("gpu-straight-{kind}"));
+        train(&straight, "13", kind, false).assert_success();
+        for rank in 0..2 {
+            assert_eq!(read(&straight, &format!("device{rank}")), "Cuda(0)");
+        }
+        // Rank 1 SIGKILLs itself after step 6; the relaunch resumes from step 4, in
+        // the middle of epoch 0. Dropout draws from the CUDA generator: without its
+        // state restored, the resumed steps would drop other units.
+        let killed = scratch_dir(&format!("gpu-killed-{kind}"));
+        let run = train(&killed, "13", kind, true);
+        assert!(!run.status.success(), "the kill fails the job: {run:?}");
+        let run = train(&killed, "13", kind, false);
+        run.assert_success();
+        assert!(
+            run.stdout.contains("resumed at step 4, epoch 0"),
+            "{}",
+            run.stdout
+        );
+        for file in ["final0", "probe0"] {
+            assert_equal(
+                &params(&straight, file),
+                &params(&killed, file),
+                &format!("{kind}: {file}, straight vs resumed"),
+            );
+        }
+        for dir in [&straight, &killed] {
+            assert_equal(
+                &params(dir, "probe0"),
+                &params(dir, "probe1"),
+                &format!("{kind}: ranks"),
+            );
+        }
+    }
+}
