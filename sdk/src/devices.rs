@@ -6,6 +6,26 @@ use crate::error::{Error, Result};
 use crate::process_group::Backend;
 use crate::store::Store;
 
+/// How many GPUs this process sees (0 without CUDA). libtorch's CUDA half,
+/// `libtorch_cuda.so`, registers CUDA when it is loaded, but a program links it only if
+/// it calls into it (the linker's `--as-needed`): a tch program that only asks
+/// `Cuda::is_available()` would see no GPU on a GPU machine. So it is loaded here first,
+/// found as the program finds libtorch (its rpath, or `LD_LIBRARY_PATH`); with a
+/// CPU-only libtorch there is none to load, and no GPU.
+pub(crate) fn visible_gpus() -> usize {
+    unsafe {
+        libc::dlopen(
+            c"libtorch_cuda.so".as_ptr(),
+            libc::RTLD_NOW | libc::RTLD_GLOBAL,
+        )
+    };
+    if tch::Cuda::is_available() {
+        tch::Cuda::device_count() as usize
+    } else {
+        0
+    }
+}
+
 /// The device of local rank `local_rank` on a node where each rank sees `gpus` GPUs:
 /// the CPU without GPUs, else `cuda:local_rank`, wrapping round when there are more
 /// ranks than GPUs (`cuda:local_rank % gpus`), so that ranks share the GPUs over Gloo

@@ -141,11 +141,7 @@ impl Context {
             Some(t) => t,
             None => env_timeout()?.unwrap_or(DEFAULT_TIMEOUT),
         };
-        let gpus = if tch::Cuda::is_available() {
-            tch::Cuda::device_count() as usize
-        } else {
-            0
-        };
+        let gpus = devices::visible_gpus();
         let device = options
             .device
             .unwrap_or_else(|| devices::local_device(env.local_rank, gpus));

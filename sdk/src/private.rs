@@ -67,7 +67,7 @@ fn self_launch_ranks(options: &Options) -> usize {
         },
         Err(_) => options
             .nproc_per_node
-            .unwrap_or_else(|| (tch::Cuda::device_count() as usize).max(1)),
+            .unwrap_or_else(|| crate::devices::visible_gpus().max(1)),
     }
 }
 
