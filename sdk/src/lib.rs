@@ -19,6 +19,7 @@
 pub mod __private;
 mod amp;
 mod checkpoint;
+pub mod config;
 mod data;
 mod ddp;
 mod devices;

@@ -142,12 +142,27 @@ fn banner(ctx: &Context, options: &Options, precision: MixedPrecision, why: &str
     line
 }
 
+/// How many times a program that launches its own ranks starts them all again after
+/// one fails (`tchrun --max-restarts`): `TCH_DISTRIBUTED_MAX_RESTARTS`, else none.
+fn self_launch_restarts() -> usize {
+    match std::env::var("TCH_DISTRIBUTED_MAX_RESTARTS") {
+        Ok(v) => v.trim().parse().unwrap_or_else(|_| {
+            fail(
+                "TCH_DISTRIBUTED_MAX_RESTARTS",
+                format!("{v:?} is not a number of restarts: set it to e.g. 3, or unset it"),
+            )
+        }),
+        Err(_) => 0,
+    }
+}
+
 fn self_launch(ranks: usize) -> i32 {
     let exe = std::env::current_exe()
         .unwrap_or_else(|e| fail("finding this program to launch its ranks", e));
     let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
     let config = crate::launch::LaunchConfig {
         nproc_per_node: ranks,
+        max_restarts: self_launch_restarts(),
         ..Default::default()
     };
     crate::log::warn(format_args!(

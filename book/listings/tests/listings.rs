@@ -377,6 +377,34 @@ fn resume_continues_from_the_last_checkpoint() {
 }
 
 #[test]
+fn tchrun_config_prints_what_the_launching_chapter_shows() {
+    // The default file, under a home of the test's own.
+    let dir = scratch_dir("tchrun-config");
+    let mut cmd = command(tchrun());
+    cmd.args(["config", "--nproc-per-node", "2", "--gpus", "0,1"])
+        .args(["--mixed-precision", "bf16", "--grad-accum", "4"])
+        .env_remove("TCH_DISTRIBUTED_CONFIG")
+        .env_remove("XDG_CONFIG_HOME")
+        .env("HOME", &dir);
+    let run = run_ok(cmd, &dir);
+    let shown = format!(
+        "$ tchrun config --nproc-per-node 2 --gpus 0,1 --mixed-precision bf16 --grad-accum 4\n{}",
+        run.stdout.replace(dir.to_str().unwrap(), "~")
+    );
+    let recorded = Path::new(env!("CARGO_MANIFEST_DIR")).join("output/tchrun_config.txt");
+    if std::env::var_os("BLESS").is_some() {
+        fs::write(&recorded, &shown).unwrap();
+    }
+    assert_eq!(
+        shown,
+        fs::read_to_string(&recorded).unwrap(),
+        "the guide shows {} (re-record it with BLESS=1)",
+        recorded.display()
+    );
+    assert!(dir.join(".config/tch-distributed/config.toml").exists());
+}
+
+#[test]
 fn tchrun_help_is_what_the_reference_shows() {
     let out = Command::new(tchrun()).arg("--help").output().unwrap();
     assert!(out.status.success());

@@ -16,8 +16,9 @@ use tch_distributed::launch::{launch, LaunchConfig};
 ///
 /// Starts PROGRAM once per rank with the torchrun environment (RANK,
 /// LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...) and supervises the
-/// ranks: when one fails the others are stopped and tchrun exits with 1;
-/// SIGINT/SIGTERM are forwarded to the ranks.
+/// ranks: when one fails the others are stopped and tchrun exits with 1, or,
+/// with --max-restarts, all are started again; SIGINT/SIGTERM are forwarded to
+/// the ranks; if tchrun dies, its ranks are killed.
 #[derive(Debug, Parser)]
 #[command(
     name = "tchrun",
@@ -54,6 +55,13 @@ struct Args {
     #[arg(long, value_name = "SECONDS", default_value_t = 5.0)]
     stop_grace_seconds: f64,
 
+    /// When a rank fails, stop every rank and start them all again, up to K
+    /// times (as torchrun's --max-restarts). Each attempt gets a fresh
+    /// rendezvous and TORCHELASTIC_RESTART_COUNT; a program that loads its newest
+    /// checkpoint at start resumes from it. Give every node the same value.
+    #[arg(long, alias = "max_restarts", value_name = "K", default_value_t = 0)]
+    max_restarts: usize,
+
     /// The program to run and its arguments, taken verbatim.
     #[arg(
         value_name = "PROGRAM_AND_ARGS",
@@ -79,6 +87,7 @@ fn main() -> ExitCode {
         master_addr: args.master_addr,
         master_port: args.master_port,
         stop_grace,
+        max_restarts: args.max_restarts,
     };
     let (program, rest) = match args.command.split_first() {
         Some((program, rest)) => (program.clone(), rest),
