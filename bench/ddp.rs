@@ -1,9 +1,13 @@
 //! DDP training-step benchmark, Rust side: plain tch code with `#[distributed]` on the
 //! training function. `bench/python/ddp_bench.py` is the same benchmark on PyTorch's
-//! `DistributedDataParallel`; `scripts/bench.sh` runs both and compares them.
+//! `DistributedDataParallel` (and, with `--mode plain`, on PyTorch without DDP);
+//! `scripts/bench.sh` runs both on the CPU and compares them, `scripts/bench_gpu.sh`
+//! on a GPU.
 //!
 //! ```text
 //! tchrun --nproc-per-node 2 target/release/ddp --workload mlp
+//! TCH_DISTRIBUTED_BACKEND=nccl tchrun --nproc-per-node 1 target/release/ddp \
+//!     --device cuda --precision fp32,bf16 --workload linear4096 --batch 512
 //! ```
 //!
 //! Workloads (every rank has its own pool of `--pool` synthetic batches, or windows of
@@ -15,22 +19,37 @@
 //!   embeddings, 4 pre-norm blocks of d = 256, 4 heads of causal attention and a 4d GELU
 //!   MLP, final layer norm, linear head) on 64-character windows of tinyshakespeare;
 //! - `linear200`: 200 `Linear(64, 64)` in sequence with ReLU between, MSE loss: 400
-//!   small parameters, one autograd hook each.
+//!   small parameters, one autograd hook each;
+//! - `linear4096`: 4 `Linear(4096, 4096)` in sequence with ReLU between, MSE loss: 67 M
+//!   parameters, compute-bound on a GPU (the GPU benchmarks run it at batch 512).
+//!
+//! `--workload` and `--precision` take comma-separated lists: each combination runs in
+//! turn in this process (one `#[distributed]` call each) and prints its own result.
+//! `--device cuda` puts the model and the batches on the rank's GPU (the SDK picks it:
+//! ranks share a single visible GPU); `--device cpu` (the default) hides the GPUs.
+//! `--precision bf16` runs the same function under `mixed_precision = "bf16"` (the
+//! forward pass and the loss under bf16 autocast).
 //!
 //! Each step is timed in three phases: forward (with `zero_grad` and the loss),
 //! backward (which under DDP ends by waiting for the last bucket's all-reduce), and the
-//! optimizer step. Synchronized steps alternate with steps whose backward runs under
-//! DDP's `no_sync` (no all-reduce), so that both kinds see the same load on a shared
-//! machine: `--warmup` pairs, then `--steps` timed pairs. Every figure is a median over
-//! steps, which bursts of other load disturb least: samples/s is world size × batch /
-//! the slowest rank's median synchronized step; the all-reduce time left exposed after
-//! backward is the median synchronized backward minus the median backward under
-//! `no_sync` (each averaged over ranks). Rank 0 prints
-//! `BENCH {json}` with these figures (the same fields as the Python side).
+//! optimizer step. On CUDA the clock is read after `tch::Cuda::synchronize`: at the end
+//! of every step, and with `--sync-phases` also between phases (which then are device
+//! times; without it they are the host's launch times, and steps run unsynchronized
+//! within themselves, as in training). Synchronized steps alternate with steps whose
+//! backward runs under DDP's `no_sync` (no all-reduce), so that both kinds see the same
+//! load on a shared machine: `--warmup` pairs, then `--steps` timed pairs. Every figure
+//! is a median over steps, which bursts of other load disturb least: samples/s is world
+//! size × batch / the slowest rank's median synchronized step; the all-reduce time left
+//! exposed after backward is the median synchronized backward minus the median backward
+//! under `no_sync` (each averaged over ranks). On CUDA each combination starts from an
+//! emptied caching allocator with its peaks reset, and reports the allocator's peak
+//! allocated and reserved bytes (`torch.cuda.max_memory_allocated()` and
+//! `max_memory_reserved()` on the Python side), read through `csrc/cuda_memory.cpp`.
+//! Rank 0 prints `BENCH {json}` with these figures (the same fields as the Python side).
 
 use std::time::Instant;
 
-use anyhow::{Context as _, Result};
+use anyhow::{bail, Context as _, Result};
 use clap::{Parser, ValueEnum};
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Reduction, Tensor};
@@ -41,13 +60,48 @@ enum Workload {
     Cnn,
     Transformer,
     Linear200,
+    Linear4096,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum DeviceArg {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Precision {
+    /// float32 throughout.
+    Fp32,
+    /// The attribute's `mixed_precision = "bf16"`: bf16 autocast.
+    Bf16,
 }
 
 #[derive(Parser, Debug)]
 #[command(about = "DDP training-step benchmark (Rust side; see bench/python/ddp_bench.py)")]
 struct Args {
-    #[arg(long, value_enum)]
-    workload: Workload,
+    /// Comma-separated workloads, run in turn.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        required_unless_present = "check"
+    )]
+    workload: Vec<Workload>,
+    /// Where the model and the batches live: `cuda` is the rank's GPU; `cpu` hides the
+    /// GPUs from this process.
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    device: DeviceArg,
+    /// Comma-separated precisions, run in turn for each workload.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "fp32")]
+    precision: Vec<Precision>,
+    /// On CUDA, also synchronize between the phases of a step (forward, backward and
+    /// optimizer become device times; steps get slower).
+    #[arg(long)]
+    sync_phases: bool,
+    /// Print `CHECK {json}` (CUDA devices visible, NCCL compiled in) and exit.
+    #[arg(long)]
+    check: bool,
     /// Samples per step and rank.
     #[arg(long, default_value_t = 64)]
     batch: i64,
@@ -226,17 +280,17 @@ impl Module for CharTransformer {
     }
 }
 
-/// 200 `Linear(64, 64)` in sequence, ReLU between.
+/// `depth` `Linear(width, width)` in sequence, ReLU between.
 #[derive(Debug)]
 struct Deep {
     layers: Vec<nn::Linear>,
 }
 
 impl Deep {
-    fn new(p: &nn::Path) -> Self {
+    fn new(p: &nn::Path, depth: usize, width: i64) -> Self {
         Deep {
-            layers: (0..200)
-                .map(|i| nn::linear(p / i, 64, 64, Default::default()))
+            layers: (0..depth)
+                .map(|i| nn::linear(p / i, width, width, Default::default()))
                 .collect(),
         }
     }
@@ -263,14 +317,22 @@ struct Workbench {
 }
 
 impl Workbench {
-    fn new(p: &nn::Path, args: &Args, rank: usize) -> Result<Self> {
+    /// The model's parameters live in `p`'s VarStore; the batches are moved to
+    /// `device`.
+    fn new(
+        p: &nn::Path,
+        args: &Args,
+        workload: Workload,
+        rank: usize,
+        device: Device,
+    ) -> Result<Self> {
         // Each rank its own data; the model's initial weights come from rank 0 anyway.
         tch::manual_seed(1000 + rank as i64);
         let b = args.batch;
         let f = (Kind::Float, Device::Cpu);
         let pool = 0..args.pool;
         let labels = |classes| Tensor::randint(classes, [b], (Kind::Int64, Device::Cpu));
-        let (model, batches, mse): (Box<dyn Module>, _, _) = match args.workload {
+        let (model, batches, mse): (Box<dyn Module>, Vec<(Tensor, Tensor)>, _) = match workload {
             Workload::Mlp => {
                 let batches = pool
                     .map(|_| (Tensor::randn([b, 784], f), labels(10)))
@@ -309,14 +371,22 @@ impl Workbench {
                 let model = CharTransformer::new(p, text.labels(), args.context);
                 (Box::new(model), batches, false)
             }
-            Workload::Linear200 => {
+            Workload::Linear200 | Workload::Linear4096 => {
+                let (depth, width) = match workload {
+                    Workload::Linear200 => (200, 64),
+                    _ => (4, 4096),
+                };
                 let batches = pool
-                    .map(|_| (Tensor::randn([b, 64], f), Tensor::randn([b, 64], f)))
+                    .map(|_| (Tensor::randn([b, width], f), Tensor::randn([b, width], f)))
                     .collect();
                 tch::manual_seed(42);
-                (Box::new(Deep::new(p)), batches, true)
+                (Box::new(Deep::new(p, depth, width)), batches, true)
             }
         };
+        let batches = batches
+            .into_iter()
+            .map(|(x, y)| (x.to_device(device), y.to_device(device)))
+            .collect();
         Ok(Workbench {
             model,
             batches,
@@ -324,8 +394,8 @@ impl Workbench {
         })
     }
 
-    fn loss(&self, xs: &Tensor, ys: &Tensor) -> Tensor {
-        let out = self.model.forward(xs);
+    /// The loss of the model's output `out` against the targets `ys`.
+    fn loss(&self, out: &Tensor, ys: &Tensor) -> Tensor {
         if self.mse {
             out.mse_loss(ys, Reduction::Mean)
         } else {
@@ -366,94 +436,205 @@ fn median(xs: &[f64]) -> f64 {
     }
 }
 
-#[tch_distributed::distributed]
-fn train(args: &Args) -> Result<()> {
-    let ctx = tch_distributed::current().context("no process group")?;
-    let (rank, world) = (ctx.rank(), ctx.world_size());
-    let device = Device::cuda_if_available();
-    let vs = nn::VarStore::new(device);
-    let bench = Workbench::new(&vs.root(), args, rank)?;
-    let params: i64 = vs
-        .trainable_variables()
-        .iter()
-        .map(|t| t.numel() as i64)
-        .sum();
-    let mut opt = nn::Sgd::default().build(&vs, args.lr)?;
+/// Reads the clock for the phases of a step: on CUDA after synchronizing the device
+/// (at a step's end always, between phases with `--sync-phases`); on the CPU at once.
+struct Clock {
+    cuda: Option<i64>,
+    sync_phases: bool,
+}
 
-    // Warm-up, then the timed steps; both alternate a synchronized step with one
-    // under no_sync, so that the two kinds see the same load on a shared machine.
-    let mut timed = [Phases::default(), Phases::default()]; // [synchronized, no_sync]
-    let mut last_loss = f64::NAN;
-    for (run, steps) in [args.warmup, args.steps].into_iter().enumerate() {
-        ctx.barrier()?;
-        for i in 0..2 * steps {
-            let local = i % 2 == 1;
-            let (xs, ys) = &bench.batches[(i / 2) % bench.batches.len()];
-            let (cpu0, faults0) = (cpu_seconds(), minor_faults());
-            let t0 = Instant::now();
-            opt.zero_grad();
-            let loss = bench.loss(xs, ys);
-            let t1 = Instant::now();
-            if local {
-                // PyTorch's `with ddp.no_sync(): loss.backward()`.
-                let ddp = opt.ddp().context("the optimizer has no DDP")?;
-                let _no_sync = ddp.no_sync();
-                ddp.backward(&loss)?;
-            } else {
-                loss.backward();
-            }
-            let t2 = Instant::now();
-            opt.step();
-            let t3 = Instant::now();
-            if run == 1 {
-                let p = &mut timed[local as usize];
-                p.forward.push((t1 - t0).as_secs_f64());
-                p.backward.push((t2 - t1).as_secs_f64());
-                p.step.push((t3 - t2).as_secs_f64());
-                p.total.push((t3 - t0).as_secs_f64());
-                p.cpu += cpu_seconds() - cpu0;
-                p.faults += minor_faults() - faults0;
-                if !local {
-                    last_loss = loss.double_value(&[]);
-                }
-            }
+impl Clock {
+    fn new(device: Device, sync_phases: bool) -> Self {
+        let cuda = match device {
+            Device::Cuda(i) => Some(i as i64),
+            _ => None,
+        };
+        Clock { cuda, sync_phases }
+    }
+
+    /// Waits for the work queued on the device.
+    fn sync(&self) {
+        if let Some(i) = self.cuda {
+            tch::Cuda::synchronize(i);
         }
     }
-    ctx.barrier()?;
-    let [sync, local] = &timed;
-    let n = args.steps.max(1) as f64;
-    let mine = Tensor::from_slice(&[
-        sync.total.iter().sum::<f64>(),
-        median(&sync.total),
-        median(&sync.forward),
-        median(&sync.backward),
-        median(&sync.step),
-        median(&local.backward),
-        peak_rss_kb(),
-        sync.cpu / n,
-        last_loss,
-        local.cpu / n,
-        sync.faults / n,
-        local.faults / n,
-    ]);
-    let every = ctx.process_group().all_gather(&mine)?;
-    let rows: Vec<Vec<f64>> = every
-        .iter()
-        .map(|t| Vec::<f64>::try_from(t).context("gathered timings"))
-        .collect::<Result<_>>()?;
-    let buckets = opt.ddp().map(|d| d.bucket_sizes()).transpose()?;
-    let report = report(args, world, params, &rows, buckets);
-    println!("BENCH {report}");
-    Ok(())
+
+    /// Between two phases of a step.
+    fn phase(&self) -> Instant {
+        if self.sync_phases {
+            self.sync();
+        }
+        Instant::now()
+    }
+
+    /// At the end of a step.
+    fn end(&self) -> Instant {
+        self.sync();
+        Instant::now()
+    }
+}
+
+// ---------------------------------------------------------------- device memory
+
+extern "C" {
+    // csrc/cuda_memory.cpp
+    fn tdcb_device_memory(device: libc::c_int, out: *mut i64) -> libc::c_int;
+    fn tdcb_device_memory_reset(device: libc::c_int) -> libc::c_int;
+}
+
+/// The CUDA caching allocator's bytes of `device`: allocated now, allocated peak,
+/// reserved now, reserved peak; NaN on the CPU or when libtorch cannot say.
+fn device_memory(device: Device) -> [f64; 4] {
+    let mut out = [0i64; 4];
+    match device {
+        Device::Cuda(i)
+            if unsafe { tdcb_device_memory(i as libc::c_int, out.as_mut_ptr()) } == 0 =>
+        {
+            out.map(|b| b as f64)
+        }
+        _ => [f64::NAN; 4],
+    }
+}
+
+/// Frees the CUDA caching allocator's cached blocks and restarts its peaks, as
+/// `torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()`.
+fn reset_device_memory(device: Device) {
+    if let Device::Cuda(i) = device {
+        if unsafe { tdcb_device_memory_reset(i as libc::c_int) } != 0 {
+            eprintln!("warning: could not reset the CUDA allocator's statistics");
+        }
+    }
+}
+
+// ---------------------------------------------------------------- the training function
+
+/// The training function, once per precision: `#[distributed]`'s `mixed_precision` is
+/// an attribute argument, so the bf16 variant is the same body under another attribute.
+macro_rules! training_function {
+    ($name:ident, $precision:expr, $($attribute:tt)*) => {
+        #[tch_distributed::distributed($($attribute)*)]
+        fn $name(args: &Args, workload: Workload) -> Result<()> {
+            let ctx = tch_distributed::current().context("no process group")?;
+            let (rank, world) = (ctx.rank(), ctx.world_size());
+            let device = Device::cuda_if_available();
+            if args.device == DeviceArg::Cuda && !device.is_cuda() {
+                bail!("--device cuda, but this rank's device is {device:?}: no CUDA device is visible");
+            }
+            reset_device_memory(device);
+            let baseline = device_memory(device)[0];
+            let vs = nn::VarStore::new(device);
+            let bench = Workbench::new(&vs.root(), args, workload, rank, device)?;
+            let params: i64 = vs
+                .trainable_variables()
+                .iter()
+                .map(|t| t.numel() as i64)
+                .sum();
+            let mut opt = nn::Sgd::default().build(&vs, args.lr)?;
+            let clock = Clock::new(device, args.sync_phases);
+
+            // Warm-up, then the timed steps; both alternate a synchronized step with one
+            // under no_sync, so that the two kinds see the same load on a shared machine.
+            let mut timed = [Phases::default(), Phases::default()]; // [synchronized, no_sync]
+            let mut last_loss = f64::NAN;
+            for (run, steps) in [args.warmup, args.steps].into_iter().enumerate() {
+                ctx.barrier()?;
+                clock.sync();
+                for i in 0..2 * steps {
+                    let local = i % 2 == 1;
+                    let (xs, ys) = &bench.batches[(i / 2) % bench.batches.len()];
+                    let (cpu0, faults0) = (cpu_seconds(), minor_faults());
+                    let t0 = Instant::now();
+                    opt.zero_grad();
+                    // Under `mixed_precision`, the attribute puts this `let` (a forward
+                    // pass) under autocast.
+                    let loss = bench.loss(&bench.model.forward(xs), ys);
+                    let t1 = clock.phase();
+                    if local {
+                        // PyTorch's `with ddp.no_sync(): loss.backward()`.
+                        let ddp = opt.ddp().context("the optimizer has no DDP")?;
+                        let _no_sync = ddp.no_sync();
+                        ddp.backward(&loss)?;
+                    } else {
+                        loss.backward();
+                    }
+                    let t2 = clock.phase();
+                    opt.step();
+                    let t3 = clock.end();
+                    if run == 1 {
+                        let p = &mut timed[local as usize];
+                        p.forward.push((t1 - t0).as_secs_f64());
+                        p.backward.push((t2 - t1).as_secs_f64());
+                        p.step.push((t3 - t2).as_secs_f64());
+                        p.total.push((t3 - t0).as_secs_f64());
+                        p.cpu += cpu_seconds() - cpu0;
+                        p.faults += minor_faults() - faults0;
+                        if !local {
+                            last_loss = loss.double_value(&[]);
+                        }
+                    }
+                }
+            }
+            ctx.barrier()?;
+            let memory = device_memory(device);
+            let [sync, local] = &timed;
+            let n = args.steps.max(1) as f64;
+            let mine = Tensor::from_slice(&[
+                sync.total.iter().sum::<f64>(),
+                median(&sync.total),
+                median(&sync.forward),
+                median(&sync.backward),
+                median(&sync.step),
+                median(&local.backward),
+                peak_rss_kb(),
+                sync.cpu / n,
+                last_loss,
+                local.cpu / n,
+                sync.faults / n,
+                local.faults / n,
+                median(&local.total),
+                memory[1],
+                memory[3],
+                baseline,
+            ]);
+            let every = ctx.process_group().all_gather(&mine)?;
+            let rows: Vec<Vec<f64>> = every
+                .iter()
+                .map(|t| Vec::<f64>::try_from(t).context("gathered timings"))
+                .collect::<Result<_>>()?;
+            let buckets = opt.ddp().map(|d| d.bucket_sizes()).transpose()?;
+            let run = Run {
+                workload,
+                precision: $precision,
+                device,
+                backend: ctx.backend().to_string(),
+            };
+            let report = report(args, &run, world, params, &rows, buckets);
+            println!("BENCH {report}");
+            Ok(())
+        }
+    };
+}
+
+training_function!(train_fp32, "fp32",);
+training_function!(train_bf16, "bf16", mixed_precision = "bf16");
+
+/// What one `#[distributed]` call ran.
+struct Run {
+    workload: Workload,
+    precision: &'static str,
+    device: Device,
+    backend: String,
 }
 
 /// The fields both sides print; `rows` are every rank's gathered figures: seconds of
 /// the timed synchronized steps in all, median seconds of a step and of its forward, backward
 /// and optimizer step, median backward under `no_sync`, peak RSS (KiB), CPU seconds
 /// per step, last loss, CPU seconds per `no_sync` step, minor page faults per step and
-/// per `no_sync` step.
+/// per `no_sync` step, median `no_sync` step, the CUDA allocator's peak allocated and
+/// peak reserved bytes, and its allocated bytes before the model was built.
 fn report(
     args: &Args,
+    run: &Run,
     world: usize,
     params: i64,
     rows: &[Vec<f64>],
@@ -461,25 +642,42 @@ fn report(
 ) -> serde_json::Value {
     let max = |k: usize| rows.iter().map(|r| r[k]).fold(f64::NAN, f64::max);
     let mean = |k: usize| rows.iter().map(|r| r[k]).sum::<f64>() / rows.len() as f64;
+    let mib = |k: usize| {
+        let m = max(k) / (1024.0 * 1024.0);
+        if m.is_finite() {
+            serde_json::json!(m)
+        } else {
+            serde_json::Value::Null
+        }
+    };
     let samples = (world as f64) * (args.batch as f64);
     serde_json::json!({
         "side": "rust",
-        "workload": format!("{:?}", args.workload).to_lowercase(),
+        "mode": "ddp",
+        "workload": format!("{:?}", run.workload).to_lowercase(),
+        "device": if run.device.is_cuda() { "cuda" } else { "cpu" },
+        "precision": run.precision,
+        "backend": run.backend,
         "world": world,
         "batch": args.batch,
         "warmup": args.warmup,
         "steps": args.steps,
         "params": params,
+        "phases_synchronized": !run.device.is_cuda() || args.sync_phases,
         "sync_steps_s": max(0),
         "samples_per_s": samples / max(1),
         "samples_per_s_mean": samples * (args.steps as f64) / max(0),
         "step_ms": 1e3 * max(1),
+        "step_nosync_ms": 1e3 * max(12),
         "forward_ms": 1e3 * mean(2),
         "backward_ms": 1e3 * mean(3),
         "optimizer_ms": 1e3 * mean(4),
         "backward_nosync_ms": 1e3 * mean(5),
         "exposed_allreduce_ms": 1e3 * (mean(3) - mean(5)),
         "rss_mb": rows.iter().map(|r| r[6] / 1024.0).collect::<Vec<_>>(),
+        "peak_allocated_mb": mib(13),
+        "peak_reserved_mb": mib(14),
+        "baseline_allocated_mb": mib(15),
         "cpu_ms_per_step": 1e3 * mean(7),
         "cpu_ms_per_nosync_step": 1e3 * mean(9),
         "minor_faults_per_step": mean(10),
@@ -516,6 +714,38 @@ fn peak_rss_kb() -> f64 {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    match args.device {
+        // Before libtorch first asks CUDA for its devices: the SDK gives each rank a
+        // GPU whenever it sees one.
+        DeviceArg::Cpu => std::env::set_var("CUDA_VISIBLE_DEVICES", ""),
+        // libtorch's CUDA support, loaded before libtorch first asks about CUDA. This
+        // binary links libtorch_cuda.so already (the SDK's NCCL backend lives there);
+        // should a build leave it out (`--as-needed`), this keeps CUDA visible. Found as
+        // the binary's own libraries are: LD_LIBRARY_PATH, then the RUNPATH. Null (and
+        // no CUDA) with a CPU-only libtorch.
+        DeviceArg::Cuda => unsafe {
+            libc::dlopen(
+                c"libtorch_cuda.so".as_ptr(),
+                libc::RTLD_NOW | libc::RTLD_GLOBAL,
+            );
+        },
+    }
     tch::set_num_threads(1);
-    train(&args)
+    if args.check {
+        let check = serde_json::json!({
+            "cuda_devices": tch::Cuda::device_count(),
+            "nccl": tch_distributed::Backend::nccl_available(),
+        });
+        println!("CHECK {check}");
+        return Ok(());
+    }
+    for &workload in &args.workload {
+        for &precision in &args.precision {
+            match precision {
+                Precision::Fp32 => train_fp32(&args, workload)?,
+                Precision::Bf16 => train_bf16(&args, workload)?,
+            }
+        }
+    }
+    Ok(())
 }
