@@ -235,9 +235,15 @@ class Runner:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                "PYTHONWARNINGS": "ignore::UserWarning"}
         # Each precision is the attribute's own (bench/ddp.rs): no launcher setting may
-        # override it, nor accumulate gradients.
-        for var in ("TCH_DISTRIBUTED_MIXED_PRECISION", "TCH_DISTRIBUTED_GRAD_ACCUM"):
+        # override it, nor accumulate gradients; tchrun reads an empty run configuration
+        # instead of any `tchrun config` file on this machine.
+        for var in ("TCH_DISTRIBUTED_MIXED_PRECISION", "TCH_DISTRIBUTED_GRAD_ACCUM",
+                    "TCH_DISTRIBUTED_GPUS", "TCH_DISTRIBUTED_NPROC"):
             env.pop(var, None)
+        empty = os.path.join(self.out, "empty-config.toml")
+        if not os.path.exists(empty):
+            open(empty, "w").close()
+        env["TCH_DISTRIBUTED_CONFIG"] = empty
         # NCCL on one rank with its own GPU; Gloo (through host memory) for ranks that
         # share the GPU, and on the CPU.
         backend = "nccl" if self.device == "cuda" and n == 1 else "gloo"
