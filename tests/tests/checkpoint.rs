@@ -282,3 +282,43 @@ fn a_failed_save_names_the_path_and_keeps_the_previous_checkpoint() {
     run.assert_success();
     assert!(run.stdout.contains("resumed at step 4"), "{}", run.stdout);
 }
+
+#[test]
+fn a_killed_rank_under_max_restarts_resumes_and_ends_bit_for_bit() {
+    let kind = "adam";
+    let straight = scratch_dir("elastic-straight");
+    let ckpt = straight.join("ckpt");
+    train(&straight, ckpt.to_str().unwrap(), "13", kind, None).assert_success();
+
+    // Rank 1 SIGKILLs itself after step 6 in the first attempt only; tchrun stops rank
+    // 0, starts both again, and the worker's own `load_state` resumes from step 4.
+    let elastic = scratch_dir("elastic");
+    let ckpt = elastic.join("ckpt");
+    let mut cmd = Command::new(tchrun());
+    cmd.args(["--nproc-per-node", "2", "--max-restarts", "1", "sh", "-c"])
+        .arg(
+            "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then export KILL_AT=6 KILL_RANK=1; fi; \
+             exec \"$0\" \"$@\"",
+        )
+        .args([WORKER, elastic.to_str().unwrap(), ckpt.to_str().unwrap()])
+        .args(["13", kind]);
+    let run = run_with(cmd, &elastic, TIMEOUT, |_, _| {});
+    run.assert_success();
+    for needle in [
+        "rank 1 (local rank 1, pid ",
+        "was killed by signal SIGKILL (9)",
+        "restarting all 2 ranks (restart 1 of 1)",
+    ] {
+        assert!(
+            run.stderr.contains(needle),
+            "no {needle:?}:\n{}",
+            run.stderr
+        );
+    }
+    assert!(
+        run.stdout.contains("resumed at step 4, epoch 0"),
+        "{}",
+        run.stdout
+    );
+    assert_same(&straight, &elastic, "restarted by tchrun");
+}

@@ -306,3 +306,34 @@ fn ranks_exit_when_a_self_launching_program_is_sigkilled() {
         .unwrap_or_else(|left| panic!("ranks {left:?} still run 10 s after their launcher died"));
     eprintln!("ranks exited {took:?} after the program that launched them was killed");
 }
+
+/// `TCH_DISTRIBUTED_MAX_RESTARTS` is `tchrun --max-restarts` for a program that
+/// launches its own ranks: a rank that fails in every attempt is started twice.
+#[test]
+fn a_self_launching_program_restarts_its_ranks() {
+    let dir = scratch_dir("self-restarts");
+    let mut cmd = Command::new(MACRO_WORKER);
+    cmd.args([dir.to_str().unwrap(), "40"]);
+    tch_distributed_tests::without_launcher(&mut cmd)
+        .env("TCH_DISTRIBUTED_NPROC", "2")
+        .env("TCH_DISTRIBUTED_MAX_RESTARTS", "1")
+        .env("FAIL_RANK", "1");
+    let run = run_with(cmd, &dir, TIMEOUT, |_, _| {});
+    assert_eq!(run.status.code(), Some(1), "{run:?}");
+    assert_eq!(
+        run.stderr.matches("rank 1 fails on purpose").count(),
+        2,
+        "{}",
+        run.stderr
+    );
+    for needle in [
+        "restarting all 2 ranks (restart 1 of 1)",
+        "no restarts left (--max-restarts 1), giving up",
+    ] {
+        assert!(
+            run.stderr.contains(needle),
+            "no {needle:?}:\n{}",
+            run.stderr
+        );
+    }
+}

@@ -296,3 +296,173 @@ fn configuration_errors() {
         );
     }
 }
+
+/// Each rank appends "RANK RESTART_COUNT MAX_RESTARTS USE_AGENT_STORE MASTER_PORT" to
+/// `$D/starts` when it starts.
+const RECORD_START: &str = "echo \"$RANK $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS \
+                            $TORCHELASTIC_USE_AGENT_STORE $MASTER_PORT\" >> \"$D/starts\"; ";
+
+fn starts(dir: &Path) -> Vec<Vec<String>> {
+    let mut lines: Vec<Vec<String>> = fs::read_to_string(dir.join("starts"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| l.split(' ').map(str::to_string).collect())
+        .collect();
+    lines.sort();
+    lines
+}
+
+#[test]
+fn max_restarts_starts_every_rank_again_with_the_restart_count() {
+    let dir = scratch_dir("restarts");
+    // Rank 1 fails in attempts 0 and 1 while rank 0 trains on; attempt 2 succeeds.
+    let script = format!(
+        "{RECORD_START}a=$TORCHELASTIC_RESTART_COUNT; touch \"$D/up.$RANK.$a\"; \
+         if [ $a = 2 ]; then exit 0; fi; \
+         if [ \"$RANK\" = 1 ]; then \
+             while [ ! -e \"$D/up.0.$a\" ]; do sleep 0.05; done; exit 3; \
+         fi; exec sleep 60"
+    );
+    let run = run_tchrun(
+        &dir,
+        &[
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "2",
+            "sh",
+            "-c",
+            &script,
+        ],
+        TIMEOUT,
+        |_, _| {},
+    );
+    assert!(run.status.success(), "stderr: {}", run.stderr);
+    assert!(
+        run.elapsed < Duration::from_secs(10),
+        "took {:?}",
+        run.elapsed
+    );
+    let starts = starts(&dir);
+    let port = &starts[0][4];
+    assert_ne!(port.parse::<u16>().unwrap(), 0);
+    let mut expected = Vec::new();
+    for rank in 0..2 {
+        for attempt in 0..3 {
+            expected.push(vec![
+                rank.to_string(),
+                attempt.to_string(),
+                "2".to_string(),
+                // The ranks join tchrun's store under /worker/attempt_N.
+                "True".to_string(),
+                port.clone(),
+            ]);
+        }
+    }
+    assert_eq!(starts, expected, "stderr: {}", run.stderr);
+    for needle in [
+        "restarting all 2 ranks (restart 1 of 2)",
+        "restarting all 2 ranks (restart 2 of 2)",
+        "failed with exit code 3",
+    ] {
+        assert!(run.stderr.contains(needle), "no {needle:?}: {}", run.stderr);
+    }
+    // Rank 0 was stopped for the restarts, not reported as failing.
+    assert!(!run.stderr.contains("rank 0 ("), "stderr: {}", run.stderr);
+}
+
+#[test]
+fn max_restarts_runs_out() {
+    let dir = scratch_dir("restarts-out");
+    let script = format!("{RECORD_START}if [ \"$RANK\" = 1 ]; then exit 3; fi; exec sleep 60");
+    let run = run_tchrun(
+        &dir,
+        &[
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "sh",
+            "-c",
+            &script,
+        ],
+        TIMEOUT,
+        |_, _| {},
+    );
+    assert_failed_fast(
+        &run,
+        &[
+            "restarting all 2 ranks (restart 1 of 1)",
+            "no restarts left (--max-restarts 1), giving up",
+        ],
+    );
+    // Rank 0 may be stopped before it records its start; rank 1 records each one.
+    let rank1 = starts(&dir).into_iter().filter(|s| s[0] == "1").count();
+    assert_eq!(rank1, 2, "two attempts: {}", run.stderr);
+}
+
+#[test]
+fn a_signal_to_tchrun_is_forwarded_not_restarted() {
+    let dir = scratch_dir("restarts-signal");
+    let script = format!("{RECORD_START}{TRAP_SCRIPT}");
+    let run = run_tchrun(
+        &dir,
+        &[
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "3",
+            "sh",
+            "-c",
+            &script,
+        ],
+        TIMEOUT,
+        |pid, dir| {
+            wait_ready(dir, 2);
+            send_signal(pid, "TERM");
+        },
+    );
+    assert_eq!(run.status.code(), Some(143), "stderr: {}", run.stderr);
+    assert_eq!(starts(&dir).len(), 2, "one attempt: {}", run.stderr);
+    assert!(!run.stderr.contains("restarting"), "stderr: {}", run.stderr);
+}
+
+#[test]
+fn a_signal_while_stopping_after_a_failure_is_not_restarted() {
+    let dir = scratch_dir("restarts-signal-stopping");
+    // Rank 1 fails; rank 0 notes tchrun's SIGTERM and carries on; then tchrun itself
+    // gets SIGTERM, before the grace period is over.
+    let script = format!(
+        "{RECORD_START}if [ \"$RANK\" = 1 ]; then \
+             while [ ! -e \"$D/ready.0\" ]; do sleep 0.05; done; exit 2; \
+         fi; \
+         trap 'touch \"$D/stopping\"' TERM; touch \"$D/ready.$RANK\"; \
+         while :; do sleep 0.1; done"
+    );
+    let run = run_tchrun(
+        &dir,
+        &[
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "3",
+            "--stop-grace-seconds",
+            "3",
+            "sh",
+            "-c",
+            &script,
+        ],
+        TIMEOUT,
+        |pid, dir| {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !dir.join("stopping").exists() {
+                assert!(Instant::now() < deadline, "rank 0 was not stopped");
+                thread::sleep(Duration::from_millis(20));
+            }
+            send_signal(pid, "TERM");
+        },
+    );
+    assert_eq!(run.status.code(), Some(143), "stderr: {}", run.stderr);
+    assert_eq!(starts(&dir).len(), 2, "one attempt: {}", run.stderr);
+    assert!(!run.stderr.contains("restarting"), "stderr: {}", run.stderr);
+}

@@ -1,0 +1,96 @@
+//! Elastic restarts, as torchrun's `--max-restarts`: when a rank fails, every rank
+//! is stopped and the whole node starts again, up to `max_restarts` times, each
+//! attempt with a fresh rendezvous.
+//!
+//! A fresh rendezvous is torchrun's: the launcher hosts the job's `TCPStore` (its
+//! "agent store") for as long as it runs, and the ranks join it as clients with
+//! `TORCHELASTIC_USE_AGENT_STORE=True`, keeping their keys under
+//! `/worker/attempt_{TORCHELASTIC_RESTART_COUNT}` (the SDK's `init` does, as
+//! `torch.distributed` does). Keys that a failed attempt left behind, or a stale rank
+//! of another node that is still at the previous attempt, cannot mix with the new
+//! attempt's. The store's port is bound once, by the launcher (a free one unless
+//! `--master-port` is given), so no other process can take it between attempts.
+//! On several nodes, node 0's launcher hosts the store and every node's ranks join it.
+//!
+//! Without restarts nothing changes: rank 0 hosts the store, as before.
+
+use std::time::Duration;
+
+use super::{free_port, LaunchConfig};
+use crate::error::{Error, Result};
+use crate::store::Store;
+
+/// How long the agent store's own connection waits on a key (it never does).
+const STORE_TIMEOUT: Duration = Duration::from_secs(1800);
+
+/// Where the ranks of every attempt meet.
+pub(super) struct Rendezvous {
+    port: u16,
+    /// Ranks join the launcher's store under a per-attempt prefix.
+    agent_store: bool,
+    /// The store this launcher hosts (node 0 with restarts), kept alive while it runs.
+    _store: Option<Store>,
+}
+
+impl Rendezvous {
+    /// Without restarts: `config.master_port`, or a free port (rank 0 hosts the store).
+    /// With restarts: the agent store, hosted here on node 0 on `config.master_port`
+    /// (0: a free port), and joined by the other nodes' ranks.
+    ///
+    /// Errors: [`Error::Io`] when no free port can be picked; [`Error::PortInUse`] or
+    /// [`Error::Rendezvous`] when the store cannot be hosted.
+    pub(super) fn new(config: &LaunchConfig) -> Result<Rendezvous> {
+        if config.max_restarts == 0 {
+            let port = match config.master_port {
+                0 => free_port(&config.master_addr)?,
+                port => port,
+            };
+            return Ok(Rendezvous {
+                port,
+                agent_store: false,
+                _store: None,
+            });
+        }
+        if config.node_rank != 0 {
+            return Ok(Rendezvous {
+                port: config.master_port,
+                agent_store: true,
+                _store: None,
+            });
+        }
+        let store = Store::tcp(
+            &config.master_addr,
+            config.master_port,
+            config.world_size(),
+            true,
+            STORE_TIMEOUT,
+        )
+        .map_err(|e| match e {
+            Error::PortInUse { addr, port } => Error::Config(format!(
+                "tchrun: port {port} on {addr} is already in use, so tchrun cannot host the \
+                 rendezvous store that --max-restarts needs: stop the process using it, or \
+                 pick another --master-port (0 picks a free one)"
+            )),
+            other => Error::Config(format!(
+                "tchrun: cannot host the rendezvous store that --max-restarts needs on {}:{}: {other}",
+                config.master_addr, config.master_port
+            )),
+        })?;
+        let port = store.port().unwrap_or(config.master_port);
+        Ok(Rendezvous {
+            port,
+            agent_store: true,
+            _store: Some(store),
+        })
+    }
+
+    /// The port the ranks meet on (`MASTER_PORT`), the same for every attempt.
+    pub(super) fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Whether the ranks join the launcher's store under a per-attempt prefix.
+    pub(super) fn agent_store(&self) -> bool {
+        self.agent_store
+    }
+}

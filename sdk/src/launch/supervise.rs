@@ -1,0 +1,344 @@
+//! One attempt of a job on this node: start its ranks with the torchrun environment,
+//! watch them, and stop them all when one fails or the launcher gets a signal.
+
+use std::ffi::{OsStr, OsString};
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use signal_hook::consts::{SIGKILL, SIGTERM};
+use signal_hook::iterator::Signals;
+
+use super::LaunchConfig;
+use crate::error::{Error, Result};
+
+/// How often the supervisor checks its ranks and pending signals.
+const POLL_INTERVAL: Duration = Duration::from_millis(50);
+
+/// What every rank of one attempt is started with.
+pub(super) struct Attempt<'a> {
+    pub config: &'a LaunchConfig,
+    pub program: &'a OsStr,
+    pub args: &'a [OsString],
+    pub extra_env: &'a [(String, String)],
+    /// Set `OMP_NUM_THREADS=1` in the ranks.
+    pub set_omp: bool,
+    pub run_id: &'a str,
+    /// The rendezvous port (`MASTER_PORT`).
+    pub master_port: u16,
+    /// Ranks join the launcher's store as clients, under `/worker/attempt_{number}`
+    /// (`TORCHELASTIC_USE_AGENT_STORE=True`).
+    pub agent_store: bool,
+    /// 0 for the first start, then the restart's number
+    /// (`TORCHELASTIC_RESTART_COUNT`).
+    pub number: usize,
+}
+
+/// How an attempt ended.
+#[derive(Debug)]
+pub(super) enum Outcome {
+    /// Every rank exited 0.
+    Succeeded,
+    /// A rank failed (reported on stderr); all ranks have been stopped.
+    Failed,
+    /// The launcher got this signal; it was forwarded and all ranks have stopped.
+    Signalled(i32),
+}
+
+impl Attempt<'_> {
+    /// The command that starts global rank `rank` (local rank `local_rank`).
+    fn command(&self, rank: usize, local_rank: usize) -> Command {
+        let config = self.config;
+        let mut cmd = Command::new(self.program);
+        cmd.args(self.args)
+            .stdin(Stdio::null())
+            .envs(self.extra_env.iter().map(|(k, v)| (k, v)))
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", local_rank.to_string())
+            .env("WORLD_SIZE", config.world_size().to_string())
+            .env("LOCAL_WORLD_SIZE", config.nproc_per_node.to_string())
+            .env("GROUP_RANK", config.node_rank.to_string())
+            .env("ROLE_RANK", rank.to_string())
+            .env("ROLE_WORLD_SIZE", config.world_size().to_string())
+            .env("MASTER_ADDR", &config.master_addr)
+            .env("MASTER_PORT", self.master_port.to_string())
+            .env("TORCHELASTIC_RESTART_COUNT", self.number.to_string())
+            .env("TORCHELASTIC_MAX_RESTARTS", config.max_restarts.to_string())
+            .env("TORCHELASTIC_RUN_ID", self.run_id)
+            .env("TCHRUN", "1");
+        if self.agent_store {
+            cmd.env("TORCHELASTIC_USE_AGENT_STORE", "True");
+        } else {
+            cmd.env_remove("TORCHELASTIC_USE_AGENT_STORE");
+        }
+        if self.set_omp {
+            cmd.env("OMP_NUM_THREADS", "1");
+        }
+        die_with_launcher(&mut cmd);
+        cmd
+    }
+
+    /// Starts this attempt's ranks and supervises them until they have all exited.
+    ///
+    /// When a rank exits non-zero or is killed by a signal, the failure is printed
+    /// to stderr and the other ranks are stopped (`SIGTERM`, then `SIGKILL` after
+    /// the grace period): [`Outcome::Failed`]. `SIGINT`/`SIGTERM` received meanwhile,
+    /// even while stopping the ranks after a failure, are forwarded to every live
+    /// rank, which are then stopped the same way: [`Outcome::Signalled`].
+    ///
+    /// Errors with [`Error::Io`] when a rank cannot be started (the ranks already
+    /// started are stopped first) or its status cannot be read.
+    pub(super) fn run(&self, signals: &mut Signals) -> Result<Outcome> {
+        let config = self.config;
+        let mut ranks = Ranks::default();
+        for local_rank in 0..config.nproc_per_node {
+            let rank = config.node_rank * config.nproc_per_node + local_rank;
+            match self.command(rank, local_rank).spawn() {
+                Ok(child) => ranks.0.push(Rank {
+                    rank,
+                    local_rank,
+                    child,
+                    status: None,
+                }),
+                Err(source) => {
+                    ranks.stop(SIGTERM, config.stop_grace, signals)?;
+                    return Err(Error::Io {
+                        context: format!(
+                            "tchrun: cannot start rank {rank} (program {})",
+                            self.program.to_string_lossy()
+                        ),
+                        source,
+                    });
+                }
+            }
+        }
+
+        loop {
+            if let Some(signo) = signals.pending().next() {
+                eprintln!(
+                    "tchrun: received {}, forwarding it to all ranks",
+                    signal_name(signo)
+                );
+                ranks.stop(signo, config.stop_grace, signals)?;
+                return Ok(Outcome::Signalled(signo));
+            }
+            let mut failed = false;
+            for r in ranks.0.iter_mut().filter(|r| r.status.is_none()) {
+                let Some(status) = r.try_wait()? else {
+                    continue;
+                };
+                if !status.success() {
+                    failed = true;
+                    eprintln!(
+                        "tchrun: rank {} (local rank {}, pid {}) {}",
+                        r.rank,
+                        r.local_rank,
+                        r.child.id(),
+                        describe_failure(status)
+                    );
+                }
+            }
+            if failed {
+                return Ok(match ranks.stop(SIGTERM, config.stop_grace, signals)? {
+                    Some(signo) => Outcome::Signalled(signo),
+                    None => Outcome::Failed,
+                });
+            }
+            if ranks.all_exited() {
+                return Ok(Outcome::Succeeded);
+            }
+            thread::sleep(POLL_INTERVAL);
+        }
+    }
+}
+
+/// Makes the rank started by `cmd` die with the launcher, so that no rank outlives
+/// it unsupervised when the launcher itself is killed (`SIGKILL`, the OOM killer, a
+/// lost SSH session): `tchrun`'s or a self-launching program's ranks exit within
+/// moments of it.
+///
+/// The child asks the kernel for `SIGKILL` when its parent dies
+/// (`PR_SET_PDEATHSIG`). `SIGKILL` rather than `SIGTERM`: a rank that installed
+/// [`Preemption`](crate::Preemption) would take `SIGTERM` as "checkpoint at the end
+/// of the step", and a rank blocked in a collective with a peer that is already gone
+/// never reaches that step; with the launcher dead, nothing would send the `SIGKILL`
+/// that normally follows the grace period, and the rank would wait out the
+/// collective timeout (30 minutes by default). Checkpoints are complete or absent,
+/// so killing a rank at any point loses at most the steps since the last one. A
+/// launcher that is merely asked to stop (`SIGINT`/`SIGTERM`) is not dying: it
+/// forwards the signal and gives the ranks their grace period as before.
+///
+/// The parent may die between `fork` and `prctl`, before the request is in place;
+/// the child would then have been re-parented already, so it checks that its parent
+/// is still the launcher that started it and exits at once otherwise.
+///
+/// The kernel sends the signal when the *thread* that forked the child exits: the
+/// launcher starts its ranks from the thread that then supervises them until the
+/// process exits.
+fn die_with_launcher(cmd: &mut Command) {
+    #[cfg(target_os = "linux")]
+    {
+        let launcher = std::process::id() as libc::pid_t;
+        // SAFETY: the closure runs in the child between fork and exec, where only
+        // async-signal-safe calls are allowed: prctl, getppid and _exit are, and
+        // `last_os_error` only reads errno (no allocation).
+        unsafe {
+            cmd.pre_exec(move || {
+                let (signal, unused) = (libc::SIGKILL as libc::c_ulong, 0 as libc::c_ulong);
+                if libc::prctl(libc::PR_SET_PDEATHSIG, signal, unused, unused, unused) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::getppid() != launcher {
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cmd;
+}
+
+/// One started rank and, once reaped, its exit status.
+struct Rank {
+    rank: usize,
+    local_rank: usize,
+    child: Child,
+    status: Option<ExitStatus>,
+}
+
+impl Rank {
+    /// Reaps the rank if it has exited, remembering its status.
+    fn try_wait(&mut self) -> Result<Option<ExitStatus>> {
+        if self.status.is_none() {
+            self.status = self.child.try_wait().map_err(|source| Error::Io {
+                context: format!("tchrun: cannot wait for rank {}", self.rank),
+                source,
+            })?;
+        }
+        Ok(self.status)
+    }
+
+    /// Sends `signo` if the rank has not been reaped yet (so its pid cannot
+    /// have been reused).
+    fn signal(&self, signo: i32) {
+        if self.status.is_none() {
+            // SAFETY: kill(2) has no memory-safety preconditions; the pid is a
+            // child we have not reaped yet.
+            unsafe { libc::kill(self.child.id() as libc::pid_t, signo) };
+        }
+    }
+}
+
+/// The started ranks; dropping it kills and reaps any still running, so no
+/// rank outlives the launcher on an error path.
+#[derive(Default)]
+struct Ranks(Vec<Rank>);
+
+impl Ranks {
+    fn all_exited(&self) -> bool {
+        self.0.iter().all(|r| r.status.is_some())
+    }
+
+    /// Sends `signo` to every live rank, waits up to `grace` for them to exit
+    /// (forwarding further SIGINT/SIGTERM), then SIGKILLs and reaps the rest.
+    /// Exit statuses seen here are not reported: we caused them. Returns the first
+    /// SIGINT/SIGTERM the launcher received meanwhile, if any.
+    fn stop(&mut self, signo: i32, grace: Duration, signals: &mut Signals) -> Result<Option<i32>> {
+        self.0.iter().for_each(|r| r.signal(signo));
+        let mut received = None;
+        let deadline = Instant::now() + grace;
+        loop {
+            for r in &mut self.0 {
+                r.try_wait()?;
+            }
+            if self.all_exited() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                for r in self.0.iter().filter(|r| r.status.is_none()) {
+                    eprintln!(
+                        "tchrun: rank {} (pid {}) did not exit within {:.1} s, sending SIGKILL",
+                        r.rank,
+                        r.child.id(),
+                        grace.as_secs_f64()
+                    );
+                }
+                self.kill_all();
+                break;
+            }
+            for signo in signals.pending() {
+                received.get_or_insert(signo);
+                self.0.iter().for_each(|r| r.signal(signo));
+            }
+            thread::sleep(POLL_INTERVAL.min(deadline.saturating_duration_since(Instant::now())));
+        }
+        // A signal that arrived as the last rank exited.
+        if let Some(signo) = signals.pending().next() {
+            received.get_or_insert(signo);
+        }
+        Ok(received)
+    }
+
+    /// SIGKILLs and reaps every rank still running.
+    fn kill_all(&mut self) {
+        for r in self.0.iter_mut().filter(|r| r.status.is_none()) {
+            r.signal(SIGKILL);
+            r.status = r.child.wait().ok();
+        }
+    }
+}
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        self.kill_all();
+    }
+}
+
+/// Says how a rank failed, e.g. "failed with exit code 3" or
+/// "was killed by signal SIGKILL (9)".
+fn describe_failure(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("failed with exit code {code}"),
+        (None, Some(signo)) => format!("was killed by signal {} ({signo})", signal_name(signo)),
+        (None, None) => format!("failed ({status})"),
+    }
+}
+
+/// Conventional name of a signal, e.g. "SIGKILL".
+pub(super) fn signal_name(signo: i32) -> String {
+    let name = match signo {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGTRAP => "SIGTRAP",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGXCPU => "SIGXCPU",
+        libc::SIGXFSZ => "SIGXFSZ",
+        _ => return format!("signal {signo}"),
+    };
+    name.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_signals() {
+        assert_eq!(signal_name(libc::SIGKILL), "SIGKILL");
+        assert_eq!(signal_name(1000), "signal 1000");
+    }
+}
