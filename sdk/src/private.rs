@@ -71,6 +71,52 @@ fn self_launch_ranks(options: &Options) -> usize {
     }
 }
 
+/// The attribute's options with the environment's settings over them, as
+/// `tchrun` passes on its flags, its own environment and the configuration file
+/// (see [`crate::config`]): `TCH_DISTRIBUTED_BACKEND`, `TCH_DISTRIBUTED_TIMEOUT`,
+/// `TCH_DISTRIBUTED_MIXED_PRECISION` and `TCH_DISTRIBUTED_GRAD_ACCUM` win over the
+/// attribute's `backend`, `timeout`, `mixed_precision` and `grad_accum`
+/// (`TCH_DISTRIBUTED_NPROC` over `nproc_per_node`: [`self_launch_ranks`]). A variable
+/// set to the empty string counts as unset.
+fn with_environment(mut options: Options) -> Options {
+    use crate::config::{BACKEND_ENV, GRAD_ACCUM_ENV, MIXED_PRECISIONS, MIXED_PRECISION_ENV};
+    let var = |name: &str| {
+        std::env::var(name)
+            .ok()
+            .map(|v| v.trim().to_ascii_lowercase())
+            .filter(|v| !v.is_empty())
+    };
+    // Joining reads these two itself, and names a bad value, when the attribute
+    // gives none.
+    if var(BACKEND_ENV).is_some() {
+        options.backend = None;
+    }
+    if var("TCH_DISTRIBUTED_TIMEOUT").is_some() {
+        options.timeout_secs = None;
+    }
+    if let Some(mp) = var(MIXED_PRECISION_ENV) {
+        match MIXED_PRECISIONS.iter().find(|m| **m == mp) {
+            Some(m) => options.mixed_precision = Some(m),
+            None => fail(
+                MIXED_PRECISION_ENV,
+                format!("{mp:?} is not a mixed precision: use no, bf16, fp16 or auto, or unset it"),
+            ),
+        }
+    }
+    if let Some(k) = var(GRAD_ACCUM_ENV) {
+        match k.parse::<usize>() {
+            Ok(k) if k >= 1 => options.grad_accum = Some(k),
+            _ => fail(
+                GRAD_ACCUM_ENV,
+                format!(
+                    "{k:?} is not a number of micro-batches per optimizer step: set it to 1 or more, or unset it"
+                ),
+            ),
+        }
+    }
+    options
+}
+
 /// Function entry: joins the job (or, with no launcher and more than one rank
 /// asked for, launches the ranks and exits with their result), then prints the
 /// banner on rank 0. Returns a guard whose drop is the exit barrier.
@@ -80,6 +126,7 @@ pub fn enter(options: Options) -> Session {
         // A #[distributed] function called from another: already joined.
         return Session { outermost: false };
     }
+    let options = with_environment(options);
     let env = LaunchEnv::from_env().unwrap_or_else(|e| fail("reading the launch environment", e));
     if env.is_none() {
         let ranks = self_launch_ranks(&options);
