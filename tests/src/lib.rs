@@ -104,6 +104,16 @@ pub fn without_launcher(cmd: &mut Command) -> &mut Command {
         "TCH_DISTRIBUTED_RECORD",
         "SLURM_PROCID",
         "SLURM_STEP_NUM_TASKS",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_RANK",
+        "PMI_SIZE",
+        "TCH_DISTRIBUTED_BACKEND",
+        "TCH_DISTRIBUTED_CONFIG",
+        "TCH_DISTRIBUTED_MIXED_PRECISION",
+        "TCH_DISTRIBUTED_GRAD_ACCUM",
+        "TCH_DISTRIBUTED_GPUS",
+        "TCH_DISTRIBUTED_MAX_RESTARTS",
     ] {
         cmd.env_remove(var);
     }
