@@ -201,6 +201,29 @@ impl<'ast> Visit<'ast> for RankBranches<'_> {
         self.branch(&e.expr, LOOP, |v| v.visit_block(&e.body));
     }
 
+    /// `main_process_first(…)` and `local_main_process_first(…)`: a barrier inside.
+    fn visit_expr_call(&mut self, c: &'ast syn::ExprCall) {
+        visit::visit_expr_call(self, c);
+        if self.depth == 0 || c.args.len() != 1 {
+            return;
+        }
+        let Expr::Path(p) = &*c.func else { return };
+        let Some(name) = p.path.segments.last().map(|s| s.ident.to_string()) else {
+            return;
+        };
+        if name == "main_process_first" || name == "local_main_process_first" {
+            self.errors.push(syn::Error::new_spanned(
+                c,
+                format!(
+                    "`{name}(…)` inside {} (`{}`) would hang: the other ranks wait for it \
+                     at a barrier, and the ranks that skip it never join. Move it out so \
+                     that every rank calls it",
+                    self.what, self.condition
+                ),
+            ));
+        }
+    }
+
     fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
         visit::visit_expr_method_call(self, m);
         if self.depth == 0 {
