@@ -21,6 +21,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <mutex>
 
 #include "internal.hpp"
 
@@ -92,18 +93,32 @@ int tdc_nccl_compiled(void) {
 }
 
 // While connecting, c10d logs each failed attempt (warnings, then an error) with the
-// C++ stack trace ("TCP client failed to connect/validate …" and the frames). The
-// failure reaches the caller as an error that says where and what to check, so c10d's
-// own lines are silenced during the connection, unless TORCH_CPP_LOG_LEVEL or
-// TORCH_SHOW_CPP_STACKTRACES=1 asks for libtorch's own output.
-struct QuietConnectWarnings {
-  int saved = FLAGS_caffe2_log_level;
-  QuietConnectWarnings() {
+// C++ stack trace ("TCP client failed to connect/validate …" and the frames); a store
+// read that times out, or whose server has gone, logs its socket's failure the same
+// way. Each failure reaches the caller as an error that says where and what to check,
+// so c10d's own lines are silenced while a store connects or is read, unless
+// TORCH_CPP_LOG_LEVEL or TORCH_SHOW_CPP_STACKTRACES=1 asks for libtorch's own output.
+// The level is process-wide: the first of overlapping quiet sections (several threads
+// may read stores at once) saves it and the last restores it.
+namespace {
+std::mutex quiet_mutex;
+int quiet_depth = 0;
+int quiet_saved = 0;
+} // namespace
+
+struct QuietStoreWarnings {
+  QuietStoreWarnings() {
+    std::lock_guard<std::mutex> lock(quiet_mutex);
+    if (quiet_depth++ > 0) return;
+    quiet_saved = FLAGS_caffe2_log_level;
     const char* show = std::getenv("TORCH_SHOW_CPP_STACKTRACES");
     bool asked = std::getenv("TORCH_CPP_LOG_LEVEL") != nullptr || (show != nullptr && std::string(show) == "1");
-    if (!asked && saved < 3) FLAGS_caffe2_log_level = 3;  // fatal only
+    if (!asked && quiet_saved < 3) FLAGS_caffe2_log_level = 3;  // fatal only
   }
-  ~QuietConnectWarnings() { FLAGS_caffe2_log_level = saved; }
+  ~QuietStoreWarnings() {
+    std::lock_guard<std::mutex> lock(quiet_mutex);
+    if (--quiet_depth == 0) FLAGS_caffe2_log_level = quiet_saved;
+  }
 };
 
 tdc_store* tdc_tcp_store_new(
@@ -117,7 +132,7 @@ tdc_store* tdc_tcp_store_new(
     // The process group's own rendezvous waits for every rank, with its timeout.
     opts.waitWorkers = false;
     opts.timeout = ms(timeout_ms);
-    QuietConnectWarnings quiet;
+    QuietStoreWarnings quiet;
     return new tdc_store{c10::make_intrusive<c10d::TCPStore>(host, opts)};
   })
 }
@@ -136,6 +151,20 @@ void tdc_store_free(tdc_store* store) {
   delete store;
 }
 
+tdc_store* tdc_store_clone(tdc_store* store) {
+  TDC_PROTECT(nullptr, {
+    QuietStoreWarnings quiet;
+    return new tdc_store{store->store->clone()};
+  })
+}
+
+int tdc_store_set_timeout(tdc_store* store, int64_t timeout_ms) {
+  TDC_PROTECT(1, {
+    store->store->setTimeout(ms(timeout_ms));
+    return 0;
+  })
+}
+
 int tdc_store_port(tdc_store* store) {
   TDC_PROTECT(-1, {
     auto* tcp = dynamic_cast<c10d::TCPStore*>(store->store.get());
@@ -152,6 +181,7 @@ int tdc_store_set(tdc_store* store, const char* key, const uint8_t* data, size_t
 
 int tdc_store_get(tdc_store* store, const char* key, uint8_t** data, size_t* len) {
   TDC_PROTECT(1, {
+    QuietStoreWarnings quiet;
     auto value = store->store->get(key);
     *len = value.size();
     *data = static_cast<uint8_t*>(malloc(value.size() == 0 ? 1 : value.size()));
@@ -162,6 +192,7 @@ int tdc_store_get(tdc_store* store, const char* key, uint8_t** data, size_t* len
 
 int tdc_store_add(tdc_store* store, const char* key, int64_t delta, int64_t* result) {
   TDC_PROTECT(1, {
+    QuietStoreWarnings quiet;
     *result = store->store->add(key, delta);
     return 0;
   })

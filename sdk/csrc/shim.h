@@ -33,6 +33,12 @@ tdc_store* tdc_tcp_store_new(
 tdc_store* tdc_hash_store_new(void);
 tdc_store* tdc_prefix_store_new(const char* prefix, tdc_store* base);
 void tdc_store_free(tdc_store* store);
+// A second connection to the same store (c10d's Store::clone: a new TCP client for a
+// TCPStore, the same prefix over a clone of the base for a PrefixStore), so that one
+// thread can wait on it without holding up the others' use of `store`.
+tdc_store* tdc_store_clone(tdc_store* store);
+// How long get/wait on this store handle wait for a key.
+int tdc_store_set_timeout(tdc_store* store, int64_t timeout_ms);
 // The port the store listens on or connects to (useful after port 0), or -1.
 int tdc_store_port(tdc_store* store);
 int tdc_store_set(tdc_store* store, const char* key, const uint8_t* data, size_t len);

@@ -224,13 +224,23 @@ impl DistributedDataParallel {
     /// the gradients over all ranks while backward runs. `loss` is a scalar tensor;
     /// every rank must call this the same number of times.
     ///
-    /// Errors: [`Error::Torch`] when backward fails (including a Reducer error such as
-    /// unused parameters without `find_unused_parameters`), [`Error::Collective`] when
-    /// broadcasting buffers fails.
+    /// Errors: [`Error::Timeout`] when the gradient all-reduce times out (naming the
+    /// ranks that did not arrive: each synchronized backward pass is recorded in the
+    /// store, see [`ProcessGroup`]); [`Error::Torch`] when backward fails otherwise
+    /// (including a Reducer error such as unused parameters without
+    /// `find_unused_parameters`); [`Error::Collective`] when broadcasting buffers fails.
     pub fn backward(&self, loss: &Tensor) -> Result<()> {
         let mut stats = self.stats.get();
+        // The collective this backward pass is, as recorded in the store: a timeout
+        // in the gradient all-reduce names the ranks that did not arrive.
+        let mut entered = None;
         let synced = match &self.reducer {
             Some(reducer) if self.require_grad_sync.get() => {
+                let what = format!(
+                    "the gradient all-reduce of backward pass {}",
+                    stats.synced_backward_passes + 1
+                );
+                entered = Some((self.group.enter(&what), what));
                 let r = reducer.0;
                 reducer_call(unsafe { ffi::tdc_reducer_prepare_for_forward(r) })?;
                 let mut rebuilt = 0;
@@ -257,8 +267,15 @@ impl DistributedDataParallel {
             }
         };
         self.stats.set(stats);
-        loss.f_backward()
-            .map_err(|e| reducer_error(crate::error::torch_message(e)))?;
+        loss.f_backward().map_err(|e| {
+            let text = crate::error::torch_text(e);
+            match entered {
+                // The Reducer's all-reduce runs inside backward: its timeout is
+                // backward's error.
+                Some((n, what)) if text.is_timeout() => self.group.timed_out(&what, n, text),
+                _ => reducer_error(text.message()),
+            }
+        })?;
         // After the backward pass, never between a forward pass and its backward:
         // autograd saved the buffers (batch norm's running statistics) at the forward
         // pass and checks that they were not modified in place since.

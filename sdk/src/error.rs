@@ -42,13 +42,30 @@ pub enum Error {
         message: String,
     },
 
-    /// A collective failed or timed out.
-    #[error("{op} failed{}: {message}", if *timed_out { format!(" after waiting {:.1} s (the process group's timeout): a rank did not reach the same collective; check that every rank runs the same number of steps, or raise the timeout", timeout.as_secs_f64()) } else { String::new() })]
+    /// A collective failed (a timeout is [`Error::Timeout`]).
+    #[error("{op} failed: {message}")]
     Collective {
         op: &'static str,
-        timeout: Duration,
-        timed_out: bool,
+        /// libtorch's message, without C++ frames unless `TORCH_SHOW_CPP_STACKTRACES=1`.
         message: String,
+    },
+
+    /// A collective, or the gradient all-reduce that DDP runs during backward, did not
+    /// complete within the process group's timeout. `report` says which ranks did not
+    /// arrive, as the store knows it (each rank records there the collectives it
+    /// enters, and a heartbeat), and what to check. libtorch's own message is the
+    /// error's [source](std::error::Error::source), shown by `{:#}` and `{:?}`.
+    #[error("{op} timed out after {}: {report}", seconds(*timeout))]
+    Timeout {
+        /// The operation, e.g. `all_reduce (collective 5 of rank 0)`.
+        op: String,
+        timeout: Duration,
+        /// The ranks found stalled (behind, or no longer responding); empty when none
+        /// could be named.
+        stalled: Vec<usize>,
+        report: String,
+        #[source]
+        source: TorchText,
     },
 
     /// The NCCL backend was asked for but is not available.
@@ -66,12 +83,72 @@ impl From<tch::TchError> for Error {
     }
 }
 
+/// A duration as the messages write it: `3 s`, `2.5 s`.
+pub(crate) fn seconds(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s.fract() == 0.0 {
+        format!("{s} s")
+    } else {
+        format!("{s:.1} s")
+    }
+}
+
+/// libtorch's own text for an error, kept whole (with the C++ stack trace, when
+/// libtorch gave one) as the [source](std::error::Error::source) of an [`Error`]
+/// whose message is the SDK's. It displays without the C++ frames unless
+/// `TORCH_SHOW_CPP_STACKTRACES=1` asks for them (see [`without_cpp_frames`]); the
+/// whole text is [`TorchText::full`].
+#[derive(Clone, PartialEq, Eq)]
+pub struct TorchText(String);
+
+impl TorchText {
+    pub(crate) fn new(raw: impl Into<String>) -> Self {
+        TorchText(raw.into())
+    }
+
+    /// libtorch's whole text, C++ frames included.
+    pub fn full(&self) -> &str {
+        &self.0
+    }
+
+    /// The text without C++ frames (unless `TORCH_SHOW_CPP_STACKTRACES=1`).
+    pub fn message(&self) -> String {
+        without_cpp_frames(&self.0)
+    }
+
+    /// Whether libtorch reports a timeout (Gloo's `Timed out waiting …`, a work's
+    /// `Operation timed out!`, NCCL's watchdog `… timeout …`).
+    pub(crate) fn is_timeout(&self) -> bool {
+        let lower = self.0.to_ascii_lowercase();
+        lower.contains("timed out") || lower.contains("timeout")
+    }
+}
+
+impl std::fmt::Display for TorchText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "libtorch: {}", self.message())
+    }
+}
+
+impl std::fmt::Debug for TorchText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("TorchText").field(&self.message()).finish()
+    }
+}
+
+impl std::error::Error for TorchText {}
+
 /// tch's error as a message: libtorch's own text without tch's "Internal torch error"
 /// prefix and without the C++ frames ([`without_cpp_frames`]).
 pub(crate) fn torch_message(e: tch::TchError) -> String {
+    without_cpp_frames(&torch_text(e).0)
+}
+
+/// tch's error as libtorch's whole text, without tch's "Internal torch error" prefix.
+pub(crate) fn torch_text(e: tch::TchError) -> TorchText {
     match e {
-        tch::TchError::Torch(m) => without_cpp_frames(&m),
-        other => without_cpp_frames(&other.to_string()),
+        tch::TchError::Torch(m) => TorchText(m),
+        other => TorchText(other.to_string()),
     }
 }
 
@@ -102,6 +179,43 @@ mod tests {
             "Timed out waiting 10000ms for recv"
         );
         assert_eq!(super::without_cpp_frames("no frames"), "no frames");
+    }
+
+    /// A timeout's message is the SDK's alone; libtorch's text is its source, which
+    /// anyhow's `{:#}` (and `{:?}`) shows, still without the C++ frames.
+    #[test]
+    fn libtorch_text_is_the_source_shown_only_when_asked_for() {
+        if std::env::var("TORCH_SHOW_CPP_STACKTRACES").is_ok_and(|v| v == "1") {
+            return;
+        }
+        let raw = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete\nException raised from recv at /pytorch/gloo.cc:78 (most recent call first):\nframe #0: c10::Error::Error() + 0x8c";
+        let e = super::Error::Timeout {
+            op: "all_reduce (collective 5 of rank 0)".into(),
+            timeout: std::time::Duration::from_secs(3),
+            stalled: vec![1],
+            report: "rank 1 did not arrive".into(),
+            source: super::TorchText::new(raw),
+        };
+        let plain = format!("{e}");
+        assert_eq!(
+            plain,
+            "all_reduce (collective 5 of rank 0) timed out after 3 s: rank 1 did not arrive"
+        );
+        let e = anyhow::Error::from(e);
+        let alternate = format!("{e:#}");
+        assert!(
+            alternate.ends_with(": libtorch: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete"),
+            "{alternate}"
+        );
+        let debug = format!("{e:?}");
+        assert!(debug.contains("Timed out waiting 3000ms"), "{debug}");
+        for raw in ["Exception raised from", "frame #", "Internal torch error"] {
+            assert!(
+                !alternate.contains(raw) && !debug.contains(raw),
+                "{raw} in {debug}"
+            );
+        }
+        assert!(e.downcast_ref::<super::Error>().is_some());
     }
 }
 

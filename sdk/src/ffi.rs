@@ -3,6 +3,8 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 
+use crate::error::TorchText;
+
 pub type Tensor = *mut c_void;
 
 #[repr(C)]
@@ -32,6 +34,8 @@ extern "C" {
     pub fn tdc_hash_store_new() -> *mut Store;
     pub fn tdc_prefix_store_new(prefix: *const c_char, base: *mut Store) -> *mut Store;
     pub fn tdc_store_free(store: *mut Store);
+    pub fn tdc_store_clone(store: *mut Store) -> *mut Store;
+    pub fn tdc_store_set_timeout(store: *mut Store, timeout_ms: i64) -> c_int;
     pub fn tdc_store_port(store: *mut Store) -> c_int;
     pub fn tdc_store_set(
         store: *mut Store,
@@ -140,25 +144,36 @@ extern "C" {
     ) -> c_int;
 }
 
-/// Takes this thread's last shim error (or a placeholder when none was recorded).
+/// Takes this thread's last shim error (or a placeholder when none was recorded),
+/// without C++ frames unless `TORCH_SHOW_CPP_STACKTRACES=1`.
 pub fn last_error() -> String {
+    last_error_text().message()
+}
+
+/// Takes this thread's last shim error, whole: libtorch's text with its C++ frames.
+pub fn last_error_text() -> TorchText {
     unsafe {
         let ptr = tdc_last_error();
         if ptr.is_null() {
-            return "unknown error in the c10d shim".to_string();
+            return TorchText::new("unknown error in the c10d shim");
         }
         let msg = CStr::from_ptr(ptr).to_string_lossy().into_owned();
         libc::free(ptr as *mut c_void);
-        crate::error::without_cpp_frames(&msg)
+        TorchText::new(msg)
     }
 }
 
 /// Turns a shim status (0 = success) into a `Result`, with the shim's message.
 pub fn check(status: c_int) -> std::result::Result<(), String> {
+    check_text(status).map_err(|t| t.message())
+}
+
+/// Turns a shim status (0 = success) into a `Result`, with libtorch's whole text.
+pub fn check_text(status: c_int) -> std::result::Result<(), TorchText> {
     if status == 0 {
         Ok(())
     } else {
-        Err(last_error())
+        Err(last_error_text())
     }
 }
 

@@ -47,8 +47,25 @@ fn fail(what: &str, e: impl std::fmt::Display) -> ! {
         .filter(|c| c.world_size() > 1)
         .map(|c| format!("rank {}: ", c.rank()))
         .unwrap_or_default();
-    eprintln!("Error: {rank}{what}: {e}");
+    // One write, so that the lines of ranks failing at once do not interleave.
+    let line = format!("Error: {rank}{what}: {e}\n");
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
     std::process::exit(1)
+}
+
+/// [`fail`] for the SDK's own errors. Their message is the SDK's; libtorch's own text,
+/// the error's source, follows it (`caused by: libtorch: …`) only when
+/// `TORCH_SHOW_CPP_STACKTRACES=1` asks for libtorch's details.
+fn fail_with_source(what: &str, e: &Error) -> ! {
+    let mut message = e.to_string();
+    if std::env::var("TORCH_SHOW_CPP_STACKTRACES").is_ok_and(|v| v == "1") {
+        let mut source = std::error::Error::source(e);
+        while let Some(cause) = source {
+            message += &format!("\ncaused by: {cause}");
+            source = cause.source();
+        }
+    }
+    fail(what, message)
 }
 
 /// How many ranks to start when the program runs without a launcher:
@@ -291,7 +308,7 @@ pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Opti
     // through the caller's `?`, tch's error type would print it as an "Internal torch
     // error".
     let ddp = DistributedDataParallel::new(vs, ctx.process_group(), ddp_options)
-        .unwrap_or_else(|e| fail("wrapping the model in DistributedDataParallel", e));
+        .unwrap_or_else(|e| fail_with_source("wrapping the model in DistributedDataParallel", &e));
     crate::record::model_built(vs);
     let mut opt = Optimizer::new(config, vs, lr)
         .map_err(|e| TchError::Torch(format!("tch-distributed: building the optimizer: {e}")))?
@@ -313,7 +330,7 @@ pub fn autocast() -> Autocast {
 /// The optimizer's methods that return a `Result` in the SDK and nothing in tch:
 /// the value, or a panic that names the call.
 pub fn or_fail<T>(r: crate::Result<T>, what: &str) -> T {
-    r.unwrap_or_else(|e| fail(what, e))
+    r.unwrap_or_else(|e| fail_with_source(what, &e))
 }
 
 /// The backward steps of tch's optimizer and of the SDK's (the one `build` gives),

@@ -2,14 +2,18 @@
 //! tensors, NCCL for CUDA tensors).
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tch::{Device, Tensor};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, TorchText};
 use crate::ffi;
 use crate::store::{millis, Store};
+
+mod progress;
+use progress::Progress;
 
 /// A communication backend, as `torch.distributed`'s `backend` argument.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -76,6 +80,10 @@ impl ReduceOp {
     }
 }
 
+/// Process groups this process has created: each keeps its records in the store
+/// under a prefix of its own (every rank creates its groups in the same order).
+static GROUPS: AtomicU64 = AtomicU64::new(0);
+
 struct Raw(*mut ffi::Pg);
 // c10d process groups are thread-safe; collectives are queued by the backends.
 unsafe impl Send for Raw {}
@@ -91,14 +99,26 @@ impl Drop for Raw {
 ///
 /// Every collective blocks until it completes and must be called by every rank in
 /// the same order; one that does not complete within the group's timeout returns
-/// [`Error::Collective`] naming the operation and the time waited.
+/// [`Error::Timeout`] naming the operation, the time waited and, from the store, the
+/// ranks that did not arrive. For that, each rank of a group of several records in
+/// the store each collective it enters (one `set`, not waited for) and beats a
+/// heartbeat there once a second from a thread of its own.
 #[derive(Clone)]
 pub struct ProcessGroup {
-    raw: Arc<Raw>,
+    shared: Arc<Shared>,
     rank: usize,
     world_size: usize,
     backend: Backend,
     timeout: Duration,
+}
+
+/// What the clones of a group share.
+struct Shared {
+    /// Dropped before `raw`: stops the heartbeat.
+    progress: Option<Progress>,
+    raw: Raw,
+    /// Models wrapped in DDP over this group so far (their records' keys).
+    models: AtomicU64,
 }
 
 impl ProcessGroup {
@@ -140,6 +160,22 @@ impl ProcessGroup {
             }
             (Backend::Gloo, _) => -1,
         };
+        let rendezvous_error = |message| Error::Rendezvous {
+            addr: "(store)".into(),
+            port: store.port().unwrap_or(0),
+            rank: Some(rank),
+            world_size,
+            message,
+        };
+        let group = GROUPS.fetch_add(1, Ordering::Relaxed);
+        let progress = if world_size > 1 {
+            Some(
+                Progress::start(store, group, rank, world_size)
+                    .map_err(|e| rendezvous_error(e.to_string()))?,
+            )
+        } else {
+            None
+        };
         let nccl = backend == Backend::Nccl;
         let raw = unsafe {
             ffi::tdc_pg_new(
@@ -152,15 +188,13 @@ impl ProcessGroup {
                 cuda_device,
             )
         };
-        let raw = ffi::check_ptr(raw).map_err(|message| Error::Rendezvous {
-            addr: "(store)".into(),
-            port: store.port().unwrap_or(0),
-            rank: Some(rank),
-            world_size,
-            message,
-        })?;
+        let raw = ffi::check_ptr(raw).map_err(rendezvous_error)?;
         Ok(ProcessGroup {
-            raw: Arc::new(Raw(raw)),
+            shared: Arc::new(Shared {
+                progress,
+                raw: Raw(raw),
+                models: AtomicU64::new(0),
+            }),
             rank,
             world_size,
             backend,
@@ -189,18 +223,62 @@ impl ProcessGroup {
     }
 
     pub(crate) fn raw(&self) -> *mut ffi::Pg {
-        self.raw.0
+        self.shared.raw.0
     }
 
-    fn run(&self, op: &'static str, status: i32) -> Result<()> {
-        ffi::check(status).map_err(|message| {
-            let lower = message.to_ascii_lowercase();
-            let timed_out = lower.contains("timed out") || lower.contains("timeout");
-            Error::Collective {
-                op,
-                timeout: self.timeout,
-                timed_out,
-                message,
+    /// Records in the store that this rank enters its next collective, `what` (see
+    /// the type's doc); returns its number, 0 in a group of one.
+    pub(crate) fn enter(&self, what: &str) -> u64 {
+        match &self.shared.progress {
+            Some(p) => p.enter(what),
+            None => 0,
+        }
+    }
+
+    /// The error for collective `n` (`what`, numbered by [`enter`](Self::enter)) that
+    /// libtorch reports as timed out with `text`: which ranks did not arrive, from
+    /// their records and heartbeats in the store (this takes a few seconds), and what
+    /// to check.
+    pub(crate) fn timed_out(&self, what: &str, n: u64, text: TorchText) -> Error {
+        let (stalled, report) = match &self.shared.progress {
+            Some(p) => {
+                let f = p.diagnose(n, what, self.timeout);
+                (f.stalled, f.report)
+            }
+            None => (vec![], "the only rank is this one".to_string()),
+        };
+        Error::Timeout {
+            op: format!("{what} (collective {n} of rank {})", self.rank),
+            timeout: self.timeout,
+            stalled,
+            report,
+            source: text,
+        }
+    }
+
+    /// The store under this group's own prefix, in a group of several ranks.
+    pub(crate) fn records(&self) -> Option<&Store> {
+        self.shared.progress.as_ref().map(|p| p.view())
+    }
+
+    /// A number for the next model wrapped in DDP over this group, the same on every
+    /// rank (they wrap their models in the same order).
+    pub(crate) fn next_model(&self) -> u64 {
+        self.shared.models.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Runs collective `op` (`call`, a shim call returning its status), recorded by
+    /// [`enter`](Self::enter).
+    fn run(&self, op: &'static str, call: impl FnOnce() -> i32) -> Result<()> {
+        let n = self.enter(op);
+        ffi::check_text(call()).map_err(|text| {
+            if text.is_timeout() {
+                self.timed_out(op, n, text)
+            } else {
+                Error::Collective {
+                    op,
+                    message: text.message(),
+                }
             }
         })
     }
@@ -215,30 +293,28 @@ impl ProcessGroup {
                 tensor.kind()
             )));
         }
-        let status = unsafe {
+        self.run("all_reduce", || unsafe {
             ffi::tdc_all_reduce(
                 self.raw(),
                 ffi::tensor(tensor),
                 op.code(),
                 millis(self.timeout),
             )
-        };
-        self.run("all_reduce", status)
+        })
     }
 
     /// Copies `tensor` from rank `root` to every other rank, in place, as
     /// `torch.distributed.broadcast`.
     pub fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<()> {
         self.check_root(root)?;
-        let status = unsafe {
+        self.run("broadcast", || unsafe {
             ffi::tdc_broadcast(
                 self.raw(),
                 ffi::tensor(tensor),
                 root as i32,
                 millis(self.timeout),
             )
-        };
-        self.run("broadcast", status)
+        })
     }
 
     /// Gathers `tensor` from every rank; element `r` of the result is rank `r`'s
@@ -247,7 +323,7 @@ impl ProcessGroup {
         let input = tensor.contiguous();
         let outputs: Vec<Tensor> = (0..self.world_size).map(|_| input.empty_like()).collect();
         let ptrs = ffi::tensors(&outputs);
-        let status = unsafe {
+        self.run("all_gather", || unsafe {
             ffi::tdc_all_gather(
                 self.raw(),
                 ptrs.as_ptr(),
@@ -255,8 +331,7 @@ impl ProcessGroup {
                 ffi::tensor(&input),
                 millis(self.timeout),
             )
-        };
-        self.run("all_gather", status)?;
+        })?;
         Ok(outputs)
     }
 
@@ -282,7 +357,7 @@ impl ProcessGroup {
         let inputs: Vec<Tensor> = inputs.iter().map(|t| t.contiguous()).collect();
         let output = inputs[0].empty_like();
         let ptrs = ffi::tensors(&inputs);
-        let status = unsafe {
+        self.run("reduce_scatter", || unsafe {
             ffi::tdc_reduce_scatter(
                 self.raw(),
                 ffi::tensor(&output),
@@ -291,15 +366,15 @@ impl ProcessGroup {
                 op.code(),
                 millis(self.timeout),
             )
-        };
-        self.run("reduce_scatter", status)?;
+        })?;
         Ok(output)
     }
 
     /// Blocks until every rank has reached this barrier, as `torch.distributed.barrier`.
     pub fn barrier(&self) -> Result<()> {
-        let status = unsafe { ffi::tdc_barrier(self.raw(), millis(self.timeout)) };
-        self.run("barrier", status)
+        self.run("barrier", || unsafe {
+            ffi::tdc_barrier(self.raw(), millis(self.timeout))
+        })
     }
 
     /// Broadcasts `tensors` from `root` in flattened buffers of at most
@@ -313,7 +388,7 @@ impl ProcessGroup {
     ) -> Result<()> {
         self.check_root(root)?;
         let ptrs = ffi::tensors(tensors);
-        let status = unsafe {
+        self.run("broadcast_coalesced", || unsafe {
             ffi::tdc_broadcast_coalesced(
                 self.raw(),
                 ptrs.as_ptr(),
@@ -321,8 +396,7 @@ impl ProcessGroup {
                 buffer_bytes,
                 root as i32,
             )
-        };
-        self.run("broadcast_coalesced", status)
+        })
     }
 
     /// Checks that every rank has the same number of tensors as rank 0, with the same
@@ -331,9 +405,9 @@ impl ProcessGroup {
     /// Errors: [`Error::Collective`] whose message names the first mismatch.
     pub fn verify_same_shapes(&self, tensors: &[Tensor]) -> Result<()> {
         let ptrs = ffi::tensors(tensors);
-        let status =
-            unsafe { ffi::tdc_verify_params(self.raw(), ptrs.as_ptr(), ptrs.len() as i32) };
-        self.run("verify_params_across_processes", status)
+        self.run("verify_params_across_processes", || unsafe {
+            ffi::tdc_verify_params(self.raw(), ptrs.as_ptr(), ptrs.len() as i32)
+        })
     }
 
     fn check_root(&self, root: usize) -> Result<()> {
@@ -347,6 +421,34 @@ impl ProcessGroup {
     }
 }
 
+/// `ranks` (in any order) as the messages write them: `rank 1`, `ranks 0 and 2`,
+/// `ranks 0-3, 5 and 7`.
+pub(crate) fn ranks_text(ranks: &[usize]) -> String {
+    let mut sorted = ranks.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut runs: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < sorted.len() {
+        let mut j = i;
+        while j + 1 < sorted.len() && sorted[j + 1] == sorted[j] + 1 {
+            j += 1;
+        }
+        if j >= i + 2 {
+            runs.push(format!("{}-{}", sorted[i], sorted[j]));
+        } else {
+            runs.extend(sorted[i..=j].iter().map(|r| r.to_string()));
+        }
+        i = j + 1;
+    }
+    let word = if sorted.len() == 1 { "rank" } else { "ranks" };
+    match runs.as_slice() {
+        [] => "no rank".to_string(),
+        [one] => format!("{word} {one}"),
+        [init @ .., last] => format!("{word} {} and {last}", init.join(", ")),
+    }
+}
+
 impl fmt::Debug for ProcessGroup {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ProcessGroup")
@@ -355,5 +457,17 @@ impl fmt::Debug for ProcessGroup {
             .field("backend", &self.backend)
             .field("timeout", &self.timeout)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn ranks_are_listed_with_runs() {
+        use super::ranks_text;
+        assert_eq!(ranks_text(&[1]), "rank 1");
+        assert_eq!(ranks_text(&[2, 0]), "ranks 0 and 2");
+        assert_eq!(ranks_text(&[0, 1, 2, 3, 5, 7]), "ranks 0-3, 5 and 7");
+        assert_eq!(ranks_text(&[0, 1, 4]), "ranks 0, 1 and 4");
     }
 }

@@ -80,6 +80,22 @@ impl Store {
             .map_err(Error::Torch)
     }
 
+    /// A second connection to the same store (for a TCP store, a new client; keys and
+    /// prefix are the same), so that a thread can wait on it, with a timeout of its
+    /// own, without holding up the other users of this one.
+    pub(crate) fn clone_connection(&self) -> Result<Store> {
+        let raw = unsafe { ffi::tdc_store_clone(self.raw) };
+        ffi::check_ptr(raw)
+            .map(|raw| Store { raw })
+            .map_err(Error::Torch)
+    }
+
+    /// How long [`get`](Self::get) waits for a key that is not there yet.
+    pub(crate) fn set_timeout(&self, timeout: Duration) -> Result<()> {
+        ffi::check(unsafe { ffi::tdc_store_set_timeout(self.raw, millis(timeout)) })
+            .map_err(Error::Torch)
+    }
+
     /// The TCP port of a TCP store (the bound one when it was created with port 0);
     /// `None` for other stores.
     pub fn port(&self) -> Option<u16> {

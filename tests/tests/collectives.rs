@@ -5,6 +5,9 @@ use std::time::Duration;
 
 use tch_distributed_tests::{run_tchrun, scratch_dir};
 
+#[path = "support/messages.rs"]
+mod messages;
+
 const WORKER: &str = env!("CARGO_BIN_EXE_collectives");
 
 fn check(ranks: usize) {
@@ -41,22 +44,43 @@ fn collectives_on_3_ranks() {
     check(3);
 }
 
+/// Rank 1 sleeps instead of joining rank 0's all-reduce: rank 0's error names the
+/// operation, the wait and rank 1, found out from the store (alive, but it has entered
+/// no collective). Its message is the SDK's alone; libtorch's text is the error's
+/// source, which anyhow's `{:#}` shows.
 #[test]
-fn a_collective_that_times_out_names_the_operation_and_the_wait() {
+fn a_collective_that_times_out_names_the_operation_the_wait_and_the_rank() {
     let dir = scratch_dir("timeout");
     let mut cmd = std::process::Command::new(tch_distributed_tests::tchrun());
     cmd.args(["--nproc-per-node", "2", WORKER, "--hang"])
         .env("TCH_DISTRIBUTED_TIMEOUT", "2");
     let run = tch_distributed_tests::run_with(cmd, &dir, Duration::from_secs(60), |_, _| {});
-    let line = run
-        .stdout
-        .lines()
-        .find(|l| l.starts_with("error:"))
-        .unwrap_or_else(|| panic!("{run:?}"));
-    assert!(
-        line.contains("all_reduce failed after waiting 2.0 s"),
-        "{line}"
+    let line = |prefix: &str| {
+        run.stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .unwrap_or_else(|| panic!("no {prefix:?} in {run:?}"))
+            .to_string()
+    };
+    let plain = line("error: ");
+    assert_eq!(
+        plain,
+        "all_reduce (collective 1 of rank 0) timed out after 2 s: rank 1 did not arrive: it is \
+         still running, but it has entered no collective yet. Check rank 1's own output first: \
+         an error, a crash or a stop there is the cause, this rank only waited. With NCCL, \
+         NCCL_DEBUG=INFO shows where each rank stops. If it is only slow (a long first step, a \
+         checkpoint on a slow disk), raise the timeout (TCH_DISTRIBUTED_TIMEOUT, now 2 s)"
     );
+    assert!(!plain.contains("libtorch"), "{plain}");
+    messages::assert_no_raw_text(&plain);
+    // `{:#}`: the message, then libtorch's own text (Gloo's), without C++ frames.
+    let alternate = line("alternate: ");
+    assert!(
+        alternate.starts_with(&format!("{plain}: libtorch: "))
+            && alternate.len() > plain.len() + 12,
+        "{alternate}"
+    );
+    messages::assert_no_raw_text(&alternate);
     assert!(
         run.stderr.contains("rank 0 (local rank 0"),
         "{}",
@@ -66,5 +90,9 @@ fn a_collective_that_times_out_names_the_operation_and_the_wait() {
         run.elapsed < Duration::from_secs(20),
         "took {:?}",
         run.elapsed
+    );
+    messages::assert_recorded(
+        "collective-timeout",
+        &messages::redact(&plain, &[("collective ", "{n}")]),
     );
 }

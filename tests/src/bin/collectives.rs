@@ -19,6 +19,8 @@ fn main() -> anyhow::Result<()> {
                 )
                 .unwrap_err();
             println!("error: {err}");
+            // anyhow's alternate form adds the error's sources: libtorch's own text.
+            println!("alternate: {:#}", anyhow::Error::from(err));
             // Fail, so that the launcher stops the rank that never came.
             std::process::exit(3);
         } else {
