@@ -70,7 +70,9 @@ pub fn init() -> Result<Context> {
 ///
 /// Errors: [`Error::Config`] for malformed variables or options,
 /// [`Error::PortInUse`] when rank 0 cannot bind `MASTER_PORT`,
-/// [`Error::Rendezvous`] when the other ranks do not join within the timeout,
+/// [`Error::Rendezvous`] when the other ranks do not join within the timeout (saying
+/// how many of how many joined, and which are missing) or were started with another
+/// `WORLD_SIZE` or the same `RANK`,
 /// [`Error::BackendUnavailable`] when NCCL is asked for and cannot be used.
 pub fn init_with(options: InitOptions) -> Result<Context> {
     let mut slot = CONTEXT.lock().unwrap_or_else(|e| e.into_inner());
@@ -121,6 +123,128 @@ fn env_timeout() -> Result<Option<Duration>> {
                 ))
             }),
         Err(_) => Ok(None),
+    }
+}
+
+/// Counts this rank in at the store and waits, up to `timeout`, until all
+/// `world_size` ranks have joined. Errors ([`Error::Rendezvous`]) say how many ranks
+/// joined within the timeout and which did not, that two processes have the same
+/// rank, or that the ranks were given different world sizes. `hosts_store`: this rank
+/// hosts the store (rank 0 without torchrun's agent).
+///
+/// The first rank whose wait ends counts the ranks that joined and publishes the
+/// count under the key the others wait for, so that every rank reports the same
+/// count, even the ones whose store goes away when rank 0 exits with its error.
+fn join(
+    store: &Store,
+    rank: usize,
+    world_size: usize,
+    timeout: Duration,
+    hosts_store: bool,
+) -> Result<()> {
+    const ALL: &str = "tchd/join/all";
+    const COUNT: &str = "tchd/join/count";
+    let rendezvous = |message: String| Error::Rendezvous {
+        addr: String::new(),
+        port: 0,
+        rank: Some(rank),
+        world_size,
+        message,
+    };
+    let size_key = |r: usize| format!("tchd/join/world_size/{r}");
+    let rank_key = |r: usize| format!("tchd/join/rank/{r}");
+    store.set(&size_key(rank), world_size.to_string().as_bytes())?;
+    if store.add(&rank_key(rank), 1)? > 1 {
+        return Err(rendezvous(format!(
+            "another process has already joined as rank {rank}: every process of the job needs \
+             a rank of its own (RANK from 0 to {}); look for a job started twice, or a \
+             launcher that gives the same RANK to two processes",
+            world_size - 1
+        )));
+    }
+    if store.add(COUNT, 1)? == world_size as i64 {
+        store.set(ALL, b"ok")?;
+    }
+    // Each `get` waits up to the store's timeout, the job's.
+    let waited = (|| -> Result<Vec<u8>> {
+        if rank != 0 {
+            let size0 = String::from_utf8_lossy(&store.get(&size_key(0))?).into_owned();
+            if size0 != world_size.to_string() {
+                // Tells rank 0 and the ranks that agree with it, waiting below.
+                let _ = store.set(ALL, format!("size {world_size} {rank}").as_bytes());
+                return Ok(format!("size {size0} 0").into_bytes());
+            }
+        }
+        store.get(ALL)
+    })();
+    let outcome = match waited {
+        Ok(value) => String::from_utf8_lossy(&value).into_owned(),
+        Err(_) => {
+            // This rank's wait ended first: count, and tell the ranks still waiting.
+            let counted = (|| -> Result<String> {
+                let joined = store.add(COUNT, 0)?;
+                let mut missing = Vec::new();
+                for r in 0..world_size {
+                    if store.add(&rank_key(r), 0)? == 0 {
+                        missing.push(r.to_string());
+                    }
+                }
+                Ok(format!("missing {joined} {}", missing.join(",")))
+            })();
+            match counted {
+                Ok(outcome) => {
+                    let _ = store.set(ALL, outcome.as_bytes());
+                    if hosts_store {
+                        // The others read the count from this rank's store: give the
+                        // store a moment to send it before this rank exits.
+                        let _ = store.add(COUNT, 0);
+                        std::thread::sleep(Duration::from_millis(500));
+                    }
+                    outcome
+                }
+                Err(_) => {
+                    return Err(rendezvous(format!(
+                        "rank 0, which hosts the store, stopped answering before all {world_size} \
+                         ranks joined: it may have given up waiting for them (its own output says \
+                         how many joined within the timeout, {}) or failed",
+                        crate::error::seconds(timeout)
+                    )))
+                }
+            }
+        }
+    };
+    let mut words = outcome.split(' ');
+    match (words.next(), words.next(), words.next()) {
+        (Some("size"), Some(size), Some(other)) => Err(rendezvous(format!(
+            "WORLD_SIZE is {world_size} here but {size} on rank {other}: start every rank with \
+             the same WORLD_SIZE (the number of processes of the whole job)"
+        ))),
+        (Some("missing"), Some(joined), Some("")) => Err(rendezvous(format!(
+            "{joined} processes joined within {}, but not as the {world_size} ranks (0 to {}) \
+             that this rank expects: the ranks were started with different WORLD_SIZE values, \
+             or two of them with the same RANK; start every rank with the same WORLD_SIZE, the \
+             number of processes of the whole job",
+            crate::error::seconds(timeout),
+            world_size - 1
+        ))),
+        (Some("missing"), Some(joined), missing) => {
+            let missing: Vec<usize> = missing
+                .unwrap_or_default()
+                .split(',')
+                .filter_map(|r| r.parse().ok())
+                .collect();
+            let verb = if missing.len() == 1 { "is" } else { "are" };
+            Err(rendezvous(format!(
+                "{joined} of {world_size} ranks joined within {} ({} {verb} missing): start \
+                 all {world_size} ranks (WORLD_SIZE={world_size}: tchrun's or torchrun's \
+                 --nproc-per-node times --nnodes, or the number of processes srun or mpirun \
+                 starts), or check the missing ranks' own output: they may have failed before \
+                 joining, or cannot reach this address",
+                crate::error::seconds(timeout),
+                crate::process_group::ranks_text(&missing)
+            )))
+        }
+        _ => Ok(()),
     }
 }
 
@@ -192,11 +316,20 @@ impl Context {
             .map_err(place)?;
             (store, Some((env.master_addr.clone(), env.master_port)))
         };
+        if env.world_size > 1 {
+            let hosts_store = env.agent_store_prefix.is_none() && env.rank == 0;
+            join(&store, env.rank, env.world_size, timeout, hosts_store).map_err(place)?;
+        }
         let random = RandomState::share(&store, env.rank, env.world_size, device).map_err(place)?;
         devices::check_own_gpus(
             &store,
             backend,
-            (env.rank, env.local_rank, env.local_world_size, env.world_size),
+            (
+                env.rank,
+                env.local_rank,
+                env.local_world_size,
+                env.world_size,
+            ),
             device,
             gpus,
         )
