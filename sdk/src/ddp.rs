@@ -2,7 +2,7 @@
 //! `c10d::Reducer` — the same C++ engine as PyTorch's DDP.
 
 use std::cell::Cell;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ffi::CString;
 
 use tch::nn::{Optimizer, VarStore};
@@ -10,7 +10,7 @@ use tch::Tensor;
 
 use crate::error::{Error, Result};
 use crate::ffi;
-use crate::process_group::ProcessGroup;
+use crate::process_group::{ranks_text, ProcessGroup};
 
 const MIB: f64 = 1024.0 * 1024.0;
 /// Bucket size of the parameter and buffer broadcasts, as PyTorch's DDP (250 MiB).
@@ -109,9 +109,11 @@ impl DistributedDataParallel {
     /// Wraps the variables of `vs` for data-parallel training over `group`. Every
     /// rank must call it with a store holding the same variables.
     ///
-    /// Errors: [`Error::Config`] for non-positive bucket sizes or a store with no
-    /// trainable variable; [`Error::Collective`] when the ranks' variables differ
-    /// (the message names the first mismatch) or a rank does not take part.
+    /// Errors: [`Error::Config`] for non-positive bucket sizes, a store with no
+    /// trainable variable, or ranks whose variables differ (on every rank, naming each
+    /// variable that differs and every rank's shape of it, from descriptions the ranks
+    /// publish in the store); [`Error::Timeout`] or [`Error::Collective`] when a rank
+    /// does not take part.
     pub fn new(vs: &VarStore, group: &ProcessGroup, options: DdpOptions) -> Result<Self> {
         for (name, mb) in [
             ("bucket_cap_mb", options.bucket_cap_mb),
@@ -158,8 +160,18 @@ impl DistributedDataParallel {
             .map(|(_, t)| t.shallow_clone())
             .collect();
         let all_names: Vec<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
+        let description = describe(&all, |t| {
+            if !trainable.contains(&(t.data_ptr() as usize)) {
+                "buffer"
+            } else if t.requires_grad() {
+                "trainable"
+            } else {
+                "frozen"
+            }
+        });
         let all: Vec<Tensor> = all.iter().map(|(_, t)| t.shallow_clone()).collect();
 
+        same_models(group, &description)?;
         group
             .verify_same_shapes(&all)
             .map_err(|e| different_models(e, &all_names))?;
@@ -383,6 +395,123 @@ impl Drop for NoSync<'_> {
     }
 }
 
+/// `variables` (sorted by name) described one per line, `name\tshape\tdtype\trole`,
+/// with `role` from `role_of`: what each rank publishes in the store to compare.
+fn describe(variables: &[(&String, &Tensor)], role_of: impl Fn(&Tensor) -> &'static str) -> String {
+    variables
+        .iter()
+        .map(|(name, t)| format!("{name}\t{:?}\t{:?}\t{}\n", t.size(), t.kind(), role_of(t)))
+        .collect()
+}
+
+/// FNV-1a, 64 bits: a fingerprint of a model's description, the same on every rank
+/// for the same text.
+fn fingerprint(text: &str) -> i64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    }) as i64
+}
+
+/// Checks that every rank of `group` built the model that `description` describes
+/// (see [`describe`]): each rank publishes its description in the store, and one
+/// all-gather of their fingerprints tells every rank whether they differ. When they
+/// do, every rank reads one description per distinct model and fails with the same
+/// error, naming each variable that differs and every rank's shape of it.
+fn same_models(group: &ProcessGroup, description: &str) -> Result<()> {
+    let Some(records) = group.records() else {
+        return Ok(());
+    };
+    let model = group.next_model();
+    let key = |rank: usize| format!("model/{model}/{rank}");
+    records.set(&key(group.rank()), description.as_bytes())?;
+    let mine = Tensor::from_slice(&[fingerprint(description)]);
+    let gathered: Vec<i64> = group
+        .all_gather(&mine)?
+        .iter()
+        .map(|t| t.int64_value(&[0]))
+        .collect();
+    if gathered.iter().all(|&h| h == gathered[0]) {
+        return Ok(());
+    }
+    // The ranks of each distinct model, in the order of their first rank.
+    let mut models: Vec<(i64, Vec<usize>)> = Vec::new();
+    for (rank, &h) in gathered.iter().enumerate() {
+        match models.iter_mut().find(|(m, _)| *m == h) {
+            Some((_, ranks)) => ranks.push(rank),
+            None => models.push((h, vec![rank])),
+        }
+    }
+    let mut variables: Vec<BTreeMap<String, [String; 3]>> = Vec::new();
+    for (_, ranks) in &models {
+        let text = records.get(&key(ranks[0]))?;
+        let text = String::from_utf8_lossy(&text);
+        variables.push(
+            text.lines()
+                .filter_map(|line| {
+                    let mut fields = line.split('\t');
+                    let name = fields.next()?.to_string();
+                    let mut rest = [String::new(), String::new(), String::new()];
+                    for slot in rest.iter_mut() {
+                        *slot = fields.next()?.to_string();
+                    }
+                    Some((name, rest))
+                })
+                .collect(),
+        );
+    }
+    let names: BTreeSet<&String> = variables.iter().flat_map(|v| v.keys()).collect();
+    let mut lines = Vec::new();
+    for name in names {
+        let of: Vec<Option<&[String; 3]>> = variables.iter().map(|v| v.get(name)).collect();
+        if of.iter().all(|v| *v == of[0]) {
+            continue;
+        }
+        // The shape always; the dtype and the role (trainable, frozen, buffer) only
+        // where they differ.
+        let differs = |i: usize| {
+            let present: BTreeSet<&str> = of.iter().flatten().map(|v| v[i].as_str()).collect();
+            present.len() > 1
+        };
+        let (kind, role) = (differs(1), differs(2));
+        let sides: Vec<String> = models
+            .iter()
+            .zip(&of)
+            .map(|((_, ranks), v)| {
+                let verb = if ranks.len() == 1 { "has" } else { "have" };
+                let what = match v {
+                    None => "no such variable".to_string(),
+                    Some([shape, dtype, r]) => {
+                        let mut what = shape.clone();
+                        if kind {
+                            what += &format!(" {dtype}");
+                        }
+                        if role {
+                            what += &format!(" ({r})");
+                        }
+                        what
+                    }
+                };
+                format!("{} {verb} {what}", ranks_text(ranks))
+            })
+            .collect();
+        lines.push(format!("  variable \"{name}\": {}", sides.join(", ")));
+    }
+    const LISTED: usize = 10;
+    if lines.len() > LISTED {
+        let more = lines.len() - LISTED;
+        lines.truncate(LISTED);
+        lines.push(format!("  and {more} more variables"));
+    }
+    Err(Error::Config(format!(
+        "the ranks built different models:\n{}\n{MODELS_HINT}",
+        lines.join("\n")
+    )))
+}
+
+const MODELS_HINT: &str = "hint: every rank must create the same variables, with the same \
+     names, shapes and dtypes, before `.build(&vs, lr)` (or DistributedDataParallel::new); \
+     look for model sizes that depend on the rank or on rank-local data";
+
 /// c10d's shape check names variables by position (`params[2]`): name them by the
 /// `VarStore` path too, and say what to fix.
 fn different_models(e: Error, names: &[&str]) -> Error {
@@ -407,10 +536,7 @@ fn different_models(e: Error, names: &[&str]) -> Error {
     }
     named.push_str(rest);
     Error::Config(format!(
-        "the ranks built different models: {named}\nhint: every rank must create the same \
-         variables, with the same names, shapes and dtypes, before `.build(&vs, lr)` (or \
-         DistributedDataParallel::new); look for model sizes that depend on the rank or on \
-         rank-local data"
+        "the ranks built different models: {named}\n{MODELS_HINT}"
     ))
 }
 

@@ -8,6 +8,9 @@ use std::time::Duration;
 
 use tch_distributed_tests::{run_with, scratch_dir, without_launcher, Run};
 
+#[path = "support/messages.rs"]
+mod messages;
+
 const WORKER: &str = env!("CARGO_BIN_EXE_macro_worker");
 
 /// The marks of an unclean failure.
@@ -89,12 +92,21 @@ fn ranks_with_different_models_name_the_variable() {
         .env("MISMATCH", "1");
     let run = run_with(cmd, &dir, Duration::from_secs(60), |_, _| {});
     // tchrun's own exit code is 1 when a rank fails; the rank's own line is clean.
+    // Every rank stops, each naming every variable that differs and each rank's shape.
+    let expected =
+        "wrapping the model in DistributedDataParallel: the ranks built different models:\n  \
+         variable \"bias\": rank 0 has [1], rank 1 has [2]\n  \
+         variable \"weight\": rank 0 has [1, 1], rank 1 has [2, 1]\n\
+         hint: every rank must create the same variables";
     assert_clean(
         &run,
         &[
-            "wrapping the model in DistributedDataParallel: the ranks built different models",
-            "(variable \"bias\")",
-            "hint: every rank must create the same variables",
+            &format!("Error: rank 0: {expected}"),
+            &format!("Error: rank 1: {expected}"),
         ],
+    );
+    messages::assert_recorded(
+        "different-models",
+        &messages::message_block(&run.stderr, "Error: rank 0:"),
     );
 }
