@@ -7,7 +7,9 @@
 //! `max_restarts`, start them all again after a failure (`restart`).
 //!
 //! `supervise`: one attempt (start the ranks, watch them, stop them);
-//! `restart`: the rendezvous that every attempt meets at.
+//! `restart`: the rendezvous that every attempt meets at; `error_file`:
+//! torchrun's `TORCHELASTIC_ERROR_FILE`, which failing ranks write and the
+//! launcher reports.
 
 use std::ffi::{OsStr, OsString};
 use std::net::TcpListener;
@@ -18,6 +20,7 @@ use signal_hook::iterator::Signals;
 
 use crate::error::{Error, Result};
 
+pub(crate) mod error_file;
 mod restart;
 mod supervise;
 
@@ -136,7 +139,10 @@ pub fn free_port(addr: &str) -> Result<u16> {
 ///
 /// When a rank exits non-zero or is killed by a signal, the failure is
 /// printed to stderr and the remaining ranks are stopped (`SIGTERM`, then
-/// `SIGKILL` after [`LaunchConfig::stop_grace`]). Then, while
+/// `SIGKILL` after [`LaunchConfig::stop_grace`]); then the launcher prints the
+/// root cause, the message that the first failing rank wrote to its
+/// `TORCHELASTIC_ERROR_FILE` (a temporary file per rank, as torchrun sets; a
+/// `#[distributed]` program writes it when it fails). Then, while
 /// [`LaunchConfig::max_restarts`] allows, every rank is started again, with
 /// `TORCHELASTIC_RESTART_COUNT` counting the restarts and a fresh rendezvous (the
 /// launcher hosts the store; each attempt's keys live under its own prefix), so a
@@ -197,6 +203,10 @@ pub fn launch_with_env(
         source,
     })?;
     let rendezvous = Rendezvous::new(config)?;
+    let error_files = error_file::ErrorDir::create().map_err(|source| Error::Io {
+        context: "tchrun: cannot create a temporary directory for the ranks' error files".into(),
+        source,
+    })?;
 
     for number in 0..=config.max_restarts {
         let attempt = Attempt {
@@ -209,6 +219,7 @@ pub fn launch_with_env(
             master_port: rendezvous.port(),
             agent_store: rendezvous.agent_store(),
             number,
+            error_files: &error_files,
         };
         match attempt.run(&mut signals)? {
             Outcome::Succeeded => return Ok(0),

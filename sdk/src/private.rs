@@ -50,7 +50,30 @@ fn fail(what: &str, e: impl std::fmt::Display) -> ! {
     // One write, so that the lines of ranks failing at once do not interleave.
     let line = format!("Error: {rank}{what}: {e}\n");
     let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+    // torchrun's (and tchrun's) root cause, when the launcher asks for it.
+    crate::launch::error_file::record(line.trim_end(), None);
     std::process::exit(1)
+}
+
+/// Under a launcher that asks for an error file (`TORCHELASTIC_ERROR_FILE`), a panic
+/// writes its message there too, with the backtrace when `RUST_BACKTRACE` asks for
+/// one, before the default report; installed once, at the outermost entry.
+fn record_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    if std::env::var_os(crate::launch::error_file::ERROR_FILE_ENV).is_none() {
+        return;
+    }
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let message = info.to_string();
+            let backtrace = std::backtrace::Backtrace::capture();
+            let details = (backtrace.status() == std::backtrace::BacktraceStatus::Captured)
+                .then(|| format!("{message}\n\nstack backtrace:\n{backtrace}"));
+            crate::launch::error_file::record(&message, details.as_deref());
+            previous(info)
+        }));
+    });
 }
 
 /// [`fail`] for the SDK's own errors. Their message is the SDK's; libtorch's own text,
@@ -141,7 +164,10 @@ pub fn enter(options: Options) -> Session {
     let depth = DEPTH.with(|d| d.replace(d.get() + 1));
     if depth > 0 {
         // A #[distributed] function called from another: already joined.
-        return Session { outermost: false };
+        return Session {
+            outermost: false,
+            finished: Cell::new(false),
+        };
     }
     let options = with_environment(options);
     let env = LaunchEnv::from_env().unwrap_or_else(|e| fail("reading the launch environment", e));
@@ -158,6 +184,7 @@ pub fn enter(options: Options) -> Session {
         timeout: options.timeout_secs.map(std::time::Duration::from_secs_f64),
         device: None,
     };
+    record_panics();
     let ctx =
         init::init_with(init_options).unwrap_or_else(|e| fail("joining the process group", e));
     let (precision, why) =
@@ -177,7 +204,10 @@ pub fn enter(options: Options) -> Session {
         println!("{}", banner(&ctx, &options, precision, &why));
     }
     OPTIONS.with(|o| *o.borrow_mut() = options);
-    Session { outermost: true }
+    Session {
+        outermost: true,
+        finished: Cell::new(false),
+    }
 }
 
 /// The context's banner and what the attribute's options add: bucket cap, mixed
@@ -241,15 +271,27 @@ fn self_launch(ranks: usize) -> i32 {
 /// return; a panic or an early `?` skips it.
 pub struct Session {
     outermost: bool,
+    finished: Cell<bool>,
 }
 
 impl Session {
     /// The exit barrier: every rank waits for the others, so that all finish
-    /// together. A rank whose function returned an `Err` (`failed`) leaves at once
-    /// instead: the others may be inside a collective that it will never join, and
-    /// its exit is what lets the launcher stop them.
-    pub fn finish(&self, failed: bool) {
-        if !self.outermost || failed {
+    /// together. A rank whose function returned an `Err` leaves at once instead: the
+    /// others may be inside a collective that it will never join, and its exit is
+    /// what lets the launcher stop them. It first writes the error, as `main`
+    /// prints it (`Error: {e:?}`), to the launcher's `TORCHELASTIC_ERROR_FILE` when
+    /// there is one, so that torchrun and tchrun report it as the root cause.
+    pub fn finish(&self, ending: Ending) {
+        self.finished.set(true);
+        if !self.outermost {
+            return;
+        }
+        if ending.failed {
+            let message = match ending.message {
+                Some(e) => format!("Error: {e}"),
+                None => "Error: the #[distributed] function returned an Err".to_string(),
+            };
+            crate::launch::error_file::record_error(&message);
             return;
         }
         if let Err(e) = crate::record::write_models() {
@@ -267,8 +309,14 @@ impl Session {
 }
 
 impl Drop for Session {
+    /// Leaving the function without `finish`: a panic (recorded by its hook) or an
+    /// early return through `?`, an error whose message `main` is about to print
+    /// (recorded from there, see [`record_early_exit`](crate::launch::error_file)).
     fn drop(&mut self) {
         DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
+        if self.outermost && !self.finished.get() && !std::thread::panicking() {
+            crate::launch::error_file::record_early_exit();
+        }
     }
 }
 
@@ -499,21 +547,50 @@ impl<T: IntoIterator> ShardOther for &Probe<(LoopHead, T)> {
     }
 }
 
-/// Whether the function's return value is an `Err`.
+/// How the function ended: whether it returned an `Err`, and the error as `main`
+/// prints it (`Debug`) when its type can say it.
+pub struct Ending {
+    failed: bool,
+    message: Option<String>,
+}
+
+/// Whether the function's return value is an `Err`, with its message. The macro
+/// calls `(&Probe::new(&out)).__tchd_failed()`; method lookup tries the receiver
+/// `&Probe<_>` (a `Result` whose error is `Debug`: failed, with the message), then
+/// `&&Probe<_>` (a `Result` with another error type: failed), then `&mut &Probe<_>`
+/// (anything else: not a failure). Where the error type is still to be inferred at
+/// the function's end (its last expression is `Ok(…)`), the first applies, so the
+/// error type must be `Debug`, as `main`'s must; a function whose error type is
+/// not `Debug` names it there (`Ok::<_, E>(…)`) and is reported without the message.
 pub trait ExitKnown {
-    fn __tchd_failed(&self) -> bool;
+    fn __tchd_failed(self) -> Ending;
 }
 pub trait ExitOther {
-    fn __tchd_failed(&self) -> bool;
+    fn __tchd_failed(self) -> Ending;
 }
-impl<T, E> ExitKnown for Probe<&Result<T, E>> {
-    fn __tchd_failed(&self) -> bool {
-        self.take().is_err()
+impl<T, E: std::fmt::Debug> ExitKnown for &Probe<&Result<T, E>> {
+    fn __tchd_failed(self) -> Ending {
+        let message = self.take().as_ref().err().map(|e| format!("{e:?}"));
+        Ending {
+            failed: message.is_some(),
+            message,
+        }
     }
 }
-impl<T> ExitOther for &Probe<T> {
-    fn __tchd_failed(&self) -> bool {
-        false
+impl<T, E> ExitOther for &&Probe<&Result<T, E>> {
+    fn __tchd_failed(self) -> Ending {
+        Ending {
+            failed: self.take().is_err(),
+            message: None,
+        }
+    }
+}
+impl<T> ExitOther for &mut &Probe<T> {
+    fn __tchd_failed(self) -> Ending {
+        Ending {
+            failed: false,
+            message: None,
+        }
     }
 }
 

@@ -321,7 +321,10 @@ fn a_self_launching_program_restarts_its_ranks() {
     let run = run_with(cmd, &dir, TIMEOUT, |_, _| {});
     assert_eq!(run.status.code(), Some(1), "{run:?}");
     assert_eq!(
-        run.stderr.matches("rank 1 fails on purpose").count(),
+        run.stderr
+            .lines()
+            .filter(|l| l.starts_with("Error: rank 1 fails on purpose"))
+            .count(),
         2,
         "{}",
         run.stderr
@@ -333,6 +336,133 @@ fn a_self_launching_program_restarts_its_ranks() {
         assert!(
             run.stderr.contains(needle),
             "no {needle:?}:\n{}",
+            run.stderr
+        );
+    }
+}
+
+const ERROR_FILE_WORKER: &str = env!("CARGO_BIN_EXE_error_file_worker");
+
+#[path = "support/messages.rs"]
+mod messages;
+
+/// tchrun's report of a job whose rank 1 fails as `mode` says (`error_file_worker`):
+/// the run, after checking that it failed.
+fn failing_under_tchrun(mode: &str, env: &[(&str, &str)]) -> tch_distributed_tests::Run {
+    let dir = scratch_dir(&format!("error-file-{mode}"));
+    let mut cmd = Command::new(tch_distributed_tests::tchrun());
+    cmd.args(["--nproc-per-node", "2", ERROR_FILE_WORKER, mode])
+        .env("RUST_BACKTRACE", "0")
+        .envs(env.iter().copied());
+    let run = run_with(cmd, &dir, TIMEOUT, |_, _| {});
+    assert_eq!(run.status.code(), Some(1), "{run:?}");
+    run
+}
+
+/// A `#[distributed]` rank that fails writes `TORCHELASTIC_ERROR_FILE`, and tchrun's
+/// report ends with its message, whichever way it failed.
+#[test]
+fn tchrun_reports_a_failing_ranks_own_message() {
+    // (mode, environment, what the root cause says)
+    type Case<'a> = (&'a str, &'a [(&'a str, &'a str)], &'a str);
+    let cases: &[Case] = &[
+        // `bail!`/`?`: the error that `main` prints.
+        ("err", &[], ": Error: rank 1 fails on purpose\n"),
+        // `return Err(…)`: the error, as `main` would print it.
+        (
+            "return",
+            &[],
+            ": Error: rank 1 returns an error on purpose\n",
+        ),
+        // An error type without `Debug`: that it failed, no message.
+        (
+            "opaque",
+            &[],
+            ": Error: the #[distributed] function returned an Err\n",
+        ),
+        (
+            "panic",
+            &[],
+            "panicked at tests/src/bin/error_file_worker.rs:",
+        ),
+        // The SDK's own `Error:` line (here joining fails on every rank).
+        (
+            "err",
+            &[("TCH_DISTRIBUTED_TIMEOUT", "abc")],
+            ": Error: joining the process group: TCH_DISTRIBUTED_TIMEOUT=\"abc\"",
+        ),
+    ];
+    for (mode, env, needle) in cases {
+        let run = failing_under_tchrun(mode, env);
+        let report = run
+            .stderr
+            .split_once("tchrun: root cause: rank ")
+            .unwrap_or_else(|| panic!("{mode} {env:?}: no root cause:\n{}", run.stderr))
+            .1;
+        assert!(
+            report.contains(needle),
+            "{mode} {env:?}: no {needle:?} in the root cause:\n{}",
+            run.stderr
+        );
+        if *mode == "err" && env.is_empty() {
+            // The book's troubleshooting chapter shows tchrun's report.
+            let lines: Vec<&str> = run
+                .stderr
+                .lines()
+                .filter(|l| {
+                    l.starts_with("tchrun: rank 1 (") || l.starts_with("tchrun: root cause")
+                })
+                .collect();
+            let report = messages::redact(&lines.join("\n"), &[("pid ", "{pid}")]);
+            messages::assert_recorded("root-cause", &report);
+        }
+    }
+}
+
+/// `torchrun --no-python` reads the error file that a failing rank wrote and shows
+/// its message in its report (the root cause), as for a Python worker with `@record`
+/// (without it, torchrun's report says only "To enable traceback see: …").
+#[test]
+fn torchrun_reports_a_failing_ranks_message_as_the_root_cause() {
+    let Some(torchrun) = torchrun() else {
+        assert!(
+            std::env::var_os("LIBTORCH").is_some(),
+            "the project's .venv has no torchrun"
+        );
+        eprintln!("skipped: no .venv/bin/torchrun with LIBTORCH set");
+        return;
+    };
+    for (mode, needle) in [
+        ("err", "traceback : Error: rank 1 fails on purpose"),
+        (
+            "panic",
+            "traceback : panicked at tests/src/bin/error_file_worker.rs:",
+        ),
+    ] {
+        let dir = scratch_dir(&format!("torchrun-error-file-{mode}"));
+        let mut cmd = Command::new(&torchrun);
+        cmd.args([
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--no-python",
+            ERROR_FILE_WORKER,
+            mode,
+        ])
+        .env("RUST_BACKTRACE", "0");
+        let run = run_with(cmd, &dir, TIMEOUT, |_, _| {});
+        assert!(!run.status.success(), "{run:?}");
+        // torchrun's report: "traceback : <py_callstack>" for each failed rank. The
+        // root cause is the earliest failure by whole seconds, so a rank 0 that
+        // torchrun stopped in the same second may stand there instead of rank 1.
+        let report = run
+            .stderr
+            .split_once("ChildFailedError")
+            .unwrap_or_else(|| panic!("{mode}: no torchrun report:\n{}", run.stderr))
+            .1;
+        assert!(
+            report.contains("rank      : 1 (local_rank: 1)") && report.contains(needle),
+            "{mode}: torchrun does not report rank 1's {needle:?}:\n{}",
             run.stderr
         );
     }

@@ -466,3 +466,61 @@ fn a_signal_while_stopping_after_a_failure_is_not_restarted() {
     assert_eq!(starts(&dir).len(), 2, "one attempt: {}", run.stderr);
     assert!(!run.stderr.contains("restarting"), "stderr: {}", run.stderr);
 }
+
+/// A rank that fails after writing torchrun's error file (as a Python worker with
+/// `@record` does): tchrun names it as the root cause, and copies the file to its own
+/// `TORCHELASTIC_ERROR_FILE` when it has one (tchrun under a torchelastic agent).
+#[test]
+fn a_failing_ranks_error_file_is_reported_as_the_root_cause() {
+    let dir = scratch_dir("error-file");
+    let own = dir.join("tchrun-error.json");
+    let script = "echo \"$TORCHELASTIC_ERROR_FILE\" > \"$D/errfile.$RANK\"; \
+                  if [ \"$RANK\" = 1 ]; then \
+                      printf '%s' '{\"message\": {\"message\": \"RuntimeError: boom\\nsecond line\", \
+                      \"extraInfo\": {\"py_callstack\": \"Traceback\", \"timestamp\": \"1700000000\"}}}' \
+                        > \"$TORCHELASTIC_ERROR_FILE\"; \
+                      exit 1; \
+                  fi; exec sleep 60";
+    let mut cmd = Command::new(tch_distributed_tests::tchrun());
+    cmd.args(["--nproc-per-node", "2", "sh", "-c", script])
+        .env("TORCHELASTIC_ERROR_FILE", &own);
+    let run = tch_distributed_tests::run_with(cmd, &dir, TIMEOUT, |_, _| {});
+    assert_failed_fast(
+        &run,
+        &[
+            "tchrun: rank 1 (local rank 1, pid ",
+            "tchrun: root cause: rank 1 (local rank 1, pid ",
+            "): RuntimeError: boom\n    second line\n",
+        ],
+    );
+    let files: Vec<String> = (0..2)
+        .map(|r| fs::read_to_string(dir.join(format!("errfile.{r}"))).unwrap())
+        .collect();
+    assert!(
+        !files[0].trim().is_empty() && files[0] != files[1],
+        "{files:?}"
+    );
+    // tchrun removes its ranks' error files when it ends.
+    assert!(!Path::new(files[1].trim()).exists(), "{}", files[1]);
+    let copied = fs::read_to_string(&own).unwrap();
+    assert!(copied.contains("RuntimeError: boom"), "{copied}");
+}
+
+#[test]
+fn a_rank_without_an_error_file_has_no_root_cause_line() {
+    let dir = scratch_dir("no-error-file");
+    let run = run_tchrun(
+        &dir,
+        &[
+            "--nproc-per-node",
+            "2",
+            "sh",
+            "-c",
+            "if [ \"$RANK\" = 1 ]; then exit 4; fi; exec sleep 60",
+        ],
+        TIMEOUT,
+        |_, _| {},
+    );
+    assert_failed_fast(&run, &["failed with exit code 4"]);
+    assert!(!run.stderr.contains("root cause"), "{}", run.stderr);
+}

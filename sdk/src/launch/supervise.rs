@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use signal_hook::consts::{SIGKILL, SIGTERM};
 use signal_hook::iterator::Signals;
 
+use super::error_file::{self, ErrorDir, ERROR_FILE_ENV};
 use super::LaunchConfig;
 use crate::error::{Error, Result};
 
@@ -33,6 +34,8 @@ pub(super) struct Attempt<'a> {
     /// 0 for the first start, then the restart's number
     /// (`TORCHELASTIC_RESTART_COUNT`).
     pub number: usize,
+    /// Where each rank writes why it failed (`TORCHELASTIC_ERROR_FILE`).
+    pub error_files: &'a ErrorDir,
 }
 
 /// How an attempt ended.
@@ -66,6 +69,7 @@ impl Attempt<'_> {
             .env("TORCHELASTIC_RESTART_COUNT", self.number.to_string())
             .env("TORCHELASTIC_MAX_RESTARTS", config.max_restarts.to_string())
             .env("TORCHELASTIC_RUN_ID", self.run_id)
+            .env(ERROR_FILE_ENV, self.error_files.file(self.number, rank))
             .env("TCHRUN", "1");
         if self.agent_store {
             cmd.env("TORCHELASTIC_USE_AGENT_STORE", "True");
@@ -94,6 +98,7 @@ impl Attempt<'_> {
         let mut ranks = Ranks::default();
         for local_rank in 0..config.nproc_per_node {
             let rank = config.node_rank * config.nproc_per_node + local_rank;
+            let _ = std::fs::remove_file(self.error_files.file(self.number, rank));
             match self.command(rank, local_rank).spawn() {
                 Ok(child) => ranks.0.push(Rank {
                     rank,
@@ -123,13 +128,13 @@ impl Attempt<'_> {
                 ranks.stop(signo, config.stop_grace, signals)?;
                 return Ok(Outcome::Signalled(signo));
             }
-            let mut failed = false;
+            let mut failed = Vec::new();
             for r in ranks.0.iter_mut().filter(|r| r.status.is_none()) {
                 let Some(status) = r.try_wait()? else {
                     continue;
                 };
                 if !status.success() {
-                    failed = true;
+                    failed.push((r.rank, r.local_rank, r.child.id()));
                     eprintln!(
                         "tchrun: rank {} (local rank {}, pid {}) {}",
                         r.rank,
@@ -139,8 +144,10 @@ impl Attempt<'_> {
                     );
                 }
             }
-            if failed {
-                return Ok(match ranks.stop(SIGTERM, config.stop_grace, signals)? {
+            if !failed.is_empty() {
+                let signalled = ranks.stop(SIGTERM, config.stop_grace, signals)?;
+                self.report_root_cause(&failed);
+                return Ok(match signalled {
                     Some(signo) => Outcome::Signalled(signo),
                     None => Outcome::Failed,
                 });
@@ -149,6 +156,35 @@ impl Attempt<'_> {
                 return Ok(Outcome::Succeeded);
             }
             thread::sleep(POLL_INTERVAL);
+        }
+    }
+}
+
+impl Attempt<'_> {
+    /// Prints why the first of the `failed` ranks (global rank, local rank, pid) failed,
+    /// from the error files they wrote (those killed by a signal write none), and, when
+    /// this launcher was given an error file of its own (it runs under torchrun or
+    /// another torchelastic agent), copies that rank's file there, as torchrun's agent
+    /// passes its workers' root cause up.
+    fn report_root_cause(&self, failed: &[(usize, usize, u32)]) {
+        let first = failed
+            .iter()
+            .filter_map(|&(rank, local_rank, pid)| {
+                let path = self.error_files.file(self.number, rank);
+                error_file::read(&path).map(|cause| (cause, rank, local_rank, pid, path))
+            })
+            .min_by_key(|(cause, ..)| cause.written);
+        let Some((cause, rank, local_rank, pid, path)) = first else {
+            return;
+        };
+        let message = cause.message.trim_end().replace('\n', "\n    ");
+        // One write, so that it stays in one piece next to the ranks' output.
+        let report = format!(
+            "tchrun: root cause: rank {rank} (local rank {local_rank}, pid {pid}): {message}\n"
+        );
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), report.as_bytes());
+        if let Some(own) = std::env::var_os(ERROR_FILE_ENV).filter(|p| !p.is_empty()) {
+            let _ = std::fs::copy(&path, own);
         }
     }
 }
