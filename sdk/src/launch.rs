@@ -224,12 +224,19 @@ pub fn launch_with_env(
         match attempt.run(&mut signals)? {
             Outcome::Succeeded => return Ok(0),
             Outcome::Signalled(signo) => return Ok(128 + signo),
-            Outcome::Failed if number < config.max_restarts => eprintln!(
-                "tchrun: restarting all {} ranks (restart {} of {})",
-                config.nproc_per_node,
-                number + 1,
-                config.max_restarts
-            ),
+            Outcome::Failed if number < config.max_restarts => {
+                let ranks = match (config.nnodes, config.nproc_per_node) {
+                    (1, 1) => "the rank".to_string(),
+                    (1, n) => format!("all {n} ranks"),
+                    (_, 1) => "this node's rank".to_string(),
+                    (_, n) => format!("this node's {n} ranks"),
+                };
+                eprintln!(
+                    "tchrun: restarting {ranks} (restart {} of {})",
+                    number + 1,
+                    config.max_restarts
+                )
+            }
             Outcome::Failed => {
                 if config.max_restarts > 0 {
                     eprintln!(

@@ -467,3 +467,85 @@ fn torchrun_reports_a_failing_ranks_message_as_the_root_cause() {
         );
     }
 }
+
+/// Two nodes (two `tchrun`s on this machine) under `--max-restarts 1`: node 0's
+/// `tchrun` hosts the store, node 1's ranks join it; rank 1 (node 1) fails in the
+/// first attempt, both nodes start their ranks again, and the second attempt meets
+/// under its own keys and trains to the end.
+#[test]
+fn two_nodes_restart_together_at_node_0s_store() {
+    use std::os::unix::process::CommandExt;
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let dir = scratch_dir("two-nodes-restart");
+    let d = dir.to_str().unwrap();
+    // Rank 1 fails after its first step, in the first attempt only.
+    let wrapper = "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then export FAIL_RANK=1; fi; \
+                   exec \"$0\" \"$@\"";
+    let node = |rank: &str| {
+        let mut cmd = Command::new(tch_distributed_tests::tchrun());
+        cmd.args([
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--nproc-per-node",
+            "1",
+        ])
+        .args(["--master-port", &port, "--max-restarts", "1"])
+        .args(["sh", "-c", wrapper, MACRO_WORKER, d, "40"])
+        .env_remove("TCH_DISTRIBUTED_NPROC");
+        cmd
+    };
+    let node1_err = dir.join("node1.stderr");
+    let mut node1 = node("1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&node1_err).unwrap())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let run = run_with(node("0"), &dir, TIMEOUT, |_, _| {});
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let node1_status = loop {
+        if let Some(status) = node1.try_wait().unwrap() {
+            break Some(status);
+        }
+        if std::time::Instant::now() > deadline {
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    unsafe { libc::kill(-(node1.id() as i32), libc::SIGKILL) };
+    let _ = node1.wait();
+    let node1_stderr = std::fs::read_to_string(&node1_err).unwrap_or_default();
+    run.assert_success();
+    assert!(
+        node1_status.is_some_and(|s| s.success()),
+        "node 1: {node1_status:?}\n{node1_stderr}"
+    );
+    assert!(
+        node1_stderr.contains("rank 1 fails on purpose")
+            && node1_stderr.contains("restarting this node's rank (restart 1 of 1)"),
+        "{node1_stderr}"
+    );
+    assert!(
+        run.stderr
+            .contains("restarting this node's rank (restart 1 of 1)"),
+        "{}",
+        run.stderr
+    );
+    assert!(
+        run.stdout.contains(&format!("rendezvous 127.0.0.1:{port}")),
+        "{}",
+        run.stdout
+    );
+    // The second attempt trained both epochs, as one model.
+    let params: Vec<String> = (0..2)
+        .map(|r| std::fs::read_to_string(dir.join(format!("params{r}.txt"))).unwrap())
+        .collect();
+    assert_eq!(params[0], params[1], "one model trained by both nodes");
+}
