@@ -19,6 +19,7 @@ use std::time::Instant;
 use tch::data::TextData;
 use tch::nn::{self, Module, OptimizerConfig, RNN};
 use tch::{Device, Kind, Tensor};
+use tch_distributed::{Checkpointer, TrainState};
 
 #[derive(Parser, Debug)]
 #[command(about = "Character-level LSTM on tinyshakespeare, data-parallel over tch-distributed")]
@@ -51,6 +52,14 @@ struct Args {
     /// Seed of the initial weights and of the data order.
     #[arg(long, default_value_t = 42)]
     seed: i64,
+    /// Keep resumable checkpoints (model, optimizer, step) here, every
+    /// `--checkpoint-every` steps, and resume from the newest on start: under
+    /// `tchrun --max-restarts K`, a run whose rank failed picks up where it stopped.
+    #[arg(long)]
+    checkpoint_dir: Option<std::path::PathBuf>,
+    /// Steps between resumable checkpoints (with `--checkpoint-dir`).
+    #[arg(long, default_value_t = 100)]
+    checkpoint_every: usize,
 }
 
 struct CharLstm {
@@ -103,9 +112,13 @@ fn train(args: &Args) -> Result<()> {
         )
     })?;
     let labels = data.labels();
-    let vs = nn::VarStore::new(device);
+    let mut vs = nn::VarStore::new(device);
     let model = CharLstm::new(&vs.root(), labels, args.hidden);
     let mut opt = nn::Adam::default().build(&vs, args.lr)?;
+    let checkpoints = args
+        .checkpoint_dir
+        .as_ref()
+        .map(|dir| Checkpointer::new(dir).keep_last(2));
     let params: i64 = vs
         .trainable_variables()
         .iter()
@@ -120,6 +133,14 @@ fn train(args: &Args) -> Result<()> {
     let start = Instant::now();
     let (mut window, mut loss_sum, mut losses) = (Instant::now(), 0.0, 0);
     let mut step = 0;
+    if let Some(checkpoints) = &checkpoints {
+        // The one line a restartable job needs: resume from the newest complete
+        // checkpoint, if there is one (a restart after a failure, or a rerun).
+        if let Some(state) = checkpoints.load_state(&mut vs, &mut opt)? {
+            step = state.step as usize;
+            println!("resumed from step {step}");
+        }
+    }
     'training: for epoch in 1.. {
         for batch in data.iter_shuffle(args.seq_len + 1, args.batch_size) {
             let batch = batch.to_kind(Kind::Int64).to_device(device);
@@ -144,7 +165,17 @@ fn train(args: &Args) -> Result<()> {
                 );
                 (window, loss_sum, losses) = (Instant::now(), 0.0, 0);
             }
-            if step == args.steps {
+            if let Some(checkpoints) = &checkpoints {
+                if step % args.checkpoint_every == 0 && step < args.steps {
+                    let state = TrainState {
+                        step: step as u64,
+                        epoch,
+                        ..Default::default()
+                    };
+                    checkpoints.save_state(&vs, &mut opt, &state)?;
+                }
+            }
+            if step >= args.steps {
                 break 'training;
             }
         }

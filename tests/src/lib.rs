@@ -386,3 +386,23 @@ pub fn cuda_available() -> bool {
     };
     tch::Cuda::is_available()
 }
+
+/// The live children of `pid` (found through `/proc`; a zombie, already dead and
+/// waiting to be reaped, does not count).
+pub fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&p| {
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+            // pid (comm) state ppid …: comm may hold spaces, so read after the last ')'.
+            let mut fields = stat
+                .rsplit_once(')')
+                .map_or("", |(_, rest)| rest)
+                .split_whitespace();
+            let state = fields.next();
+            let ppid = fields.next().and_then(|f| f.parse::<u32>().ok());
+            state.is_some_and(|s| s != "Z") && ppid == Some(pid)
+        })
+        .collect()
+}

@@ -7,7 +7,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use tch::Tensor;
-use tch_distributed_tests::{run_tchrun, run_with, scratch_dir, torchrun, wait_for_text};
+use tch_distributed_tests::{children, run_tchrun, run_with, scratch_dir, torchrun, wait_for_text};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ddp_worker");
 const COLLECTIVES: &str = env!("CARGO_BIN_EXE_collectives");
@@ -208,26 +208,6 @@ fn a_slurm_job_step_forms_the_job_from_srun_variables() {
         .map(|r| std::fs::read_to_string(dir.join(format!("params{r}.txt"))).unwrap())
         .collect();
     assert_eq!(params[0], params[1], "one model trained by both tasks");
-}
-
-/// The live children of `pid` (found through `/proc`; a zombie, already dead and
-/// waiting to be reaped, does not count).
-fn children(pid: u32) -> Vec<u32> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|&p| {
-            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
-            // pid (comm) state ppid …: comm may hold spaces, so read after the last ')'.
-            let mut fields = stat
-                .rsplit_once(')')
-                .map_or("", |(_, rest)| rest)
-                .split_whitespace();
-            let state = fields.next();
-            let ppid = fields.next().and_then(|f| f.parse::<u32>().ok());
-            state.is_some_and(|s| s != "Z") && ppid == Some(pid)
-        })
-        .collect()
 }
 
 /// Whether `pid` still runs (exists and is not a zombie).
