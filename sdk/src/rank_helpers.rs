@@ -16,7 +16,7 @@ use crate::init::{self, Context};
 /// others, running the same code after it, find it there.
 ///
 /// ```no_run
-/// # fn main() -> tch_distributed::Result<()> {
+/// # fn main() -> anyhow::Result<()> {
 /// # let _ctx = tch_distributed::init()?;
 /// # fn download_if_missing(_: &str) -> std::io::Result<std::path::PathBuf> { todo!() }
 /// let data = tch_distributed::main_process_first(|| download_if_missing("data/"))??;
