@@ -169,6 +169,9 @@ pub(crate) fn without_cpp_frames(message: &str) -> String {
     kept.join("\n").trim_end().to_string()
 }
 
+/// `Result` with [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -218,6 +221,3 @@ mod tests {
         assert!(e.downcast_ref::<super::Error>().is_some());
     }
 }
-
-/// `Result` with [`Error`].
-pub type Result<T> = std::result::Result<T, Error>;
