@@ -159,7 +159,6 @@ impl DistributedDataParallel {
             .filter(|(_, t)| !trainable.contains(&(t.data_ptr() as usize)))
             .map(|(_, t)| t.shallow_clone())
             .collect();
-        let all_names: Vec<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
         let description = describe(&all, |t| {
             if !trainable.contains(&(t.data_ptr() as usize)) {
                 "buffer"
@@ -172,9 +171,8 @@ impl DistributedDataParallel {
         let all: Vec<Tensor> = all.iter().map(|(_, t)| t.shallow_clone()).collect();
 
         same_models(group, &description)?;
-        group
-            .verify_same_shapes(&all)
-            .map_err(|e| different_models(e, &all_names))?;
+        // c10d still checks what the descriptions leave out (strides).
+        group.verify_same_shapes(&all)?;
         group.broadcast_coalesced(&all, BROADCAST_BUCKET_BYTES, 0)?;
 
         let reducer = if group.world_size() > 1 {
@@ -404,14 +402,6 @@ fn describe(variables: &[(&String, &Tensor)], role_of: impl Fn(&Tensor) -> &'sta
         .collect()
 }
 
-/// FNV-1a, 64 bits: a fingerprint of a model's description, the same on every rank
-/// for the same text.
-fn fingerprint(text: &str) -> i64 {
-    text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    }) as i64
-}
-
 /// Checks that every rank of `group` built the model that `description` describes
 /// (see [`describe`]): each rank publishes its description in the store, and one
 /// all-gather of their fingerprints tells every rank whether they differ. When they
@@ -424,7 +414,7 @@ fn same_models(group: &ProcessGroup, description: &str) -> Result<()> {
     let model = group.next_model();
     let key = |rank: usize| format!("model/{model}/{rank}");
     records.set(&key(group.rank()), description.as_bytes())?;
-    let mine = Tensor::from_slice(&[fingerprint(description)]);
+    let mine = Tensor::from_slice(&[crate::rng::fnv1a(description.bytes()) as i64]);
     let gathered: Vec<i64> = group
         .all_gather(&mine)?
         .iter()
@@ -511,34 +501,6 @@ fn same_models(group: &ProcessGroup, description: &str) -> Result<()> {
 const MODELS_HINT: &str = "hint: every rank must create the same variables, with the same \
      names, shapes and dtypes, before `.build(&vs, lr)` (or DistributedDataParallel::new); \
      look for model sizes that depend on the rank or on rank-local data";
-
-/// c10d's shape check names variables by position (`params[2]`): name them by the
-/// `VarStore` path too, and say what to fix.
-fn different_models(e: Error, names: &[&str]) -> Error {
-    let Error::Collective { message, .. } = &e else {
-        return e;
-    };
-    let mut named = String::new();
-    let mut rest = message.as_str();
-    while let Some(at) = rest.find("params[") {
-        let (before, after) = rest.split_at(at + "params[".len());
-        named.push_str(before);
-        let digits: String = after.chars().take_while(char::is_ascii_digit).collect();
-        named.push_str(&digits);
-        rest = &after[digits.len()..];
-        if let (Some(name), Some(tail)) = (
-            digits.parse::<usize>().ok().and_then(|i| names.get(i)),
-            rest.strip_prefix(']'),
-        ) {
-            named.push_str(&format!("] (variable \"{name}\")"));
-            rest = tail;
-        }
-    }
-    named.push_str(rest);
-    Error::Config(format!(
-        "the ranks built different models: {named}\n{MODELS_HINT}"
-    ))
-}
 
 fn reducer_call(status: i32) -> Result<()> {
     ffi::check(status).map_err(reducer_error)

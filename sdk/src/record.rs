@@ -45,14 +45,11 @@ pub fn fingerprint_rows(t: &Tensor) -> Vec<u64> {
     let width = values.len() / rows.max(1) as usize;
     (0..rows as usize)
         .map(|r| {
-            values[r * width..(r + 1) * width]
-                .iter()
-                .fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
-                    v.to_bits()
-                        .to_le_bytes()
-                        .iter()
-                        .fold(h, |h, b| (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3))
-                })
+            crate::rng::fnv1a(
+                values[r * width..(r + 1) * width]
+                    .iter()
+                    .flat_map(|v| v.to_bits().to_le_bytes()),
+            )
         })
         .collect()
 }

@@ -83,12 +83,7 @@ impl RandomState {
             };
             states.push((name, bytes));
         }
-        let seed = states
-            .iter()
-            .flat_map(|(_, b)| b)
-            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-                (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3)
-            });
+        let seed = fnv1a(states.iter().flat_map(|(_, b)| b.iter().copied()));
         Ok(RandomState {
             seed: mix(seed),
             states,
@@ -184,6 +179,14 @@ impl Drop for AgreedSeed {
             }
         }
     }
+}
+
+/// FNV-1a, 64 bits, over `bytes`: the fingerprint the SDK uses wherever ranks or runs
+/// compare bytes (checkpoint manifests, sample rows, model descriptions, random states).
+pub(crate) fn fnv1a(bytes: impl IntoIterator<Item = u8>) -> u64 {
+    bytes.into_iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// SplitMix64's finalizer: spreads nearby keys (loop 0 run 1, loop 0 run 2) far apart.

@@ -89,9 +89,7 @@ pub struct Checkpointer {
 
 /// FNV-1a, 64 bits: detects torn and corrupted files.
 fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
+    crate::rng::fnv1a(bytes.iter().copied())
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
