@@ -1,8 +1,11 @@
 //! Compiles the C++ shim in `csrc/` against the libtorch that torch-sys found.
 //!
 //! libtorch is located exactly as torch-sys locates it (`LIBTORCH`, or
-//! `LIBTORCH_USE_PYTORCH=1` with a Python that has torch 2.11.0); torch-sys hands us
-//! its lib directory as `DEP_TCH_LIBTORCH_LIB`. The NCCL backend is compiled when that
+//! `LIBTORCH_USE_PYTORCH=1` with a Python that has torch 2.11.0 or 2.13.0); torch-sys
+//! hands us its lib directory as `DEP_TCH_LIBTORCH_LIB`. libtorch's version, read off
+//! its headers, becomes the cfg `tdc_libtorch = "2.11"` or `"2.13"` (see
+//! `src/compat.rs`) and `TDC_LIBTORCH_VERSION`; any other version ends the build with
+//! one line that says what to install. The NCCL backend is compiled when that
 //! libtorch has CUDA and the CUDA runtime and NCCL headers are found (see
 //! `cuda_include_dirs`). The lib directory is passed on to crates that depend on this
 //! one as `DEP_TCH_DISTRIBUTED_LIBTORCH_LIB`, so they can add it to their rpath.
@@ -89,6 +92,48 @@ fn cuda_include_dirs(lib_dir: &Path) -> Option<Vec<PathBuf>> {
     }
 }
 
+/// libtorch's version (major, minor, patch), read off its headers
+/// (`torch/headeronly/version.h`, `torch/version.h` before 2.11). Exits with one line
+/// that names the version and the fix when it is not one this SDK supports.
+fn libtorch_version(include: &Path) -> (u32, u32, u32) {
+    let text = ["torch/headeronly/version.h", "torch/version.h"]
+        .iter()
+        .find_map(|h| std::fs::read_to_string(include.join(h)).ok())
+        .unwrap_or_default();
+    let define = |name: &str| -> Option<u32> {
+        text.lines()
+            .find_map(|l| l.trim().strip_prefix("#define ")?.strip_prefix(name))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    let version = (
+        define("TORCH_VERSION_MAJOR "),
+        define("TORCH_VERSION_MINOR "),
+        define("TORCH_VERSION_PATCH "),
+    );
+    match version {
+        (Some(2), Some(minor @ (11 | 13)), Some(patch)) => (2, minor, patch),
+        (Some(major), Some(minor), Some(patch)) => fail(&format!(
+            "libtorch {major}.{minor}.{patch} found in {}: tch-distributed supports libtorch 2.11 \
+             (tch 0.24) and 2.13 (tch 0.26): pip install torch==2.13.0 (or 2.11.0), or point \
+             LIBTORCH at one of those",
+            include.display()
+        )),
+        _ => fail(&format!(
+            "no libtorch version in {}/torch/headeronly/version.h: is {} a libtorch? Set \
+             LIBTORCH to an unpacked libtorch 2.11 or 2.13, or LIBTORCH_USE_PYTORCH=1 with \
+             torch 2.11.0 or 2.13.0 installed",
+            include.display(),
+            include.parent().unwrap_or(include).display()
+        )),
+    }
+}
+
+/// Ends the build with `error: tch-distributed: {message}` on one line.
+fn fail(message: &str) -> ! {
+    eprintln!("error: tch-distributed: {message}");
+    std::process::exit(1)
+}
+
 fn main() {
     let lib_dir = PathBuf::from(env::var("DEP_TCH_LIBTORCH_LIB").expect(
         "torch-sys did not report its libtorch directory; set LIBTORCH, or LIBTORCH_USE_PYTORCH=1 \
@@ -99,6 +144,16 @@ fn main() {
         .expect("libtorch lib dir has a parent")
         .to_path_buf();
     let include = torch_root.join("include");
+    let version = libtorch_version(&include);
+    println!(
+        "cargo:rustc-cfg=tdc_libtorch=\"{}.{}\"",
+        version.0, version.1
+    );
+    println!("cargo:rustc-check-cfg=cfg(tdc_libtorch, values(\"2.11\", \"2.13\"))");
+    println!(
+        "cargo:rustc-env=TDC_LIBTORCH_VERSION={}.{}.{}",
+        version.0, version.1, version.2
+    );
     let abi = cxx11_abi();
 
     // Real Gloo headers when this libtorch ships them, else declaration-only stand-ins.

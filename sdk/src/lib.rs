@@ -19,6 +19,7 @@
 pub mod __private;
 mod amp;
 mod checkpoint;
+mod compat;
 pub mod config;
 mod data;
 mod ddp;
@@ -40,6 +41,7 @@ pub use amp::{autocast, Autocast, GradScaler, MixedPrecision};
 pub use checkpoint::{
     load_var_store, preempted_exit_code, save_var_store, Checkpointer, Preemption, TrainState,
 };
+pub use compat::{LIBTORCH_VERSION, TCH_VERSION};
 pub use data::{
     global_batch_size, per_rank_batch_size, shard, Batch, Batches, DataLoader, Dataset,
     DistributedSampler, LoaderPosition, LrScaling, Sharded, TensorDataset, TextDataset,

@@ -51,10 +51,21 @@ pub fn example(name: &str) -> PathBuf {
     path
 }
 
-/// The venv's `torchrun`, when the project's `.venv` exists.
+/// The virtualenv whose torch gave this build its libtorch: `VIRTUAL_ENV`, which
+/// `scripts/env.sh` sets (`.venv` for torch 2.11, `.venv-2.13` for torch 2.13), else
+/// the project's `.venv` when it exists; `None` when libtorch came from `LIBTORCH`.
+pub fn venv() -> Option<PathBuf> {
+    std::env::var_os("VIRTUAL_ENV")
+        .map(PathBuf::from)
+        .or_else(|| Some(Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv")))
+        .filter(|venv| venv.join("bin/python").exists())
+}
+
+/// The venv's `torchrun`, when there is a venv.
 pub fn torchrun() -> Option<PathBuf> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/torchrun");
-    path.exists().then_some(path)
+    venv()
+        .map(|venv| venv.join("bin/torchrun"))
+        .filter(|path| path.exists())
 }
 
 /// Runs `script` with the project venv's python (`python -c script args…`, `stdin`
@@ -63,14 +74,10 @@ pub fn torchrun() -> Option<PathBuf> {
 /// PyTorch run wherever PyTorch is installed. Panics with python's stderr when the
 /// script fails.
 pub fn venv_python(script: &str, args: &[&str], stdin: &str) -> Option<String> {
-    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-    if !python.exists() {
-        eprintln!(
-            "no venv python at {}: comparison with PyTorch skipped",
-            python.display()
-        );
+    let Some(python) = venv().map(|venv| venv.join("bin/python")) else {
+        eprintln!("no venv python: comparison with PyTorch skipped");
         return None;
-    }
+    };
     let mut child = Command::new(&python)
         .arg("-c")
         .arg(script)
@@ -329,12 +336,9 @@ pub fn binary(name: &str) -> PathBuf {
 /// The Python to compare with: the project venv's when it exists, else `python3` on
 /// `PATH` (the GPU machine, which has PyTorch but no checkout's venv).
 pub fn python() -> PathBuf {
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-    if venv.exists() {
-        venv
-    } else {
-        PathBuf::from("python3")
-    }
+    venv()
+        .map(|venv| venv.join("bin/python"))
+        .unwrap_or_else(|| PathBuf::from("python3"))
 }
 
 /// The environment variable with which a test asks the worker programs for CUDA:

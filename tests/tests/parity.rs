@@ -174,17 +174,13 @@ fn sgd_momentum_and_adam_match_pytorch_ddp_on_two_ranks() {
         run.stdout
     );
 
-    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-    if !python.exists() {
+    let Some(python) = tch_distributed_tests::venv().map(|venv| venv.join("bin/python")) else {
         // As `venv_python`: without the venv (libtorch from `LIBTORCH`) there is no
         // PyTorch to compare with. Said on the uncaptured stderr stream.
-        let note = format!(
-            "no venv python at {}: comparison with PyTorch skipped\n",
-            python.display()
-        );
+        let note = "no venv python: comparison with PyTorch skipped\n";
         std::io::stderr().write_all(note.as_bytes()).unwrap();
         return;
-    }
+    };
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("parity/torch_ddp.py");
     let mut cmd = Command::new(&python);
     cmd.arg(&script).arg(d);
@@ -288,16 +284,12 @@ fn batchnorm_convnet_matches_ddp_with_broadcast_buffers() {
         "every rank has rank 0's running statistics\n{report}"
     );
 
-    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-    if !python.exists() {
+    let Some(python) = tch_distributed_tests::venv().map(|venv| venv.join("bin/python")) else {
         // As in `sgd_momentum_and_adam_match_pytorch_ddp_on_two_ranks`.
-        report.push_str(&format!(
-            "no venv python at {}: comparison with PyTorch skipped\n",
-            python.display()
-        ));
+        report.push_str("no venv python: comparison with PyTorch skipped\n");
         std::io::stderr().write_all(report.as_bytes()).unwrap();
         return;
-    }
+    };
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("parity/torch_ddp_bn.py");
     let mut cmd = Command::new(&python);
     cmd.arg(&script).arg(d);

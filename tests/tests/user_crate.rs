@@ -1,0 +1,123 @@
+//! A user's own crate, outside this workspace: `tch = "0.24"` or `"0.26"` (whichever
+//! this build's libtorch pairs with) and the SDK by path, resolved by cargo from
+//! scratch. It must get one torch-sys, build, and train the guide's data-parallel
+//! listing on 2 self-launched ranks that end with equal parameters.
+//!
+//! `scripts/test.sh` runs this with tch 0.24 and `scripts/test.sh --tch 0.26` with tch
+//! 0.26. The first run builds torch-sys and the SDK for the crate (a few minutes); the
+//! crate and its target directory stay in `target/user-crate/` for the next run.
+
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use tch::Tensor;
+use tch_distributed_tests::{run_with, scratch_dir, without_launcher};
+
+/// What a user writes: the crate's manifest, with the SDK by `path`.
+fn manifest(tch: &str, sdk: &Path) -> String {
+    format!(
+        r#"[package]
+name = "user-crate"
+version = "0.1.0"
+edition = "2021"
+publish = false
+
+[dependencies]
+tch = "{tch}"
+tch-distributed = {{ path = "{}" }}
+anyhow = "1"
+
+# Its own workspace: this directory lies inside the SDK's repository.
+[workspace]
+"#,
+        sdk.display()
+    )
+}
+
+#[test]
+fn a_user_crate_on_this_tch_adds_the_sdk_and_trains_on_two_ranks() {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let repo = repo.canonicalize().unwrap();
+    let tch = tch_distributed::TCH_VERSION;
+    let krate = repo.join(format!("target/user-crate/tch-{tch}"));
+    fs::create_dir_all(krate.join("src")).unwrap();
+    let write_if_changed = |path: &Path, text: &str| {
+        if fs::read_to_string(path).ok().as_deref() != Some(text) {
+            fs::write(path, text).unwrap();
+        }
+    };
+    write_if_changed(&krate.join("Cargo.toml"), &manifest(tch, &repo.join("sdk")));
+    let listing = fs::read_to_string(repo.join("book/listings/src/bin/data_parallel.rs")).unwrap();
+    write_if_changed(&krate.join("src/main.rs"), &listing);
+
+    // Built as a user builds it: cargo resolves the crate's own dependencies (no
+    // lockfile given), with the libtorch this test was built with.
+    let dir = scratch_dir("user-crate");
+    let mut build = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    build
+        .current_dir(&krate)
+        .args(["build", "--quiet"])
+        .env("CARGO_TARGET_DIR", krate.join("target"))
+        .env_remove("CARGO_MANIFEST_DIR");
+    let built = run_with(build, &dir, Duration::from_secs(1800), |_, _| {});
+    built.assert_success();
+    let lock = fs::read_to_string(krate.join("Cargo.lock")).unwrap();
+    let torch_sys: Vec<&str> = lock
+        .split("[[package]]")
+        .filter(|p| p.contains("\nname = \"torch-sys\"\n"))
+        .collect();
+    assert_eq!(torch_sys.len(), 1, "one torch-sys in the graph:\n{lock}");
+    assert!(
+        torch_sys[0].contains(&format!("version = \"{tch}.")),
+        "torch-sys {tch}:\n{}",
+        torch_sys[0]
+    );
+
+    // At run time a user's binary finds libtorch through the loader's path (or an
+    // rpath that its build script adds, as this workspace's crates do).
+    let record = dir.join("record");
+    let mut run = Command::new(krate.join("target/debug/user-crate"));
+    without_launcher(&mut run)
+        .arg(dir.join("model.safetensors"))
+        .env("LD_LIBRARY_PATH", env!("TCHD_LIBTORCH_LIB"))
+        .env("TCH_DISTRIBUTED_NPROC", "2")
+        .env("TCH_DISTRIBUTED_RECORD", &record);
+    let ran = run_with(run, &dir, Duration::from_secs(180), |_, _| {});
+    ran.assert_success();
+    assert!(
+        ran.stdout.contains("backend gloo, world size 2"),
+        "{}",
+        ran.stdout
+    );
+
+    // It trained: the mean loss fell from the first epoch to the last.
+    let losses: Vec<f64> = ran
+        .stdout
+        .lines()
+        .filter_map(|l| l.rsplit_once("mean loss ")?.1.trim().parse().ok())
+        .collect();
+    assert_eq!(
+        losses.len(),
+        3,
+        "one line per epoch, rank 0 only:\n{}",
+        ran.stdout
+    );
+    assert!(losses[2] < losses[0] * 0.8, "{losses:?}");
+
+    // Both ranks ended with the same parameters, bit for bit.
+    let read = |rank: usize| {
+        let mut named =
+            Tensor::read_safetensors(record.join(format!("rank-{rank}-model-0.safetensors")))
+                .unwrap();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        named
+    };
+    let (rank0, rank1) = (read(0), read(1));
+    assert_eq!(rank0.len(), 4, "l1 and l2, weight and bias");
+    for ((name, a), (name1, b)) in rank0.iter().zip(&rank1) {
+        assert_eq!(name, name1);
+        assert!(a.equal(b), "{name} differs between rank 0 and rank 1");
+    }
+}
