@@ -1,21 +1,26 @@
-# Sourced by the other scripts: makes libtorch available to cargo.
+# Sourced by the other scripts: makes libtorch available to cargo, for one of the two
+# tch versions the SDK supports.
 #
-# With LIBTORCH set, that libtorch is used as is. Otherwise a project-local virtualenv
-# gets torch (the version the chosen tch requires), the CUDA headers that the NCCL
-# backend compiles against, and safetensors for the tests that compare with PyTorch, on
-# first use only (about 3 minutes and 4.7 GB); later runs find it ready and do nothing.
+# TCHD_TCH picks the pair:
+#   0.24 (the default): tch 0.24 with torch 2.11.0, in `.venv`; cargo works in the
+#        repository itself, whose Cargo.lock is on tch 0.24 (the GPU machine's image
+#        ships torch 2.11.0).
+#   0.26: tch 0.26 with torch 2.13.0, in `.venv-2.13`; `tch_workspace` gives a copy of
+#        the working tree (target/tch-0.26/ws) whose Cargo.lock is moved to tch 0.26.
 #
-# TCHD_TORCH_VERSION picks the pair: 2.11.0 (the default; tch 0.24; `.venv`, which the
-# workspace's Cargo.lock builds against) or 2.13.0 (tch 0.26; `.venv-2.13`).
+# With LIBTORCH set, that libtorch is used as is. Otherwise the virtualenv gets torch,
+# the CUDA headers that the NCCL backend compiles against, and safetensors for the tests
+# that compare with PyTorch, on first use only (about 3 minutes and 4.7 GB); later runs
+# find it ready and do nothing.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-TORCH_VERSION="${TCHD_TORCH_VERSION:-2.11.0}"
-case "$TORCH_VERSION" in
+TCH="${TCHD_TCH:-0.24}"
+case "$TCH" in
   # The cuda-toolkit that this torch itself pins, with the compiler headers.
-  2.11.0) VENV="$ROOT/.venv" CUDA_HEADERS='cuda-toolkit[nvcc,cccl]==13.0.2' ;;
-  2.13.0) VENV="$ROOT/.venv-2.13" CUDA_HEADERS='cuda-toolkit[nvcc,cccl]==13.0.3' ;;
+  0.24) TORCH_VERSION=2.11.0 VENV="$ROOT/.venv" CUDA_HEADERS='cuda-toolkit[nvcc,cccl]==13.0.2' ;;
+  0.26) TORCH_VERSION=2.13.0 VENV="$ROOT/.venv-2.13" CUDA_HEADERS='cuda-toolkit[nvcc,cccl]==13.0.3' ;;
   *)
-    echo "error: TCHD_TORCH_VERSION=$TORCH_VERSION is not supported: use 2.11.0 (tch 0.24) or 2.13.0 (tch 0.26)" >&2
+    echo "error: tch $TCH is not supported: use 0.24 (torch 2.11.0) or 0.26 (torch 2.13.0)" >&2
     exit 2
     ;;
 esac
@@ -53,4 +58,24 @@ tinyshakespeare() {
     fi
   fi
   echo "$data"
+}
+
+# Prints the directory that cargo builds in for $TCH: the repository for 0.24; for 0.26,
+# target/tch-0.26/ws, brought up to date with the working tree first (the files git
+# sees, tracked or not, mtimes kept so that cargo rebuilds only what changed; files
+# gone here go there too), with its Cargo.lock moved to tch 0.26.
+tch_workspace() {
+  if [ "$TCH" = 0.24 ]; then
+    echo "$ROOT"
+    return
+  fi
+  local ws="$ROOT/target/tch-$TCH/ws" meta="$ROOT/target/tch-$TCH"
+  mkdir -p "$ws"
+  (cd "$ROOT" && git ls-files -co --exclude-standard -z) >"$meta/files"
+  (cd "$ws" && find . -path ./target -prune -o -type f -printf '%P\0') | sort -z >"$meta/present"
+  sort -z "$meta/files" | comm -z -13 - "$meta/present" | (cd "$ws" && xargs -0r rm -f)
+  (cd "$ROOT" && tar --null -T "$meta/files" -cf -) | tar -xf - -C "$ws"
+  (cd "$ws" && { cargo update --quiet --offline -p tch --precise "$TCH.0" 2>/dev/null \
+    || cargo update --quiet -p tch --precise "$TCH.0"; })
+  echo "$ws"
 }

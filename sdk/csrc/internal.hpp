@@ -1,5 +1,6 @@
 // Shared between the shim's translation units (shim.cpp and nccl.cpp).
 #pragma once
+#include <torch/headeronly/version.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -7,6 +8,17 @@
 #include <string>
 
 #include "shim.h"
+
+// The libtorch versions the shim is written for, in one place: 2.11 (tch 0.24) and
+// 2.13 (tch 0.26). Between them the c10d headers that the shim uses differ only in
+// what it does not call (2.13 adds `Reducer(…, batched_grad_copy = false)` last,
+// `Store::barrier`, Gloo's `alltoall`, `Backend::suspend`/`resume`), so one source
+// compiles and behaves the same against both. A difference that needs code goes here,
+// behind TORCH_VERSION_MINOR.
+static_assert(
+    TORCH_VERSION_MAJOR == 2 &&
+        (TORCH_VERSION_MINOR == 11 || TORCH_VERSION_MINOR == 13),
+    "tch-distributed's shim supports libtorch 2.11 and 2.13 (build.rs checks first)");
 
 struct tdc_store {
   c10::intrusive_ptr<c10d::Store> store;

@@ -3,7 +3,7 @@
 //! SDK asks for `>=0.24, <0.27`; `torch-sys` links natively, so a build holds one).
 //!
 //! Every difference between the two is handled here or, for the C++ shim, behind
-//! `TORCH_VERSION_MINOR` in `csrc/compat.hpp`. The Rust API that the SDK uses is the
+//! `TORCH_VERSION_MINOR` in `csrc/internal.hpp`. The Rust API that the SDK uses is the
 //! same in both (0.26 adds generated ops and drops `align_as`/`align_tensors`, which the
 //! SDK does not call), so what is left here is knowing which pair this build is and
 //! refusing a mismatched pair.

@@ -186,8 +186,18 @@ fn sgd_momentum_and_adam_match_pytorch_ddp_on_two_ranks() {
     cmd.arg(&script).arg(d);
     run_with(cmd, &dir, Duration::from_secs(120), |_, _| {}).assert_success();
 
-    let mut report = String::from(
-        "parity with PyTorch DDP (2 ranks, gloo), max |ours - theirs| of the parameters:\n",
+    // The reference is the PyTorch of the libtorch this build links (2.11 for tch
+    // 0.24, 2.13 for tch 0.26), not some other one.
+    let torch = tch_distributed_tests::venv_python("import torch; print(torch.__version__)", &[], "")
+        .expect("the venv's python");
+    let torch = torch.trim();
+    assert!(
+        torch.starts_with(tch_distributed::LIBTORCH_VERSION),
+        "PyTorch {torch} against libtorch {}",
+        tch_distributed::LIBTORCH_VERSION
+    );
+    let mut report = format!(
+        "parity with PyTorch {torch} DDP (2 ranks, gloo), max |ours - theirs| of the parameters:\n",
     );
     let mut diffs = BTreeMap::new();
     for kind in ["sgd", "adam"] {

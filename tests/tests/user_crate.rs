@@ -1,6 +1,7 @@
 //! A user's own crate, outside this workspace: `tch = "0.24"` or `"0.26"` (whichever
 //! this build's libtorch pairs with) and the SDK by path, resolved by cargo from
-//! scratch. It must get one torch-sys, build, and train the guide's data-parallel
+//! scratch, with the guide's `build.rs` (an rpath to libtorch). It must get one
+//! torch-sys, build, and run without `LD_LIBRARY_PATH`, training the guide's data-parallel
 //! listing on 2 self-launched ranks that end with equal parameters.
 //!
 //! `scripts/test.sh` runs this with tch 0.24 and `scripts/test.sh --tch 0.26` with tch
@@ -51,6 +52,9 @@ fn a_user_crate_on_this_tch_adds_the_sdk_and_trains_on_two_ranks() {
     write_if_changed(&krate.join("Cargo.toml"), &manifest(tch, &repo.join("sdk")));
     let listing = fs::read_to_string(repo.join("book/listings/src/bin/data_parallel.rs")).unwrap();
     write_if_changed(&krate.join("src/main.rs"), &listing);
+    // The guide's build script: an rpath to libtorch, so the binary runs as it is.
+    let build_rs = fs::read_to_string(repo.join("examples/build.rs")).unwrap();
+    write_if_changed(&krate.join("build.rs"), &build_rs);
 
     // Built as a user builds it: cargo resolves the crate's own dependencies (no
     // lockfile given), with the libtorch this test was built with.
@@ -75,13 +79,13 @@ fn a_user_crate_on_this_tch_adds_the_sdk_and_trains_on_two_ranks() {
         torch_sys[0]
     );
 
-    // At run time a user's binary finds libtorch through the loader's path (or an
-    // rpath that its build script adds, as this workspace's crates do).
+    // At run time the binary finds libtorch through the rpath that its build script
+    // added (the alternative, LD_LIBRARY_PATH, is removed to show it is not needed).
     let record = dir.join("record");
     let mut run = Command::new(krate.join("target/debug/user-crate"));
     without_launcher(&mut run)
         .arg(dir.join("model.safetensors"))
-        .env("LD_LIBRARY_PATH", env!("TCHD_LIBTORCH_LIB"))
+        .env_remove("LD_LIBRARY_PATH")
         .env("TCH_DISTRIBUTED_NPROC", "2")
         .env("TCH_DISTRIBUTED_RECORD", &record);
     let ran = run_with(run, &dir, Duration::from_secs(180), |_, _| {});
