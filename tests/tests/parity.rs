@@ -188,8 +188,9 @@ fn sgd_momentum_and_adam_match_pytorch_ddp_on_two_ranks() {
 
     // The reference is the PyTorch of the libtorch this build links (2.11 for tch
     // 0.24, 2.13 for tch 0.26), not some other one.
-    let torch = tch_distributed_tests::venv_python("import torch; print(torch.__version__)", &[], "")
-        .expect("the venv's python");
+    let torch =
+        tch_distributed_tests::venv_python("import torch; print(torch.__version__)", &[], "")
+            .expect("the venv's python");
     let torch = torch.trim();
     assert!(
         torch.starts_with(tch_distributed::LIBTORCH_VERSION),
