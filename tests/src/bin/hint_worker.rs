@@ -1,0 +1,52 @@
+//! Worker for `tests/tests/error_hints.rs`: plain tch code with `#[distributed]`.
+//!
+//! - `hint_worker unused`: a model with a layer that the loss never uses, 3 steps,
+//!   without `find_unused_parameters`: on several ranks, c10d's Reducer fails at the
+//!   second backward pass, and the error must say how to turn the option on here.
+//! - `hint_worker unused-found`: the same with `find_unused_parameters = true`: trains.
+//! - `hint_worker hello`: prints `hello from rank R of W` (for launch-environment
+//!   errors, which stop it before that).
+//!
+//! Prints `step S` after each step (rank 0 only, as `#[distributed]` does).
+
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+
+macro_rules! unused_fn {
+    ($name:ident, $($option:tt)*) => {
+        #[tch_distributed::distributed($($option)*)]
+        fn $name() -> anyhow::Result<()> {
+            let vs = nn::VarStore::new(Device::cuda_if_available());
+            let used = nn::linear(vs.root() / "used", 2, 1, Default::default());
+            let _unused = nn::linear(vs.root() / "unused", 2, 1, Default::default());
+            let mut opt = nn::Sgd::default().build(&vs, 0.1)?;
+            let x = Tensor::ones([4, 2], (Kind::Float, vs.device()));
+            for step in 1..=3 {
+                let loss = used.forward(&x).mean(Kind::Float);
+                opt.backward_step(&loss);
+                println!("step {step}");
+            }
+            Ok(())
+        }
+    };
+}
+
+unused_fn!(unused,);
+unused_fn!(unused_found, find_unused_parameters = true);
+
+#[tch_distributed::distributed]
+fn hello() -> anyhow::Result<()> {
+    let ctx = tch_distributed::current().expect("joined");
+    println!("hello from rank {} of {}", ctx.rank(), ctx.world_size());
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    tch::set_num_threads(1);
+    match std::env::args().nth(1).as_deref() {
+        Some("unused") => unused(),
+        Some("unused-found") => unused_found(),
+        Some("hello") => hello(),
+        other => anyhow::bail!("unknown mode {other:?}"),
+    }
+}

@@ -1,0 +1,146 @@
+//! Documented failures that no other test provokes, each of which must end the
+//! program with an error naming the problem and the fix, not a panic or a hang
+//! (`hint_worker`, plain tch code with `#[distributed]`):
+//!
+//! - a launch environment with `RANK` but no `WORLD_SIZE`, or the reverse;
+//! - a rendezvous address that cannot be reached (TEST-NET-1, never routed), with a
+//!   short `TCH_DISTRIBUTED_TIMEOUT`: the error comes within that timeout;
+//! - a model with a parameter the loss never uses, without `find_unused_parameters`:
+//!   c10d's Reducer error gets the hint that says how to turn the option on here.
+//!
+//! (Ranks that build different models, and a rendezvous port nobody listens on, are
+//! in `entry_errors.rs`.)
+
+use std::process::Command;
+use std::time::Duration;
+
+use tch_distributed_tests::{run_tchrun, run_with, scratch_dir, without_launcher, Run};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_hint_worker");
+const TIMEOUT: Duration = Duration::from_secs(90);
+
+/// `hint_worker hello` as one process with `env` as its launch environment.
+fn hello(name: &str, env: &[(&str, &str)]) -> Run {
+    let dir = scratch_dir(name);
+    let mut cmd = Command::new(WORKER);
+    without_launcher(&mut cmd).arg("hello").envs(env.iter().copied());
+    run_with(cmd, &dir, TIMEOUT, |_, _| {})
+}
+
+/// Exit code 1, each of `expected` in stderr, no panic, and the function never ran.
+fn assert_clean_failure(run: &Run, expected: &[&str]) {
+    assert_eq!(run.status.code(), Some(1), "{run:?}");
+    for text in expected {
+        assert!(
+            run.stderr.contains(text),
+            "{text:?} not in:\n{}",
+            run.stderr
+        );
+    }
+    assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
+    assert!(!run.stdout.contains("hello from"), "{}", run.stdout);
+}
+
+#[test]
+fn rank_without_world_size_and_world_size_without_rank_say_to_set_both() {
+    let run = hello("hint-rank-only", &[("RANK", "0")]);
+    assert_clean_failure(
+        &run,
+        &["Error: reading the launch environment: RANK is set but WORLD_SIZE is not: set both (torchrun and tchrun do)"],
+    );
+    let run = hello("hint-world-size-only", &[("WORLD_SIZE", "2")]);
+    assert_clean_failure(
+        &run,
+        &["Error: reading the launch environment: WORLD_SIZE is set but RANK is not: set both (torchrun and tchrun do)"],
+    );
+    // Both set: the same program runs (the errors above come from the environment).
+    let run = hello("hint-both", &[("RANK", "0"), ("WORLD_SIZE", "1")]);
+    run.assert_success();
+    assert!(
+        run.stdout.contains("hello from rank 0 of 1"),
+        "{}",
+        run.stdout
+    );
+}
+
+#[test]
+fn an_unreachable_rendezvous_address_fails_within_the_timeout_and_names_it() {
+    // 192.0.2.1 (TEST-NET-1) is never routed: connecting can only time out or fail.
+    let run = hello(
+        "hint-unreachable",
+        &[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "192.0.2.1"),
+            ("MASTER_PORT", "29577"),
+            ("TCH_DISTRIBUTED_TIMEOUT", "3"),
+        ],
+    );
+    assert_clean_failure(
+        &run,
+        &[
+            "Error: joining the process group: rendezvous at 192.0.2.1:29577 failed (rank 1, world size 2)",
+            "are MASTER_ADDR/MASTER_PORT the same on every rank?",
+        ],
+    );
+    // The 3 s timeout bounds the wait (the default is 30 minutes); the rest is
+    // starting the process and loading libtorch on a busy machine.
+    assert!(
+        run.elapsed < Duration::from_secs(45),
+        "{:?}:\n{}",
+        run.elapsed,
+        run.stderr
+    );
+}
+
+const UNUSED_HINT: &str = "hint: in tch-distributed this is DdpOptions::find_unused_parameters (#[distributed(find_unused_parameters = true)])";
+
+#[test]
+fn an_unused_parameter_error_says_how_to_turn_on_find_unused_parameters() {
+    let dir = scratch_dir("hint-unused");
+    let run = run_tchrun(
+        &dir,
+        &["--nproc-per-node", "2", WORKER, "unused"],
+        TIMEOUT,
+        |_, _| {},
+    );
+    assert!(!run.status.success(), "{run:?}");
+    // The first backward pass goes through; the Reducer notices at the second.
+    assert!(
+        run.stdout.contains("step 1\n") && !run.stdout.contains("step 2"),
+        "{}",
+        run.stdout
+    );
+    for rank in 0..2 {
+        let line = run
+            .stderr
+            .lines()
+            .position(|l| l.starts_with(&format!("Error: rank {rank}: backward_step: ")))
+            .unwrap_or_else(|| panic!("no error line of rank {rank}:\n{}", run.stderr));
+        let message: Vec<&str> = run.stderr.lines().skip(line).collect();
+        let end = message
+            .iter()
+            .position(|l| l.starts_with("hint: "))
+            .unwrap_or_else(|| panic!("rank {rank}: no hint:\n{}", run.stderr));
+        assert!(
+            message[..end]
+                .iter()
+                .any(|l| l.contains("find_unused_parameters=True")),
+            "rank {rank}: libtorch's own text, which names the option:\n{}",
+            run.stderr
+        );
+        assert_eq!(message[end], UNUSED_HINT, "rank {rank}");
+    }
+    assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
+
+    // With the option, the same model trains.
+    let dir = scratch_dir("hint-unused-found");
+    let run = run_tchrun(
+        &dir,
+        &["--nproc-per-node", "2", WORKER, "unused-found"],
+        TIMEOUT,
+        |_, _| {},
+    );
+    run.assert_success();
+    assert!(run.stdout.contains("step 3"), "{}", run.stdout);
+}
