@@ -23,7 +23,9 @@ const TIMEOUT: Duration = Duration::from_secs(90);
 fn hello(name: &str, env: &[(&str, &str)]) -> Run {
     let dir = scratch_dir(name);
     let mut cmd = Command::new(WORKER);
-    without_launcher(&mut cmd).arg("hello").envs(env.iter().copied());
+    without_launcher(&mut cmd)
+        .arg("hello")
+        .envs(env.iter().copied());
     run_with(cmd, &dir, TIMEOUT, |_, _| {})
 }
 

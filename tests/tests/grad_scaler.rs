@@ -98,10 +98,9 @@ fn an_fp16_run_resumed_from_a_checkpoint_continues_as_the_uninterrupted_one() {
     let ckpt = first.join("ckpt");
     resume_run(&first, &ckpt, "5", Some("5"));
     assert_eq!(lines(&first, 0), reference[..5], "the first 5 steps");
-    let state: serde_json::Value = serde_json::from_str(
-        &fs::read_to_string(ckpt.join("step-0000000005/state.json")).unwrap(),
-    )
-    .unwrap();
+    let state: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(ckpt.join("step-0000000005/state.json")).unwrap())
+            .unwrap();
     // Neither the initial scale nor a fresh tracker: a resume that dropped either
     // would go on differently.
     assert_eq!(
@@ -238,7 +237,11 @@ fn clip_grad_value_with_a_scaler_still_skips_an_overflowed_step() {
         .unwrap();
     assert!(!stepped, "an inf gradient skips the step, clipped or not");
     assert_eq!(values(&p), [1.0, 2.0, 3.0, 4.0], "p unchanged");
-    assert_eq!(opt.scaler().unwrap().state(), (512.0, 0), "the scale halved");
+    assert_eq!(
+        opt.scaler().unwrap().state(),
+        (512.0, 0),
+        "the scale halved"
+    );
 }
 
 #[test]

@@ -1,10 +1,11 @@
 //! The `DataLoader` at the two places where an epoch is cut short, on real ranks
 //! (`loader_worker` under `tchrun`):
 //!
-//! - a checkpoint taken mid-epoch and resumed with another number of ranks: the loader's
-//!   position, counted in samples, is converted to the new world size (rounded down to
-//!   whole batches), so that over the epoch every sample is trained on once, but for
-//!   the rounding and the sampler's padding, which the book documents;
+//! - a checkpoint taken mid-epoch (in the second epoch) and resumed with another number
+//!   of ranks: the loader's position, counted in samples, is converted to the new world
+//!   size (rounded down to whole batches), so that over the epoch every sample is
+//!   trained on once, but for the rounding and the sampler's padding, which the book
+//!   documents, and the next epoch is whole;
 //! - gradient accumulation when an epoch's batches are not a multiple of the
 //!   accumulation count: the epoch's last micro-batch ends a short cycle that steps
 //!   (its loss still divided by the count, as in Accelerate), against the same updates
@@ -37,8 +38,10 @@ fn numbers(text: &str) -> Vec<i64> {
         .collect()
 }
 
-/// The `epoch E: [ids…]` lines of `seen{rank}.txt`, by epoch, and its other lines.
-fn seen(out: &Path, rank: usize) -> (BTreeMap<u64, Vec<i64>>, Vec<String>) {
+/// The `epoch E: [ids…]` lines of a `seen{rank}.txt`, by epoch, and its other lines.
+type Seen = (BTreeMap<u64, Vec<i64>>, Vec<String>);
+
+fn seen(out: &Path, rank: usize) -> Seen {
     let text = fs::read_to_string(out.join(format!("seen{rank}.txt"))).unwrap();
     let mut epochs = BTreeMap::new();
     let mut other = Vec::new();
@@ -56,28 +59,34 @@ fn seen(out: &Path, rank: usize) -> (BTreeMap<u64, Vec<i64>>, Vec<String>) {
     (epochs, other)
 }
 
-/// Records position `p` of the epoch's order as sample `id`; a position read in both
-/// runs must hold the same sample in both.
-fn place(order: &mut BTreeMap<usize, i64>, p: usize, id: i64, what: &str) {
-    if let Some(&before) = order.get(&p) {
-        assert_eq!(before, id, "{what}: position {p} of the epoch's order");
+/// The epoch's order, position by position, as `w` ranks read it: rank r reads
+/// positions r, r + w, r + 2w, … (PyTorch's DistributedSampler) from `first_batch` on.
+fn order_of(per_rank: &[Vec<i64>], first_batch: usize, batch: usize) -> BTreeMap<usize, i64> {
+    let w = per_rank.len();
+    let mut order = BTreeMap::new();
+    for (rank, ids) in per_rank.iter().enumerate() {
+        for (j, &id) in ids.iter().enumerate() {
+            order.insert((first_batch * batch + j) * w + rank, id);
+        }
     }
-    order.insert(p, id);
+    order
 }
 
-/// Trains `N = 50` samples, batch 4 per rank, on `w1` ranks for `k` steps (a
-/// checkpoint there, mid-epoch 0), then resumes on `w2` ranks to the end of epoch 1.
-/// `repeats`: how many of epoch 0's samples the book's rules say are trained on twice
-/// (the rounding down to whole batches of the new world size, plus the new world
-/// size's padding).
+/// Trains `N = 50` samples, batch 4 per rank, on `w1` ranks through epoch 0 and `k`
+/// steps into epoch 1 (a checkpoint there), then resumes on `w2` ranks to the end of
+/// epoch 2. `repeats`: how many of epoch 1's samples the book's rules say are
+/// trained on twice (the position rounded down to whole batches of the new world
+/// size, plus the new world size's padding).
 fn resume_case(w1: usize, k: usize, w2: usize, repeats: usize) {
     let (n, batch) = (50usize, 4usize);
-    let what = format!("{w1} ranks for {k} steps, then {w2}");
+    let what = format!("{w1} ranks to step {k} of epoch 1, then {w2}");
     let dir = scratch_dir(&format!("loader-resume-{w1}-{k}-{w2}"));
     let ckpt = dir.join("ckpt");
     let (first, resumed) = (dir.join("first"), dir.join("resumed"));
     fs::create_dir_all(&first).unwrap();
     fs::create_dir_all(&resumed).unwrap();
+    let steps_per_epoch = n.div_ceil(w1).div_ceil(batch);
+    let stop = steps_per_epoch + k;
     let args = |out: &Path, stop: usize, epochs: &str| {
         let v: Vec<String> = vec![
             "resume".into(),
@@ -90,83 +99,103 @@ fn resume_case(w1: usize, k: usize, w2: usize, repeats: usize) {
         ];
         v
     };
-    let a = args(&first, k, "1");
-    tchrun_ok(&first, w1, &a.iter().map(String::as_str).collect::<Vec<_>>());
-    let a = args(&resumed, 0, "2");
-    tchrun_ok(&resumed, w2, &a.iter().map(String::as_str).collect::<Vec<_>>());
+    let a = args(&first, stop, "2");
+    tchrun_ok(
+        &first,
+        w1,
+        &a.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let a = args(&resumed, 0, "3");
+    tchrun_ok(
+        &resumed,
+        w2,
+        &a.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
 
-    // The epoch's order, position by position, from what each rank trained on: rank r
-    // of w ranks reads positions r, r + w, r + 2w, … (PyTorch's DistributedSampler),
-    // and positions past the end (padding) repeat the order's first ones.
+    let before: Vec<BTreeMap<u64, Vec<i64>>> = (0..w1).map(|r| seen(&first, r).0).collect();
+    let after: Vec<Seen> = (0..w2).map(|r| seen(&resumed, r)).collect();
+    let epoch = |runs: &[&BTreeMap<u64, Vec<i64>>], e: u64| -> Vec<Vec<i64>> {
+        runs.iter().map(|m| m[&e].clone()).collect()
+    };
+    let before_refs: Vec<&BTreeMap<u64, Vec<i64>>> = before.iter().collect();
+    let after_refs: Vec<&BTreeMap<u64, Vec<i64>>> = after.iter().map(|a| &a.0).collect();
+
+    // Epoch 0, whole on w1 ranks (its order, for comparison below).
+    let order0: Vec<i64> = order_of(&epoch(&before_refs, 0), 0, batch)
+        .into_values()
+        .take(n)
+        .collect();
+
+    // Epoch 1: k batches per rank on w1 ranks, then the rest in whole batches of w2.
     let consumed = k * batch * w1;
-    let mut order = BTreeMap::new();
-    let mut trained = 0;
-    for rank in 0..w1 {
-        let (epochs, _) = seen(&first, rank);
-        let ids = &epochs[&0];
-        assert_eq!(ids.len(), k * batch, "{what}: rank {rank} before the stop");
-        for (i, &id) in ids.iter().enumerate() {
-            place(&mut order, i * w1 + rank, id, &what);
-        }
-        trained += ids.len();
-    }
-    let per_rank = n.div_ceil(w2);
-    let skipped_batches = consumed / (batch * w2);
-    let mut next_epoch = Vec::new();
-    for rank in 0..w2 {
-        let (epochs, other) = seen(&resumed, rank);
+    for (rank, (_, other)) in after.iter().enumerate() {
         assert_eq!(
             other,
-            [format!(
-                "resumed at step {k} epoch 0 samples {consumed} world size {w1}"
+            &[format!(
+                "resumed at step {stop} epoch 1 samples {consumed} world size {w1}"
             )],
             "{what}: rank {rank}"
         );
-        let ids = &epochs[&0];
-        assert_eq!(
-            ids.len(),
-            per_rank - skipped_batches * batch,
-            "{what}: rank {rank} reads the rest of epoch 0 in whole batches"
-        );
-        for (j, &id) in ids.iter().enumerate() {
-            let p = (skipped_batches * batch + j) * w2 + rank;
-            place(&mut order, if p < n { p } else { p - n }, id, &what);
-        }
-        trained += ids.len();
-        assert_eq!(epochs[&1].len(), per_rank, "{what}: rank {rank}, epoch 1");
-        next_epoch.extend(epochs[&1].iter().copied());
     }
-    // Every position of epoch 0 was read, and they hold every sample once: the resumed
-    // run went on with the same shuffle, from where the first stopped.
+    let first_part = epoch(&before_refs, 1);
+    assert!(
+        first_part.iter().all(|ids| ids.len() == k * batch),
+        "{what}: {k} batches per rank before the stop: {first_part:?}"
+    );
+    let per_rank = n.div_ceil(w2);
+    let skipped_batches = consumed / (batch * w2);
+    let second_part = epoch(&after_refs, 1);
+    assert!(
+        second_part
+            .iter()
+            .all(|ids| ids.len() == per_rank - skipped_batches * batch),
+        "{what}: the resumed ranks read the rest of epoch 1 in whole batches: {second_part:?}"
+    );
+    // A position read before and after the resume holds the same sample in both, and
+    // positions past the end (the padding) repeat the order's first ones.
+    let mut order = order_of(&first_part, 0, batch);
+    for (p, id) in order_of(&second_part, skipped_batches, batch) {
+        let p = if p < n { p } else { p - n };
+        if let Some(&before) = order.get(&p) {
+            assert_eq!(before, id, "{what}: position {p} of epoch 1's order");
+        }
+        order.insert(p, id);
+    }
+    // Every position of epoch 1 was read, and they hold every sample once: the resumed
+    // run went on with the same shuffle, from where the first run stopped.
     assert_eq!(
         order.keys().copied().collect::<Vec<_>>(),
         (0..n).collect::<Vec<_>>(),
-        "{what}: positions of epoch 0 never read"
+        "{what}: positions of epoch 1 never read"
     );
-    let samples: BTreeSet<i64> = order.values().copied().collect();
+    let order1: Vec<i64> = order.values().copied().collect();
+    let samples: BTreeSet<i64> = order1.iter().copied().collect();
     assert_eq!(
         samples,
         (0..n as i64).collect(),
-        "{what}: epoch 0 is not a permutation of the data"
+        "{what}: epoch 1 is not a permutation of the data"
     );
+    let trained: usize = first_part.iter().chain(&second_part).map(Vec::len).sum();
     assert_eq!(
         trained,
         n + repeats,
-        "{what}: samples trained on in epoch 0 (the data, and {repeats} twice)"
+        "{what}: samples trained on in epoch 1 (the data, and {repeats} of them twice)"
     );
-    // The next epoch is whole, on the new world size, with its own shuffle.
-    let distinct: BTreeSet<i64> = next_epoch.iter().copied().collect();
-    assert_eq!(distinct, samples, "{what}: epoch 1 covers the data");
-    assert_eq!(next_epoch.len(), per_rank * w2, "{what}: epoch 1");
-    let order0: Vec<i64> = order.values().copied().collect();
-    let mut order1 = vec![0; per_rank * w2];
-    for rank in 0..w2 {
-        let (epochs, _) = seen(&resumed, rank);
-        for (j, &id) in epochs[&1].iter().enumerate() {
-            order1[j * w2 + rank] = id;
-        }
-    }
-    assert_ne!(order1[..n], order0[..], "{what}: epoch 1 reshuffles");
+    assert_ne!(order1, order0, "{what}: epoch 1 has a shuffle of its own");
+
+    // Epoch 2 is whole, on the new world size, with its own shuffle.
+    let next = epoch(&after_refs, 2);
+    assert!(
+        next.iter().all(|ids| ids.len() == per_rank),
+        "{what}: {next:?}"
+    );
+    let order2: Vec<i64> = order_of(&next, 0, batch).into_values().take(n).collect();
+    assert_eq!(
+        order2.iter().copied().collect::<BTreeSet<i64>>(),
+        samples,
+        "{what}: epoch 2 covers the data"
+    );
+    assert_ne!(order2, order1, "{what}: epoch 2 reshuffles");
 }
 
 #[test]
@@ -238,7 +267,10 @@ fn an_epoch_that_ends_mid_cycle_steps_on_its_last_micro_batch() {
         micro.push(per_epoch);
     }
     assert_eq!(params.len(), ranks);
-    assert_eq!(params[0], params[1], "the ranks end with the same parameters");
+    assert_eq!(
+        params[0], params[1],
+        "the ranks end with the same parameters"
+    );
 
     // The same updates in plain tch on one process: per cycle, the sum over both ranks'
     // micro-batches of (mean squared error) / 3 / 2 ranks, then one SGD step.
@@ -260,7 +292,7 @@ fn an_epoch_that_ends_mid_cycle_steps_on_its_last_micro_batch() {
                     let loss = net
                         .forward(&x.narrow(1, 1, 1))
                         .mse_loss(&y, tch::Reduction::Mean);
-                    total = total + loss / (accum * ranks) as f64;
+                    total += loss / (accum * ranks) as f64;
                 }
             }
             opt.backward_step(&total);

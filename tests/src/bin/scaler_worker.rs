@@ -45,9 +45,7 @@ fn resume(out: &str, ckpt: &str, steps: u64, save_at: Option<u64>) -> anyhow::Re
     let ctx = tch_distributed::init()?;
     let rank = ctx.rank();
     let mut vs = VarStore::new(Device::Cpu);
-    let p = vs
-        .root()
-        .var_copy("p", &Tensor::from_slice(&[1.0f32, 2.0]));
+    let p = vs.root().var_copy("p", &Tensor::from_slice(&[1.0f32, 2.0]));
     let mut opt = Optimizer::new(&nn::Sgd::default(), &vs, 0.5)?
         .grad_scaler(GradScaler::new().init_scale(8.0).growth_interval(3));
     let checkpoints = Checkpointer::new(ckpt);
