@@ -9,6 +9,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
+pub mod compare;
+
 /// The `tchrun` binary built next to the test executables (`target/<profile>/tchrun`).
 ///
 /// Panics, saying how to build it, when it is missing: `cargo test` builds only this

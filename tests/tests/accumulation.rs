@@ -2,19 +2,12 @@
 //! big batch on one process, with one all-reduce per optimizer step; clipping sees
 //! the averaged gradients, so every rank clips by the same global norm.
 
-use std::fs;
 use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{run_tchrun, run_with, scratch_dir};
+use tch_distributed_tests::{compare, run_tchrun, run_with, scratch_dir};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_accum_worker");
-
-fn parse(text: &str) -> Vec<f64> {
-    text.split(['[', ']', ','])
-        .filter_map(|s| s.trim().parse().ok())
-        .collect()
-}
 
 #[test]
 fn three_micro_batches_on_two_ranks_equal_one_batch_six_times_larger() {
@@ -31,16 +24,15 @@ fn three_micro_batches_on_two_ranks_equal_one_batch_six_times_larger() {
     cmd.args([d, "big"]).env_remove("TCH_DISTRIBUTED_NPROC");
     run_with(cmd, &dir, Duration::from_secs(60), |_, _| {}).assert_success();
 
-    let big = parse(&fs::read_to_string(dir.join("params-big.txt")).unwrap());
-    assert!(!big.is_empty());
+    let big = dir.join("params-big.safetensors");
+    let moved = compare::files(&dir.join("init.safetensors"), &big);
+    assert!(
+        moved.max_abs > 1e-3,
+        "the big step moved the parameters: {moved:?}"
+    );
     for rank in 0..2 {
-        let ours = parse(&fs::read_to_string(dir.join(format!("params{rank}.txt"))).unwrap());
-        let diff = ours
-            .iter()
-            .zip(&big)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f64::max);
-        assert!(diff < 1e-6, "rank {rank}: max difference {diff}");
+        let ours = dir.join(format!("params{rank}.safetensors"));
+        compare::files(&ours, &big).assert_within(1e-6, &format!("rank {rank} against one batch"));
         assert!(
             run.stdout.contains(&format!(
                 "rank {rank}: stepped [false, false, true], synced 1, local 2"

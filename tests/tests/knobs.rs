@@ -9,7 +9,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{run_tchrun, run_with, scratch_dir, Run};
+use tch::Tensor;
+use tch_distributed_tests::{compare, run_tchrun, run_with, scratch_dir, Run};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_knobs_worker");
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -65,13 +66,8 @@ fn grad_accum_on_two_ranks_equals_the_same_updates_on_one_process() {
                 "{mode}, rank {rank}"
             );
             let ours = parse(&read(&dir, &format!("params{rank}.txt")));
-            assert_eq!(ours.len(), reference.len());
-            for (a, b) in ours.iter().zip(&reference) {
-                assert!(
-                    (a - b).abs() < 1e-6,
-                    "{mode}, rank {rank}: {ours:?} vs one process {reference:?}"
-                );
-            }
+            compare::tensors(&Tensor::from_slice(&ours), &Tensor::from_slice(&reference))
+                .assert_within(1e-6, &format!("{mode}, rank {rank} against one process"));
         }
     }
 }

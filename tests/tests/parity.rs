@@ -37,6 +37,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use tch::{Kind, Tensor};
+use tch_distributed_tests::compare::{files as compare, files_where as compare_where, Difference};
 use tch_distributed_tests::{run_tchrun, run_with, scratch_dir};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_parity_worker");
@@ -103,56 +104,6 @@ fn write_bn_fixture(dir: &Path) {
     Tensor::write_safetensors(&[("x", &x), ("y", &y)], dir.join("data.safetensors")).unwrap();
     let weights: Vec<(&str, &Tensor)> = weights.iter().map(|(n, t)| (*n, t)).collect();
     Tensor::write_safetensors(&weights, dir.join("init.safetensors")).unwrap();
-}
-
-/// The tensors of a safetensors file, by name, as float32 values.
-fn read(path: &Path) -> BTreeMap<String, Vec<f32>> {
-    Tensor::read_safetensors(path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-        .into_iter()
-        .map(|(name, t)| {
-            assert_eq!(t.kind(), Kind::Float, "{name}");
-            (name, Vec::<f32>::try_from(t.view([-1])).unwrap())
-        })
-        .collect()
-}
-
-/// How far apart two runs' parameters are.
-#[derive(Debug, Clone, Copy, PartialEq)]
-struct Difference {
-    /// The largest absolute difference of one parameter element.
-    max_abs: f64,
-    /// How many elements (of all parameters) differ in their bits.
-    differing: usize,
-    elements: usize,
-}
-
-fn compare(ours: &Path, theirs: &Path) -> Difference {
-    compare_where(ours, theirs, |_| true)
-}
-
-/// [`compare`] over the tensors whose name `pick` accepts (both files must hold the
-/// same names).
-fn compare_where(ours: &Path, theirs: &Path, pick: impl Fn(&str) -> bool) -> Difference {
-    let (ours, theirs) = (read(ours), read(theirs));
-    let names = |m: &BTreeMap<String, Vec<f32>>| m.keys().cloned().collect::<Vec<_>>();
-    assert_eq!(names(&ours), names(&theirs), "the same parameter names");
-    let mut diff = Difference {
-        max_abs: 0.0,
-        differing: 0,
-        elements: 0,
-    };
-    for (name, a) in ours.iter().filter(|(name, _)| pick(name)) {
-        let b = &theirs[name];
-        assert_eq!(a.len(), b.len(), "{name}");
-        for (x, y) in a.iter().zip(b) {
-            assert!(x.is_finite() && y.is_finite(), "{name}: {x} vs {y}");
-            diff.max_abs = diff.max_abs.max((*x as f64 - *y as f64).abs());
-            diff.differing += (x.to_bits() != y.to_bits()) as usize;
-            diff.elements += 1;
-        }
-    }
-    diff
 }
 
 #[test]
@@ -227,8 +178,12 @@ fn sgd_momentum_and_adam_match_pytorch_ddp_on_two_ranks() {
     }
     let adam = |step| diffs[&("adam", step)];
     assert_eq!(adam(1).differing, 0, "Adam, step 1: bit for bit\n{report}");
-    assert!(adam(10).max_abs < 1e-6, "Adam, step 10\n{report}");
-    assert!(adam(100).max_abs < 1e-5, "Adam, step 100\n{report}");
+    // Measured with PyTorch 2.11.0: 2.98e-8 at step 10 and 2.38e-7 at step 100 (the
+    // lerp rounding above, carried and amplified). The tolerances leave a margin of
+    // about 7 and 4 over that and no more, so that a real difference in the optimizer
+    // or the averaging cannot hide under them.
+    assert!(adam(10).max_abs <= 2e-7, "Adam, step 10\n{report}");
+    assert!(adam(100).max_abs <= 1e-6, "Adam, step 100\n{report}");
 }
 
 /// The BatchNorm case: a small convnet (conv → batch norm → relu, twice, then a linear

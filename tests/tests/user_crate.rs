@@ -14,7 +14,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use tch::Tensor;
-use tch_distributed_tests::{run_with, scratch_dir, without_launcher};
+use tch_distributed_tests::{compare, run_with, scratch_dir, without_launcher};
 
 /// What a user writes: the crate's manifest, with the SDK by `path`.
 fn manifest(tch: &str, sdk: &Path) -> String {
@@ -120,8 +120,6 @@ fn a_user_crate_on_this_tch_adds_the_sdk_and_trains_on_two_ranks() {
     };
     let (rank0, rank1) = (read(0), read(1));
     assert_eq!(rank0.len(), 4, "l1 and l2, weight and bias");
-    for ((name, a), (name1, b)) in rank0.iter().zip(&rank1) {
-        assert_eq!(name, name1);
-        assert!(a.equal(b), "{name} differs between rank 0 and rank 1");
-    }
+    let diff = compare::named(&rank0, &rank1);
+    assert!(diff.is_exact(), "rank 0 and rank 1 differ: {diff:?}");
 }

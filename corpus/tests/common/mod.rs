@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use tch::Tensor;
-pub use tch_distributed_tests::{run_with, scratch_dir, tchrun, without_launcher, Run};
+pub use tch_distributed_tests::{compare, run_with, scratch_dir, tchrun, without_launcher, Run};
 
 /// Per run: multi-process runs on 2 CPU cores take seconds, a hang is killed here.
 pub const TIMEOUT: Duration = Duration::from_secs(240);
@@ -58,33 +58,20 @@ pub fn read_tensors(path: &Path) -> BTreeMap<String, Tensor> {
         .collect()
 }
 
-/// Asserts that two sets of named tensors are equal bit for bit (same names, dtypes,
-/// shapes and values; NaN equal to NaN in the same place).
+/// Asserts that two sets of named tensors are equal bit for bit: the same names, dtypes,
+/// shapes and bits, through the suite's one comparison
+/// (`tch_distributed_tests::compare`), for which NaN or infinity on either side is a
+/// failure, never a match.
 pub fn assert_same_tensors(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>, what: &str) {
-    let names = |m: &BTreeMap<String, Tensor>| m.keys().cloned().collect::<Vec<_>>();
-    assert_eq!(names(a), names(b), "{what}: different variables");
-    for (name, x) in a {
-        let y = &b[name];
-        assert_eq!(x.kind(), y.kind(), "{what}: {name} dtype");
-        assert_eq!(x.size(), y.size(), "{what}: {name} shape");
-        assert!(
-            x.equal_nan(y),
-            "{what}: {name} differs (max abs difference {})",
-            (x - y).abs().max().double_value(&[])
-        );
+    fn list(m: &BTreeMap<String, Tensor>) -> Vec<(&String, &Tensor)> {
+        m.iter().collect()
     }
-}
-
-trait EqualNan {
-    fn equal_nan(&self, other: &Tensor) -> bool;
-}
-impl EqualNan for Tensor {
-    fn equal_nan(&self, other: &Tensor) -> bool {
-        self.isnan().equal(&other.isnan())
-            && self
-                .nan_to_num(0.0, None, None)
-                .equal(&other.nan_to_num(0.0, None, None))
-    }
+    // The comparison's own panic (printed above this one) says which tensor and why.
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        compare::named(&list(a), &list(b))
+    }));
+    let diff = result.unwrap_or_else(|_| panic!("{what}: the comparison failed (above)"));
+    assert!(diff.is_exact(), "{what}: not bit for bit equal: {diff:?}");
 }
 
 /// Asserts that every rank ended with the same parameters and buffers, bit for bit,

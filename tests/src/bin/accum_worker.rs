@@ -4,9 +4,10 @@
 //!   `6r..6r+6` as 3 micro-batches of 2 with `accumulate(3)`, then one more
 //!   micro-batch after `sync_next()` (data ending mid-cycle). It prints which
 //!   micro-steps stepped and the DDP counters, and writes the parameters after the
-//!   first optimizer step to `OUT/params{rank}.txt`.
+//!   first optimizer step to `OUT/params{rank}.safetensors`.
 //! - `accum_worker OUT big` (one process): one step on all 12 samples at once, to
-//!   `OUT/params-big.txt`.
+//!   `OUT/params-big.safetensors` (and the parameters before it to
+//!   `OUT/init.safetensors`).
 //! - `accum_worker OUT clip` (under tchrun, 2 ranks, or one process for all 12
 //!   samples): prints the global gradient norm that `clip_grad_norm` sees after the
 //!   averaging backward, and the clipped norm.
@@ -32,14 +33,6 @@ fn main() -> anyhow::Result<()> {
         }
     });
     let loss = |x: &Tensor, y: &Tensor| net.forward(x).mse_loss(y, tch::Reduction::Mean);
-    let params = || -> anyhow::Result<String> {
-        let values: Vec<Vec<f32>> = vs
-            .trainable_variables()
-            .iter()
-            .map(|t| Vec::<f32>::try_from(t.view([-1])))
-            .collect::<Result<_, _>>()?;
-        Ok(format!("{values:?}"))
-    };
     match mode {
         "clip" => {
             let ddp =
@@ -62,9 +55,10 @@ fn main() -> anyhow::Result<()> {
             println!("rank {rank}: norm {norm:?} clipped {clipped:?}");
         }
         "big" => {
+            vs.save(format!("{out}/init.safetensors"))?;
             let mut opt = Optimizer::new(&nn::Sgd::default(), &vs, 0.1)?;
             opt.backward_step(&loss(&xs, &ys))?;
-            std::fs::write(format!("{out}/params-big.txt"), params()?)?;
+            vs.save(format!("{out}/params-big.safetensors"))?;
         }
         _ => {
             let ddp =
@@ -81,7 +75,7 @@ fn main() -> anyhow::Result<()> {
                 );
                 stepped.push(opt.backward_step(&loss(&x, &y))?);
             }
-            std::fs::write(format!("{out}/params{rank}.txt"), params()?)?;
+            vs.save(format!("{out}/params{rank}.safetensors"))?;
             let stats = opt.ddp().unwrap().stats();
             println!(
                 "rank {rank}: stepped {stepped:?}, synced {}, local {}",
