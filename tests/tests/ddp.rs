@@ -35,12 +35,27 @@ fn averaged_gradient_equals_single_process_gradient_and_parameters_come_from_ran
     }
 }
 
+/// Every step kind trains as PyTorch DDP does: 20 steps of SGD with momentum on 2
+/// ranks end, on both, within 1e-6 of one process that steps on each step's global
+/// batch (both ranks' rows) with the gradient of its mean loss, clipped after it is
+/// complete for `clip` and `clip_norm` (written out as `torch.nn.utils.clip_grad_*`
+/// computes it); the parameters moved, and the clipping changed the result. See
+/// `ddp_worker`'s `train_reference`.
 #[test]
-fn ranks_hold_identical_parameters_after_20_steps_for_every_step_kind() {
+fn every_step_kind_equals_one_process_on_the_global_batch_after_20_steps() {
     for kind in ["plain", "clip", "clip_norm", "manual"] {
         let run = ddp(2, &["train", "--steps", "20", "--step-kind", kind]);
         assert_eq!(
             count(&run, "ok identical after 20 steps"),
+            2,
+            "{kind}: {}",
+            run.stdout
+        );
+        assert_eq!(
+            count(
+                &run,
+                &format!("ok equals one process on the global batch after 20 steps ({kind})")
+            ),
             2,
             "{kind}: {}",
             run.stdout
@@ -72,11 +87,16 @@ fn no_sync_accumulates_locally_then_averages_once() {
     );
 }
 
+/// With `find_unused_parameters`, a model with a layer the loss never uses trains to
+/// the parameters of one process on the global batch, the unused layer unchanged.
 #[test]
 fn find_unused_parameters_trains_a_model_with_an_unused_layer() {
     let run = ddp(2, &["unused"]);
     assert_eq!(
-        count(&run, "ok find_unused_parameters"),
+        count(
+            &run,
+            "ok find_unused_parameters: equals one process on the global batch"
+        ),
         2,
         "{}",
         run.stdout

@@ -2,24 +2,20 @@
 //! launcher, a taken port and a killed rank fail fast with a clear message.
 
 use std::net::TcpListener;
-use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use tch::Tensor;
-use tch_distributed_tests::{children, run_tchrun, run_with, scratch_dir, torchrun, wait_for_text};
+use tch_distributed_tests::{
+    children, compare, run_tchrun, run_with, scratch_dir, torchrun, wait_for_text,
+};
+
+#[path = "support/macro_reference.rs"]
+mod macro_reference;
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ddp_worker");
 const COLLECTIVES: &str = env!("CARGO_BIN_EXE_collectives");
 const MACRO_WORKER: &str = env!("CARGO_BIN_EXE_macro_worker");
 const TIMEOUT: Duration = Duration::from_secs(90);
-
-fn read_params(path: &Path) -> Vec<(String, Tensor)> {
-    let mut named =
-        Tensor::read_safetensors(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    named.sort_by(|a, b| a.0.cmp(&b.0));
-    named
-}
 
 #[test]
 fn torchrun_no_python_trains_and_agrees_with_tchrun() {
@@ -67,14 +63,22 @@ fn torchrun_no_python_trains_and_agrees_with_tchrun() {
         "{}",
         run.stdout
     );
+    // Each rank checked its parameters against one process on the global batch.
+    assert_eq!(
+        run.stdout
+            .matches("ok equals one process on the global batch after 20 steps")
+            .count(),
+        2,
+        "{}",
+        run.stdout
+    );
     for rank in 0..2 {
-        let a = read_params(&ours.join(format!("rank{rank}.safetensors")));
-        let b = read_params(&theirs.join(format!("rank{rank}.safetensors")));
-        assert_eq!(a.len(), b.len());
-        for ((na, ta), (nb, tb)) in a.iter().zip(&b) {
-            assert_eq!(na, nb);
-            assert!(ta.equal(tb), "{na} differs between tchrun and torchrun");
-        }
+        let file = format!("rank{rank}.safetensors");
+        let diff = compare::files(&ours.join(&file), &theirs.join(&file));
+        assert!(
+            diff.is_exact(),
+            "rank {rank}: tchrun and torchrun differ: {diff:?}"
+        );
     }
 }
 
@@ -208,6 +212,7 @@ fn a_slurm_job_step_forms_the_job_from_srun_variables() {
         .map(|r| std::fs::read_to_string(dir.join(format!("params{r}.txt"))).unwrap())
         .collect();
     assert_eq!(params[0], params[1], "one model trained by both tasks");
+    macro_reference::assert_model_equals_reference(&dir, 2);
 }
 
 /// Whether `pid` still runs (exists and is not a zombie).
@@ -528,4 +533,5 @@ fn two_nodes_restart_together_at_node_0s_store() {
         .map(|r| std::fs::read_to_string(dir.join(format!("params{r}.txt"))).unwrap())
         .collect();
     assert_eq!(params[0], params[1], "one model trained by both nodes");
+    macro_reference::assert_model_equals_reference(&dir, 2);
 }

@@ -8,7 +8,10 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{run_tchrun, run_with, scratch_dir, Run};
+use tch_distributed_tests::{compare, run_tchrun, run_with, scratch_dir, Run};
+
+#[path = "support/macro_reference.rs"]
+mod macro_reference;
 
 const WORKER: &str = env!("CARGO_BIN_EXE_macro_worker");
 const TIMEOUT: Duration = Duration::from_secs(90);
@@ -26,7 +29,9 @@ fn seen(dir: &Path, rank: usize, epoch: usize) -> Vec<i64> {
 }
 
 /// Checks a finished `world`-rank run of `macro_worker` over `rows` samples in
-/// batches of 4 (the smaller last batch kept).
+/// batches of 4 (the smaller last batch kept): the shards, and a model that is the
+/// one-process closed form of DDP's training on the batches the ranks logged
+/// (`macro_reference`), the same on every rank.
 fn check_run(run: &Run, dir: &Path, world: usize, rows: i64) {
     run.assert_success();
     assert_eq!(
@@ -96,6 +101,7 @@ fn check_run(run: &Run, dir: &Path, world: usize, rows: i64) {
     );
     let saved = tch::Tensor::read_safetensors(dir.join("model.safetensors")).unwrap();
     assert_eq!(saved.len(), 2, "weight and bias: {saved:?}");
+    macro_reference::assert_model_equals_reference(dir, world);
 }
 
 #[test]
@@ -169,14 +175,12 @@ fn one_process_without_launcher_is_bit_identical_to_the_plain_function() {
             "{file} differs with and without #[distributed]"
         );
     }
-    let read = |dir: &Path| {
-        let mut named = tch::Tensor::read_safetensors(dir.join("model.safetensors")).unwrap();
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        named
-    };
-    let (a, b) = (read(&with), read(&plain));
-    for ((na, ta), (nb, tb)) in a.iter().zip(&b) {
-        assert_eq!(na, nb);
-        assert!(ta.equal(tb), "{na} differs");
-    }
+    let model = |dir: &Path| dir.join("model.safetensors");
+    let diff = compare::files(&model(&with), &model(&plain));
+    assert!(
+        diff.is_exact() && diff.elements == 2,
+        "the model differs with and without #[distributed]: {diff:?}"
+    );
+    // And both are the closed form's, as one rank of DDP.
+    macro_reference::assert_model_equals_reference(&with, 1);
 }

@@ -1,8 +1,12 @@
 //! Worker for the `#[distributed]` tests: plain single-GPU tch code plus the attribute.
 //! `macro_worker OUT_DIR ROWS [--plain]` trains a linear model for 2 epochs over `ROWS`
 //! samples (batch 4, shuffled, smaller last batch kept) and writes, per rank, the
-//! sample ids it saw per epoch to `OUT_DIR/seen{rank}.txt`, its final parameters to
-//! `OUT_DIR/params{rank}.txt`, and the model to `OUT_DIR/model.safetensors`.
+//! sample ids it saw per epoch to `OUT_DIR/seen{rank}.txt`, the ids of each step's
+//! batch to `OUT_DIR/batches{rank}.txt` (one line per step), its parameters once the
+//! optimizer is built (rank 0's, broadcast) to `OUT_DIR/init{rank}.safetensors`, its
+//! final parameters to `OUT_DIR/params{rank}.txt`, and the model to
+//! `OUT_DIR/model.safetensors`: enough to recompute the training in one process
+//! (`tests/tests/support/macro_reference.rs`).
 //! `--plain` runs the same function without the attribute. With `SEED=s` in the
 //! environment it seeds libtorch's generator first (unseeded, libtorch draws a seed
 //! at random); with `FAIL_RANK=r`, rank `r` returns an error after its first step;
@@ -36,6 +40,10 @@ train! {
     let width = if std::env::var("MISMATCH").is_ok() { 1 + rank as i64 } else { 1 };
     let net = nn::linear(vs.root(), 1, width, Default::default());
     let mut opt = nn::Sgd::default().build(&vs, 1e-4)?;
+    let mut init: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    init.sort_by(|a, b| a.0.cmp(&b.0));
+    Tensor::write_safetensors(&init, format!("{out}/init{rank}.safetensors"))?;
+    let mut batches = String::new();
     let fail = std::env::var("FAIL_RANK").ok().and_then(|r| r.parse::<usize>().ok());
     let mut log = String::new();
     let mut steps = 0;
@@ -45,11 +53,12 @@ train! {
             .shuffle()
             .return_smaller_last_batch()
         {
-            seen.extend(
-                Vec::<f32>::try_from(bx.view([-1]))?
-                    .into_iter()
-                    .map(|v| v as i64),
-            );
+            let ids: Vec<i64> = Vec::<f32>::try_from(bx.view([-1]))?
+                .into_iter()
+                .map(|v| v as i64)
+                .collect();
+            batches.push_str(&format!("{ids:?}\n"));
+            seen.extend(ids);
             // Draws as much randomness as dropout on this batch would: the ranks'
             // generators drift apart on the smaller last batch.
             let noise = Tensor::rand_like(&bx) * 0.0;
@@ -67,6 +76,7 @@ train! {
     }
     log.push_str(&format!("steps {steps}\n"));
     std::fs::write(format!("{out}/seen{rank}.txt"), log)?;
+    std::fs::write(format!("{out}/batches{rank}.txt"), batches)?;
     let params: Vec<f32> = vs
         .trainable_variables()
         .iter()
