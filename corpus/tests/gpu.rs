@@ -17,8 +17,10 @@ use std::path::Path;
 use common::*;
 use tch_distributed_tests::binary;
 
-/// The first check of every test: this suite needs a GPU.
+/// The first check of every test: this suite needs a GPU. It also lets every process
+/// the suite starts see the GPUs (the harness hides them from the CPU tests).
 fn require_gpu() {
+    tch_distributed_tests::gpu_suite();
     // Loads libtorch's CUDA library, which this executable does not link, then asks
     // `tch::Cuda::is_available()`.
     assert!(

@@ -1,11 +1,23 @@
 //! Harness for the integration tests: runs real multi-process jobs with a timeout,
 //! and kills the whole process tree when one hangs, so a hang fails fast.
+//!
+//! - Every process a test starts runs in a process group of its own ([`ProcessGroup`])
+//!   that is killed at its timeout and when the test panics ([`run_with`],
+//!   [`output_within`]), on the CPU unless the test asks for CUDA ([`pin_device`]).
+//! - PyTorch (for comparisons and `torchrun`) is found in one place ([`python`]); a
+//!   test that cannot run part of itself says so through [`skip`], which
+//!   `scripts/test.sh` lists at its end and which fails the test under `CI=true`.
+//! - Scratch directories are removed when the test passes, kept when it fails
+//!   ([`scratch_dir`]).
 
+use std::ffi::OsStr;
 use std::fs;
+use std::io::{Read, Write};
+use std::ops::Deref;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -53,50 +65,227 @@ pub fn example(name: &str) -> PathBuf {
     path
 }
 
-/// The virtualenv whose torch gave this build its libtorch: `VIRTUAL_ENV`, which
-/// `scripts/env.sh` sets (`.venv` for torch 2.11, `.venv-2.13` for torch 2.13), else
-/// the project's `.venv` when it exists; `None` when libtorch came from `LIBTORCH`.
-pub fn venv() -> Option<PathBuf> {
-    std::env::var_os("VIRTUAL_ENV")
-        .map(PathBuf::from)
-        .or_else(|| Some(Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv")))
-        .filter(|venv| venv.join("bin/python").exists())
+/// The variable that names the Python with PyTorch the tests use:
+/// `TCHD_PYTHON=/path/to/python` (see [`python`]).
+pub const PYTHON_VAR: &str = "TCHD_PYTHON";
+
+/// The Python whose PyTorch the tests compare with, and whose `torchrun` they launch
+/// with: the one lookup every such test goes through (by [`python_or_skip`],
+/// [`run_python`] or [`torchrun`]). The first of these that is set decides:
+///
+/// 1. `TCHD_PYTHON`: a Python by path, or by name on `PATH`; any Python with torch,
+///    e.g. the GPU machine's `python3` (the GPU package's `run.sh` sets it);
+/// 2. `VIRTUAL_ENV`: its `bin/python`, the virtualenv that `scripts/env.sh` activated
+///    (`.venv` for torch 2.11, `.venv-2.13` for torch 2.13);
+/// 3. otherwise the project's `.venv/bin/python` (plain `cargo test`).
+///
+/// A Python that is named but missing is not replaced by the next one, which could
+/// hold another torch. `Err` says what was looked for and how to provide it.
+pub fn python() -> Result<PathBuf, String> {
+    find_python(|var| std::env::var_os(var))
 }
 
-/// The venv's `torchrun`, when there is a venv.
-pub fn torchrun() -> Option<PathBuf> {
-    venv()
-        .map(|venv| venv.join("bin/torchrun"))
-        .filter(|path| path.exists())
-}
-
-/// Runs `script` with the project venv's python (`python -c script args…`, `stdin`
-/// on its standard input) and returns its standard output; `None`, saying so on
-/// stderr, when there is no venv (libtorch from `LIBTORCH`), so that comparisons with
-/// PyTorch run wherever PyTorch is installed. Panics with python's stderr when the
-/// script fails.
-pub fn venv_python(script: &str, args: &[&str], stdin: &str) -> Option<String> {
-    let Some(python) = venv().map(|venv| venv.join("bin/python")) else {
-        eprintln!("no venv python: comparison with PyTorch skipped");
-        return None;
+/// [`python`]'s lookup in the environment that `var` reads.
+fn find_python(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> Result<PathBuf, String> {
+    let set = |name: &str| var(name).filter(|v| !v.is_empty());
+    if let Some(named) = set(PYTHON_VAR) {
+        let named = PathBuf::from(named);
+        let by_path = named.components().count() > 1;
+        let found = if by_path {
+            Some(named.clone()).filter(|p| p.is_file())
+        } else {
+            std::env::split_paths(&var("PATH").unwrap_or_default())
+                .map(|dir| dir.join(&named))
+                .find(|p| p.is_file())
+        };
+        let on_path = if by_path { "" } else { " on PATH" };
+        return found.ok_or_else(|| {
+            format!(
+                "no PyTorch: {PYTHON_VAR}={} does not exist{on_path}",
+                named.display()
+            )
+        });
+    }
+    let (python, origin) = match set("VIRTUAL_ENV") {
+        Some(venv) => (PathBuf::from(venv).join("bin/python"), "VIRTUAL_ENV's"),
+        None => (
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .parent()
+                .expect("the repository")
+                .join(".venv/bin/python"),
+            "the project's",
+        ),
     };
-    let mut child = Command::new(&python)
-        .arg("-c")
-        .arg(script)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {}: {e}", python.display()));
-    std::io::Write::write_all(&mut child.stdin.take().unwrap(), stdin.as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
+    if python.is_file() {
+        Ok(python)
+    } else {
+        Err(format!(
+            "no PyTorch: {origin} {} does not exist ({PYTHON_VAR} is unset; \
+             scripts/env.sh creates the project's .venv, or set {PYTHON_VAR} to a Python \
+             with torch)",
+            python.display()
+        ))
+    }
+}
+
+/// [`python`], or `None` after [`skip`] has recorded that the calling test leaves out
+/// `what` for want of it (a failure under `CI=true`).
+pub fn python_or_skip(what: &str) -> Option<PathBuf> {
+    match python() {
+        Ok(python) => Some(python),
+        Err(why) => {
+            skip(&format!("{what} not run: {why}"));
+            None
+        }
+    }
+}
+
+/// How long one Python script of a test may run (importing torch on a busy 2-core
+/// machine takes seconds).
+pub const PYTHON_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// A `torchrun` command (arguments to be added) from [`python`]'s PyTorch: the
+/// `torchrun` beside that Python, else `python -m torch.distributed.run` (what
+/// `torchrun` runs). `None` after [`skip`] has recorded the skip (a failure under
+/// `CI=true`).
+pub fn torchrun() -> Option<Command> {
+    let python = python_or_skip("torchrun")?;
+    let beside = python.with_file_name("torchrun");
+    Some(if beside.is_file() {
+        Command::new(beside)
+    } else {
+        let mut cmd = Command::new(python);
+        cmd.args(["-m", "torch.distributed.run"]);
+        cmd
+    })
+}
+
+/// Runs `script` with [`python`]'s Python (`python -c script args…`, `stdin` on its
+/// standard input, within [`PYTHON_TIMEOUT`]) and returns its standard output; `None`
+/// after [`skip`] has recorded that the comparison with PyTorch was left out (a
+/// failure under `CI=true`). Panics with Python's stderr when the script fails.
+pub fn run_python(script: &str, args: &[&str], stdin: &str) -> Option<String> {
+    let python = python_or_skip("comparison with PyTorch")?;
+    let mut cmd = Command::new(&python);
+    cmd.arg("-c").arg(script).args(args);
+    let out = output_within(&mut cmd, stdin.as_bytes(), PYTHON_TIMEOUT);
     assert!(
         out.status.success(),
-        "python failed:\n{}",
+        "{} failed ({}):\n{}",
+        python.display(),
+        out.status,
         String::from_utf8_lossy(&out.stderr)
     );
     Some(String::from_utf8(out.stdout).unwrap())
+}
+
+/// The variable that names the file [`skip`] appends to: `scripts/test.sh` sets it and
+/// prints the file's lines at its end ("skipped: …", or "skipped: nothing").
+pub const SKIP_LOG_VAR: &str = "TCHD_SKIP_LOG";
+
+/// Whether this is a CI run (`CI=true`, as CI services set it), in which nothing may be
+/// skipped: what a test would skip for want of it fails the test instead.
+pub fn ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true")
+}
+
+/// The test that calls this: `TARGET::TEST` (the test executable's name without
+/// cargo's hash, and the name of the thread libtest runs the test on).
+pub fn current_test() -> String {
+    let exe = std::env::current_exe().ok();
+    let stem = exe
+        .as_deref()
+        .and_then(Path::file_stem)
+        .and_then(|s| s.to_str())
+        .unwrap_or("?");
+    let target = match stem.rsplit_once('-') {
+        Some((name, hash)) if hash.len() == 16 && hash.bytes().all(|b| b.is_ascii_hexdigit()) => {
+            name
+        }
+        _ => stem,
+    };
+    match thread::current().name() {
+        Some(test) if test != "main" => format!("{target}::{test}"),
+        _ => target.to_string(),
+    }
+}
+
+/// Records that the calling test leaves something out for `reason`, where the person
+/// running the tests sees it: a line `TARGET::TEST: reason` appended to the file that
+/// `TCHD_SKIP_LOG` names (`scripts/test.sh` lists them at its end) and written to the
+/// test's stderr stream itself, which libtest does not capture. Under `CI=true`
+/// ([`ci`]) it panics instead: there a missing PyTorch, `torchrun` or `mpirun` is a
+/// failure.
+pub fn skip(reason: &str) {
+    let log = std::env::var_os(SKIP_LOG_VAR).filter(|v| !v.is_empty());
+    let line = record_skip(reason, ci(), log.as_deref().map(Path::new));
+    let _ = std::io::stderr().write_all(format!("skipped: {line}\n").as_bytes());
+}
+
+/// [`skip`] with `CI=true` or not, and the log file, given; returns the line logged.
+fn record_skip(reason: &str, ci: bool, log: Option<&Path>) -> String {
+    let line = format!("{}: {reason}", current_test());
+    if ci {
+        panic!("{line}\n(CI=true: a test that cannot run fails instead of skipping)");
+    }
+    if let Some(log) = log {
+        // One write per line, appended: tests run in parallel threads and processes.
+        let mut file = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .unwrap_or_else(|e| panic!("{SKIP_LOG_VAR}={}: {e}", log.display()));
+        file.write_all(format!("{line}\n").as_bytes()).unwrap();
+    }
+    line
+}
+
+/// Runs `cmd` to its end with `stdin` on its standard input and returns its output
+/// (not checked for success), for short commands (a Python script, `--version`,
+/// `--help`). It runs in its own process group held by a [`ProcessGroup`] (GPUs hidden
+/// as [`pin_device`] says); past `timeout` the group is killed and the test panics
+/// with what the command had printed.
+pub fn output_within(cmd: &mut Command, stdin: &[u8], timeout: Duration) -> Output {
+    let start = Instant::now();
+    cmd.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut group =
+        ProcessGroup::spawn(cmd).unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
+    let child = group.child_mut();
+    let (mut input, out, err) = (
+        child.stdin.take().unwrap(),
+        child.stdout.take().unwrap(),
+        child.stderr.take().unwrap(),
+    );
+    let stdin = stdin.to_vec();
+    // A command that does not read its input is no error.
+    let writer = thread::spawn(move || drop(input.write_all(&stdin)));
+    let reader = |mut pipe: Box<dyn Read + Send>| {
+        thread::spawn(move || {
+            let mut bytes = Vec::new();
+            let _ = pipe.read_to_end(&mut bytes);
+            bytes
+        })
+    };
+    let (out_reader, err_reader) = (reader(Box::new(out)), reader(Box::new(err)));
+    let status = group.wait_until(start + timeout);
+    // The group is gone now (on time or killed): every pipe is closed.
+    drop(group);
+    let _ = writer.join();
+    let (stdout, stderr) = (out_reader.join().unwrap(), err_reader.join().unwrap());
+    let Some(status) = status else {
+        panic!(
+            "{cmd:?} did not exit within {timeout:?}\nstdout:\n{}\nstderr:\n{}",
+            String::from_utf8_lossy(&stdout),
+            String::from_utf8_lossy(&stderr)
+        );
+    };
+    Output {
+        status,
+        stdout,
+        stderr,
+    }
 }
 
 /// Removes the launch environment (torchrun's, SLURM's, the SDK's own) from `cmd`,
@@ -129,8 +318,12 @@ pub fn without_launcher(cmd: &mut Command) -> &mut Command {
     cmd
 }
 
-/// A fresh, empty scratch directory for one test.
-pub fn scratch_dir(name: &str) -> PathBuf {
+/// A fresh, empty scratch directory for one test (`$TMPDIR/tchd-test-PID-N-NAME`).
+///
+/// It goes away with the returned [`Scratch`]: removed when the test passes, kept when
+/// it fails (the `Scratch` is dropped while the test's thread panics), for inspection,
+/// with its path written to the test's stderr. It derefs to [`Path`].
+pub fn scratch_dir(name: &str) -> Scratch {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);
     let dir = std::env::temp_dir().join(format!(
         "tchd-test-{}-{}-{name}",
@@ -139,7 +332,42 @@ pub fn scratch_dir(name: &str) -> PathBuf {
     ));
     let _ = fs::remove_dir_all(&dir);
     fs::create_dir_all(&dir).unwrap();
-    dir
+    Scratch(dir)
+}
+
+/// A test's scratch directory (see [`scratch_dir`]): removed on drop unless the thread
+/// is panicking, that is unless the test failed.
+#[derive(Debug)]
+pub struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if thread::panicking() {
+            let note = format!("kept {} for inspection\n", self.0.display());
+            let _ = std::io::stderr().write_all(note.as_bytes());
+        } else {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+impl Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<OsStr> for Scratch {
+    fn as_ref(&self) -> &OsStr {
+        self.0.as_os_str()
+    }
 }
 
 /// The outcome of one run.
@@ -165,11 +393,124 @@ impl Run {
     }
 }
 
-/// Runs `cmd` in its own process group with `D=dir` in its environment and
-/// `OMP_NUM_THREADS=1`, calls `while_running(pid, dir)` once it has started, and
-/// kills the whole group if it runs longer than `timeout` (then panics with its
-/// output). Output goes to files in `dir`, so stray grandchildren cannot block the
+/// A process started in a process group of its own, whose whole group is SIGKILLed
+/// and the process reaped when this is dropped: when a test ends, and when it panics
+/// (a failed assertion while a job runs, a missed deadline), so that nothing a test
+/// started (a launcher, its ranks, their children) outlives it.
+///
+/// Its exit is observed without reaping it (`waitid` with `WNOWAIT`), so the group is
+/// killed while its id still belongs to it.
+#[derive(Debug)]
+pub struct ProcessGroup {
+    child: Child,
+}
+
+impl ProcessGroup {
+    /// Starts `cmd` as the leader of a new process group, its GPUs hidden unless it
+    /// asks for them ([`pin_device`]).
+    pub fn spawn(cmd: &mut Command) -> std::io::Result<Self> {
+        pin_device(cmd);
+        let child = cmd.process_group(0).spawn()?;
+        Ok(Self { child })
+    }
+
+    /// The leader's pid, which is also the group's id.
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The leader, for its pipes.
+    pub fn child_mut(&mut self) -> &mut Child {
+        &mut self.child
+    }
+
+    /// Whether the leader has exited, leaving it unreaped.
+    fn exited(&self) -> bool {
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        let rc = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                self.child.id() as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+            )
+        };
+        // Not waitable (already reaped): exited too.
+        rc != 0 || unsafe { info.si_pid() } != 0
+    }
+
+    /// SIGKILLs every process in the group.
+    pub fn kill(&self) {
+        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGKILL) };
+    }
+
+    /// Waits until the leader exits, then kills what is left of its group and returns
+    /// the leader's status; at `deadline`, kills the whole group and returns `None`.
+    pub fn wait_until(&mut self, deadline: Instant) -> Option<ExitStatus> {
+        loop {
+            if self.exited() {
+                self.kill();
+                return Some(self.child.wait().unwrap());
+            }
+            if Instant::now() >= deadline {
+                self.kill();
+                self.child.wait().unwrap();
+                return None;
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = self.child.wait();
+    }
+}
+
+static GPU_SUITE: AtomicBool = AtomicBool::new(false);
+
+/// Declares this test executable a GPU suite (`tests/tests/gpu.rs`,
+/// `corpus/tests/gpu.rs`): every process it starts sees the machine's GPUs.
+pub fn gpu_suite() {
+    GPU_SUITE.store(true, Ordering::Relaxed);
+}
+
+/// Hides the GPUs from `cmd` (`CUDA_VISIBLE_DEVICES=`, empty) unless it asks for them.
+///
+/// On a GPU machine the SDK's default backend is NCCL on `cuda:LOCAL_RANK`; the CPU
+/// tests assume Gloo on the CPU (a banner with `devices cpu`, `auto: CPU`, one rank
+/// per process rather than per GPU), so every process the harness starts runs on the
+/// CPU, wherever the suite runs. A command asks for the GPUs when its environment,
+/// given or inherited, has `TCHD_TEST_DEVICE=cuda` ([`TEST_DEVICE_VAR`]), when it sets
+/// `CUDA_VISIBLE_DEVICES` itself, or when it runs in a [`gpu_suite`].
+pub fn pin_device(cmd: &mut Command) -> &mut Command {
+    let given = |var: &str| {
+        cmd.get_envs()
+            .find(|(k, _)| *k == OsStr::new(var))
+            .map(|(_, v)| v.map(OsStr::to_os_string))
+    };
+    let device = given(TEST_DEVICE_VAR).unwrap_or_else(|| std::env::var_os(TEST_DEVICE_VAR));
+    let asks = GPU_SUITE.load(Ordering::Relaxed)
+        || device.as_deref() == Some(OsStr::new("cuda"))
+        || matches!(given("CUDA_VISIBLE_DEVICES"), Some(Some(_)));
+    if !asks {
+        cmd.env("CUDA_VISIBLE_DEVICES", "");
+    }
+    cmd
+}
+
+/// Runs `cmd` in its own process group ([`ProcessGroup`], GPUs hidden unless it asks
+/// for them: [`pin_device`]) with `D=dir` in its environment and `OMP_NUM_THREADS=1`,
+/// calls `while_running(pid, dir)` once it has started, and kills the whole group if
+/// it runs longer than `timeout` (then panics with its output). The group is killed
+/// too when `while_running` panics, and once the command has exited (whatever it left
+/// behind). Output goes to files in `dir`, so stray grandchildren cannot block the
 /// test on a pipe.
+///
+/// `while_running` must bound its own waits (see [`wait_until`]): the timeout is
+/// enforced once it returns.
 pub fn run_with(
     mut cmd: Command,
     dir: &Path,
@@ -179,34 +520,21 @@ pub fn run_with(
     let out_path = dir.join("run.stdout");
     let err_path = dir.join("run.stderr");
     let start = Instant::now();
-    let mut child = cmd
-        .env("D", dir)
+    cmd.env("D", dir)
         .env("OMP_NUM_THREADS", "1")
         .stdin(Stdio::null())
         .stdout(fs::File::create(&out_path).unwrap())
-        .stderr(fs::File::create(&err_path).unwrap())
-        .process_group(0)
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
-    let pid = child.id();
-    while_running(pid, dir);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if start.elapsed() > timeout {
-            unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
-            child.wait().unwrap();
-            panic!(
-                "{cmd:?} did not exit within {timeout:?}\nstdout:\n{}\nstderr:\n{}",
-                fs::read_to_string(&out_path).unwrap_or_default(),
-                fs::read_to_string(&err_path).unwrap_or_default()
-            );
-        }
-        thread::sleep(Duration::from_millis(20));
+        .stderr(fs::File::create(&err_path).unwrap());
+    let mut group =
+        ProcessGroup::spawn(&mut cmd).unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
+    while_running(group.id(), dir);
+    let Some(status) = group.wait_until(start + timeout) else {
+        panic!(
+            "{cmd:?} did not exit within {timeout:?}\nstdout:\n{}\nstderr:\n{}",
+            fs::read_to_string(&out_path).unwrap_or_default(),
+            fs::read_to_string(&err_path).unwrap_or_default()
+        );
     };
-    // Reap anything the run left behind in its group.
-    unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
     Run {
         status,
         stdout: fs::read_to_string(&out_path).unwrap(),
@@ -240,6 +568,16 @@ pub fn wait_for_text(file: &Path, needle: &str, timeout: Duration) -> String {
             "{} did not show {needle:?} within {timeout:?}:\n{text}",
             file.display()
         );
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Polls `ready` every 20 ms until it returns true; panics, naming `what`, when it has
+/// not within `timeout` (a job that died early must fail the test, not hang it).
+pub fn wait_until(what: &str, timeout: Duration, mut ready: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !ready() {
+        assert!(Instant::now() < deadline, "not within {timeout:?}: {what}");
         thread::sleep(Duration::from_millis(20));
     }
 }
@@ -335,14 +673,6 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
-/// The Python to compare with: the project venv's when it exists, else `python3` on
-/// `PATH` (the GPU machine, which has PyTorch but no checkout's venv).
-pub fn python() -> PathBuf {
-    venv()
-        .map(|venv| venv.join("bin/python"))
-        .unwrap_or_else(|| PathBuf::from("python3"))
-}
-
 /// The environment variable with which a test asks the worker programs for CUDA:
 /// `TCHD_TEST_DEVICE=cuda`. Unset (or `cpu`), the workers train on the CPU as always.
 pub const TEST_DEVICE_VAR: &str = "TCHD_TEST_DEVICE";
@@ -411,4 +741,205 @@ pub fn children(pid: u32) -> Vec<u32> {
             state.is_some_and(|s| s != "Z") && ppid == Some(pid)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+    use std::ffi::OsString;
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+
+    fn lookup(vars: &[(&str, &str)]) -> Result<PathBuf, String> {
+        let vars: HashMap<String, OsString> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), OsString::from(v)))
+            .collect();
+        find_python(|name| vars.get(name).cloned())
+    }
+
+    #[test]
+    fn python_comes_from_the_first_place_that_is_set() {
+        let venv = scratch_dir("venv");
+        fs::create_dir_all(venv.join("bin")).unwrap();
+        fs::write(venv.join("bin/python"), "").unwrap();
+        let v = venv.to_str().unwrap();
+        // TCHD_PYTHON wins, by path or by name on PATH; a missing one is not replaced.
+        assert_eq!(
+            lookup(&[("TCHD_PYTHON", "/bin/sh"), ("VIRTUAL_ENV", v)]),
+            Ok(PathBuf::from("/bin/sh"))
+        );
+        let bin = venv.join("bin");
+        assert_eq!(
+            lookup(&[("TCHD_PYTHON", "python"), ("PATH", bin.to_str().unwrap())]),
+            Ok(bin.join("python"))
+        );
+        let err = lookup(&[("TCHD_PYTHON", "/nonexistent"), ("VIRTUAL_ENV", v)]).unwrap_err();
+        assert!(
+            err.contains("TCHD_PYTHON=/nonexistent does not exist"),
+            "{err}"
+        );
+        // Empty is unset; then VIRTUAL_ENV, also when its python is missing.
+        assert_eq!(
+            lookup(&[("TCHD_PYTHON", ""), ("VIRTUAL_ENV", v)]),
+            Ok(venv.join("bin/python"))
+        );
+        let err = lookup(&[("VIRTUAL_ENV", "/nonexistent-venv")]).unwrap_err();
+        assert!(
+            err.contains("VIRTUAL_ENV's /nonexistent-venv/bin/python does not exist"),
+            "{err}"
+        );
+        // Then the project's .venv.
+        let project = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .unwrap()
+            .join(".venv/bin/python");
+        match lookup(&[]) {
+            Ok(python) => assert_eq!(python, project),
+            Err(err) => assert!(err.contains(project.to_str().unwrap()), "{err}"),
+        }
+    }
+
+    #[test]
+    fn a_skip_is_logged_with_the_test_name_and_fails_under_ci() {
+        let dir = scratch_dir("skip-log");
+        let log = dir.join("skipped");
+        let name =
+            "tch_distributed_tests::tests::a_skip_is_logged_with_the_test_name_and_fails_under_ci";
+        assert_eq!(
+            record_skip("no PyTorch: reason one", false, Some(&log)),
+            format!("{name}: no PyTorch: reason one")
+        );
+        record_skip("reason two", false, Some(&log));
+        assert_eq!(
+            fs::read_to_string(&log).unwrap(),
+            format!("{name}: no PyTorch: reason one\n{name}: reason two\n")
+        );
+        let failed = catch_unwind(|| record_skip("reason three", true, Some(&log)));
+        let message = *failed.unwrap_err().downcast::<String>().unwrap();
+        assert!(
+            message.contains("reason three") && message.contains("CI=true"),
+            "{message}"
+        );
+        assert_eq!(fs::read_to_string(&log).unwrap().lines().count(), 2);
+    }
+
+    /// Whether `pid` runs (exists and is not a zombie).
+    fn alive(pid: i32) -> bool {
+        fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                .is_some_and(|state| state != "Z")
+        })
+    }
+
+    #[test]
+    fn a_panic_while_a_job_runs_kills_its_process_group() {
+        let dir = scratch_dir("panic-kills");
+        let pid_file = dir.join("pid");
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "sleep 600 & echo $! > \"$D/pid\"; wait"]);
+        let failed = catch_unwind(AssertUnwindSafe(|| {
+            run_with(cmd, &dir, Duration::from_secs(60), |_, _| {
+                wait_until("the pid file", Duration::from_secs(30), || {
+                    fs::read_to_string(&pid_file).is_ok_and(|t| t.ends_with('\n'))
+                });
+                panic!("a failed assertion while the job runs");
+            })
+        }));
+        assert!(failed.is_err());
+        let sleep: i32 = fs::read_to_string(&pid_file)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        wait_until(
+            "the job's grandchild is killed",
+            Duration::from_secs(10),
+            || !alive(sleep),
+        );
+    }
+
+    #[test]
+    fn a_job_past_its_timeout_is_killed_and_fails_the_test() {
+        let dir = scratch_dir("timeout");
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "echo started; sleep 600"]);
+        let start = Instant::now();
+        let failed = catch_unwind(AssertUnwindSafe(|| {
+            run_with(cmd, &dir, Duration::from_millis(500), |_, _| {})
+        }));
+        let message = *failed.unwrap_err().downcast::<String>().unwrap();
+        assert!(message.contains("did not exit within 500ms"), "{message}");
+        assert!(message.contains("started"), "{message}");
+        assert!(start.elapsed() < Duration::from_secs(30));
+        let mut cmd = Command::new("sleep");
+        cmd.arg("600");
+        let failed = catch_unwind(AssertUnwindSafe(|| {
+            output_within(&mut cmd, b"", Duration::from_millis(500))
+        }));
+        assert!(failed.is_err());
+        assert!(start.elapsed() < Duration::from_secs(30));
+    }
+
+    #[test]
+    fn output_within_passes_stdin_and_returns_the_output() {
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "tr a-z A-Z; echo err >&2; exit 3"]);
+        let out = output_within(&mut cmd, b"hello\n", Duration::from_secs(30));
+        assert_eq!(out.status.code(), Some(3));
+        assert_eq!(out.stdout, b"HELLO\n");
+        assert_eq!(out.stderr, b"err\n");
+    }
+
+    #[test]
+    fn processes_see_no_gpu_unless_they_ask_for_one() {
+        let visible = |cmd: &mut Command| {
+            pin_device(cmd);
+            cmd.get_envs()
+                .find(|(k, _)| *k == "CUDA_VISIBLE_DEVICES")
+                .map(|(_, v)| v.map(|v| v.to_str().unwrap().to_string()))
+        };
+        let mut cpu = Command::new("true");
+        cpu.env(TEST_DEVICE_VAR, "cpu");
+        assert_eq!(visible(&mut cpu), Some(Some(String::new())));
+        let mut removed = Command::new("true");
+        removed
+            .env(TEST_DEVICE_VAR, "cpu")
+            .env_remove("CUDA_VISIBLE_DEVICES");
+        assert_eq!(visible(&mut removed), Some(Some(String::new())));
+        let mut cuda = Command::new("true");
+        cuda.env(TEST_DEVICE_VAR, "cuda");
+        assert_eq!(visible(&mut cuda), None);
+        let mut chosen = Command::new("true");
+        chosen
+            .env(TEST_DEVICE_VAR, "cpu")
+            .env("CUDA_VISIBLE_DEVICES", "3");
+        assert_eq!(visible(&mut chosen), Some(Some("3".to_string())));
+        // And the process gets it.
+        let dir = scratch_dir("pinned");
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "echo \"[${CUDA_VISIBLE_DEVICES-unset}]\""])
+            .env(TEST_DEVICE_VAR, "cpu");
+        let run = run_with(cmd, &dir, Duration::from_secs(30), |_, _| {});
+        assert_eq!(run.stdout, "[]\n");
+    }
+
+    #[test]
+    fn a_scratch_dir_is_removed_when_the_test_passes_and_kept_when_it_fails() {
+        let passed = scratch_dir("passes");
+        let path = passed.to_path_buf();
+        fs::write(passed.join("file"), "x").unwrap();
+        drop(passed);
+        assert!(!path.exists());
+        let mut kept = PathBuf::new();
+        let failed = catch_unwind(AssertUnwindSafe(|| {
+            let dir = scratch_dir("fails");
+            kept = dir.to_path_buf();
+            panic!("the test fails");
+        }));
+        assert!(failed.is_err());
+        assert!(kept.is_dir(), "{} kept", kept.display());
+        fs::remove_dir_all(&kept).unwrap();
+    }
 }

@@ -1,12 +1,13 @@
-//! `GradScaler` against PyTorch's `torch.amp.GradScaler` (run by the venv's python) on
-//! the same gradient sequence, and its found-inf agreement across real ranks.
+//! `GradScaler` against PyTorch's `torch.amp.GradScaler` (run by the Python that
+//! `tch_distributed_tests::python` finds) on the same gradient sequence, and its
+//! found-inf agreement across real ranks.
 
 use std::time::Duration;
 
 use tch::nn::{self, VarStore};
 use tch::{Device, Kind, Tensor};
 use tch_distributed::{GradScaler, Optimizer};
-use tch_distributed_tests::{run_tchrun, scratch_dir, venv_python};
+use tch_distributed_tests::{run_python, run_tchrun, scratch_dir};
 
 /// Per step: the gradient the unscaled loss would give (inf and NaN included).
 const GRADS: &[[f32; 3]] = &[
@@ -70,7 +71,7 @@ fn same_scales_and_steps_as_pytorch() {
              print(scaler.get_scale(), ' '.join(repr(v) for v in p.tolist()))\n",
         grads.join(",")
     );
-    let Some(stdout) = venv_python(&script, &[], "") else {
+    let Some(stdout) = run_python(&script, &[], "") else {
         return;
     };
     let theirs: Vec<(f64, Vec<f32>)> = stdout

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use std::process::Command;
 
-use tch_distributed_tests::{run_with, scratch_dir, tchrun, venv_python, Run};
+use tch_distributed_tests::{run_python, run_with, scratch_dir, tchrun, wait_until, Run};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_resume_worker");
 const TIMEOUT: Duration = Duration::from_secs(120);
@@ -154,15 +154,18 @@ fn sigterm_checkpoints_at_the_next_step_and_exits_143() {
     let run = run_with(cmd, &dir, TIMEOUT, |pid, dir| {
         // Once training is under way, preempt the job (tchrun forwards the signal).
         let progress = dir.join("progress");
-        while fs::read_to_string(&progress)
-            .unwrap_or_default()
-            .trim()
-            .parse::<u64>()
-            .unwrap_or(0)
-            < 6
-        {
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_until(
+            "step 6 in the progress file",
+            Duration::from_secs(60),
+            || {
+                fs::read_to_string(&progress)
+                    .unwrap_or_default()
+                    .trim()
+                    .parse::<u64>()
+                    .unwrap_or(0)
+                    >= 6
+            },
+        );
         unsafe { libc::kill(pid as i32, libc::SIGTERM) };
     });
     assert_eq!(run.status.code(), Some(143), "{run:?}");
@@ -233,7 +236,7 @@ fn a_two_rank_checkpoint_loads_in_one_process_and_in_pytorch() {
     let script = "import sys\nfrom safetensors.torch import load_file\n\
         for name, t in sorted(load_file(sys.argv[1]).items()):\n    \
         print(name, ' '.join(repr(v) for v in t.flatten().tolist()))\n";
-    let Some(stdout) = venv_python(script, &[model.to_str().unwrap()], "") else {
+    let Some(stdout) = run_python(script, &[model.to_str().unwrap()], "") else {
         return;
     };
     let theirs: Vec<(String, Vec<f64>)> = stdout

@@ -16,15 +16,17 @@ use std::process::Command;
 use std::time::Duration;
 
 use tch_distributed_tests::{
-    binary, example, python, run_with, scratch_dir, tchrun, without_launcher, write_mnist, Run,
-    TEST_DEVICE_VAR,
+    binary, example, output_within, python_or_skip, run_with, scratch_dir, tchrun,
+    without_launcher, write_mnist, Run, PYTHON_TIMEOUT, TEST_DEVICE_VAR,
 };
 
 /// Per run: seconds on a GPU; a hang is killed here.
 const TIMEOUT: Duration = Duration::from_secs(300);
 
-/// The first check of every test: this suite needs a GPU.
+/// The first check of every test: this suite needs a GPU. It also lets every process
+/// the suite starts see the GPUs (the harness hides them from the CPU tests).
 fn require_gpu() {
+    tch_distributed_tests::gpu_suite();
     // Loads libtorch's CUDA library, which this executable does not link, then asks
     // `tch::Cuda::is_available()`.
     assert!(
@@ -354,25 +356,31 @@ fn bf16_and_fp16_autocast_on_cuda() {
     );
 }
 
-/// The GPU's compute capability as PyTorch reports it, when python with torch runs.
+/// The GPU's compute capability as PyTorch reports it, from the Python that
+/// `tch_distributed_tests::python` finds (the package's `run.sh` names the machine's
+/// `python3`); `None`, recorded as a skip (a failure under `CI=true`), without one.
 fn torch_capability() -> Option<(u32, u32)> {
-    let out = Command::new(python())
-        .args([
+    let python = python_or_skip("the cross-check of the compute capability with PyTorch")?;
+    let out = output_within(
+        Command::new(&python).args([
             "-c",
             "import torch; print(*torch.cuda.get_device_capability(0))",
-        ])
-        .output();
-    match out {
-        Ok(out) if out.status.success() => {
-            let text = String::from_utf8_lossy(&out.stdout);
-            let mut parts = text.split_whitespace().map(|s| s.parse().unwrap());
-            Some((parts.next()?, parts.next()?))
-        }
-        other => {
-            eprintln!("no python with torch ({other:?}): capability not cross-checked");
-            None
-        }
-    }
+        ]),
+        b"",
+        PYTHON_TIMEOUT,
+    );
+    assert!(
+        out.status.success(),
+        "{} cannot report the compute capability: {out:?}",
+        python.display()
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let parts: Vec<u32> = text
+        .split_whitespace()
+        .map(|s| s.parse().unwrap())
+        .collect();
+    assert_eq!(parts.len(), 2, "PyTorch's compute capability: {text}");
+    Some((parts[0], parts[1]))
 }
 
 #[test]

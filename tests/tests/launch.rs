@@ -19,13 +19,8 @@ const TIMEOUT: Duration = Duration::from_secs(90);
 
 #[test]
 fn torchrun_no_python_trains_and_agrees_with_tchrun() {
-    let Some(torchrun) = torchrun() else {
-        // Only a LIBTORCH install (no project venv) lacks torchrun.
-        assert!(
-            std::env::var_os("LIBTORCH").is_some(),
-            "the project's .venv has no torchrun"
-        );
-        eprintln!("skipped: no .venv/bin/torchrun with LIBTORCH set");
+    // Without PyTorch the test is recorded as skipped (a failure under CI=true).
+    let Some(mut cmd) = torchrun() else {
         return;
     };
     let ours = scratch_dir("tchrun");
@@ -44,7 +39,6 @@ fn torchrun_no_python_trains_and_agrees_with_tchrun() {
     )
     .assert_success();
     let theirs = scratch_dir("torchrun");
-    let mut cmd = Command::new(torchrun);
     cmd.args([
         "--standalone",
         "--nproc-per-node",
@@ -409,14 +403,10 @@ fn tchrun_reports_a_failing_ranks_own_message() {
 /// (without it, torchrun's report says only "To enable traceback see: …").
 #[test]
 fn torchrun_reports_a_failing_ranks_message_as_the_root_cause() {
-    let Some(torchrun) = torchrun() else {
-        assert!(
-            std::env::var_os("LIBTORCH").is_some(),
-            "the project's .venv has no torchrun"
-        );
-        eprintln!("skipped: no .venv/bin/torchrun with LIBTORCH set");
+    // Without PyTorch the test is recorded as skipped (a failure under CI=true).
+    if torchrun().is_none() {
         return;
-    };
+    }
     for (mode, needle) in [
         ("err", "traceback : Error: rank 1 fails on purpose"),
         (
@@ -425,7 +415,7 @@ fn torchrun_reports_a_failing_ranks_message_as_the_root_cause() {
         ),
     ] {
         let dir = scratch_dir(&format!("torchrun-error-file-{mode}"));
-        let mut cmd = Command::new(&torchrun);
+        let mut cmd = torchrun().unwrap();
         cmd.args([
             "--standalone",
             "--nproc-per-node",
@@ -459,7 +449,6 @@ fn torchrun_reports_a_failing_ranks_message_as_the_root_cause() {
 /// under its own keys and trains to the end.
 #[test]
 fn two_nodes_restart_together_at_node_0s_store() {
-    use std::os::unix::process::CommandExt;
     let port = TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -487,25 +476,17 @@ fn two_nodes_restart_together_at_node_0s_store() {
         cmd
     };
     let node1_err = dir.join("node1.stderr");
-    let mut node1 = node("1")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(&node1_err).unwrap())
-        .process_group(0)
-        .spawn()
-        .unwrap();
+    // Node 1 in a process group of its own, killed whole when the guard drops (on a
+    // panic too).
+    let mut node1 = tch_distributed_tests::ProcessGroup::spawn(
+        node("1")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&node1_err).unwrap()),
+    )
+    .unwrap();
     let run = run_with(node("0"), &dir, TIMEOUT, |_, _| {});
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    let node1_status = loop {
-        if let Some(status) = node1.try_wait().unwrap() {
-            break Some(status);
-        }
-        if std::time::Instant::now() > deadline {
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    unsafe { libc::kill(-(node1.id() as i32), libc::SIGKILL) };
-    let _ = node1.wait();
+    let node1_status = node1.wait_until(std::time::Instant::now() + Duration::from_secs(30));
+    drop(node1);
     let node1_stderr = std::fs::read_to_string(&node1_err).unwrap_or_default();
     run.assert_success();
     assert!(

@@ -28,12 +28,12 @@ fn wait_ready(dir: &Path, n: usize) {
 }
 
 fn send_signal(pid: u32, signal: &str) {
-    let ok = Command::new("kill")
-        .args([&format!("-{signal}"), &pid.to_string()])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "kill -{signal} {pid} failed");
+    let out = tch_distributed_tests::output_within(
+        Command::new("kill").args([&format!("-{signal}"), &pid.to_string()]),
+        b"",
+        Duration::from_secs(30),
+    );
+    assert!(out.status.success(), "kill -{signal} {pid} failed: {out:?}");
 }
 
 const TIMEOUT: Duration = Duration::from_secs(30);

@@ -188,7 +188,7 @@ fn sbatch_with_stand_ins(
     for (command, body) in stand_ins {
         let path = bin.join(command);
         fs::write(&path, format!("#!/bin/bash\n{body}\n")).unwrap();
-        Command::new("chmod").arg("+x").arg(&path).status().unwrap();
+        fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     }
     fs::copy(tchrun(), bin.join("tchrun")).unwrap();
     let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
@@ -406,8 +406,9 @@ fn tchrun_config_prints_what_the_launching_chapter_shows() {
 
 #[test]
 fn tchrun_help_is_what_the_reference_shows() {
-    let out = Command::new(tchrun()).arg("--help").output().unwrap();
-    assert!(out.status.success());
+    let out =
+        tch_distributed_tests::output_within(Command::new(tchrun()).arg("--help"), b"", TIMEOUT);
+    assert!(out.status.success(), "{out:?}");
     let recorded = Path::new(env!("CARGO_MANIFEST_DIR")).join("output/tchrun_help.txt");
     let stdout = String::from_utf8(out.stdout).unwrap();
     if std::env::var_os("BLESS").is_some() {
