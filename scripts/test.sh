@@ -8,6 +8,10 @@
 #
 # ARGS go to `cargo test` (a filter, `-p PACKAGE`, …).
 #
+# It ends by listing what the tests skipped ("skipped: nothing" when nothing), e.g. a
+# comparison with PyTorch when no Python with torch is found (TCHD_PYTHON, else the
+# virtualenv, see tests/src/lib.rs); with CI=true a test fails instead of skipping.
+#
 # tch 0.26 builds a copy of the working tree in target/tch-0.26/ws whose Cargo.lock is
 # moved to tch 0.26, against `.venv-2.13` (see env.sh), so the workspace's own lock and
 # build stay on tch 0.24. There it runs every test; only the book's HTML, which does not
@@ -25,6 +29,21 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 export OMP_NUM_THREADS=1
 start=$SECONDS
 cd "$(tch_workspace)"
+# A test that cannot run part of itself here (no PyTorch, torchrun or mpirun: see
+# `skip` in tests/src/lib.rs) appends a line to this file; the list is printed at the
+# end, passed or failed. Under CI=true such a test fails instead.
+TCHD_SKIP_LOG="$(mktemp -t tchd-skipped-XXXXXX)"
+export TCHD_SKIP_LOG
+report_skips() {
+  if [ -s "$TCHD_SKIP_LOG" ]; then
+    echo "test.sh: tch $TCH: skipped:" >&2
+    sed 's/^/  /' "$TCHD_SKIP_LOG" >&2
+  else
+    echo "test.sh: tch $TCH: skipped: nothing" >&2
+  fi
+  rm -f "$TCHD_SKIP_LOG"
+}
+trap report_skips EXIT
 # The integration tests run the workspace's binaries (tchrun, the workers).
 cargo build --workspace --bins --examples
 cargo test --workspace "$@"

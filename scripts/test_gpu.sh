@@ -129,6 +129,8 @@ TORCH_LIB="$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(to
   exit 1
 }
 export LD_LIBRARY_PATH="$TORCH_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# The PyTorch the tests compare with (tch_distributed_tests::python): this python3.
+export TCHD_PYTHON="${TCHD_PYTHON:-$(command -v python3)}"
 python3 -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "GPU available:", torch.cuda.is_available(), *(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))'
 missing=$(ldd "$HERE/release/tchrun" "$HERE/release/deps/gpu" 2>&1 | grep 'not found' | sort -u)
 if [ -n "$missing" ]; then
