@@ -515,12 +515,11 @@ fn params(dir: &Path, file: &str) -> Vec<(String, tch::Tensor)> {
     named
 }
 
+/// Bit for bit, through `tch_distributed_tests::compare` (names, shapes, dtypes; NaN
+/// or infinity fails).
 fn assert_equal(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)], what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}");
-    for ((na, ta), (nb, tb)) in a.iter().zip(b) {
-        assert_eq!(na, nb);
-        assert!(ta.equal(tb), "{what}: `{na}` differs");
-    }
+    let diff = tch_distributed_tests::compare::named(a, b);
+    assert!(diff.is_exact(), "{what}: not bit for bit equal: {diff:?}");
 }
 
 #[test]

@@ -76,11 +76,8 @@ fn before_and_after_print_the_same_on_one_process() {
         named
     };
     let (a, b) = (read("before.safetensors"), read("after.safetensors"));
-    assert_eq!(a.len(), b.len());
-    for ((na, ta), (nb, tb)) in a.iter().zip(&b) {
-        assert_eq!(na, nb);
-        assert!(ta.equal(tb), "{na}");
-    }
+    let diff = tch_distributed_tests::compare::named(&a, &b);
+    assert!(diff.is_exact(), "not bit for bit equal: {diff:?}");
 }
 
 #[test]
