@@ -13,6 +13,9 @@ use tch_distributed_tests::{
 };
 
 const MACRO_WORKER: &str = env!("CARGO_BIN_EXE_macro_worker");
+
+#[path = "support/macro_reference.rs"]
+mod macro_reference;
 const TIMEOUT: Duration = Duration::from_secs(90);
 
 fn free_port() -> u16 {
@@ -23,7 +26,8 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// Both ranks trained one model, and rank 0's banner names the job.
+/// Both ranks trained one model, the one-process closed form's (`macro_reference`),
+/// and rank 0's banner names the job.
 fn assert_one_job(run: &Run, dir: &std::path::Path, rendezvous: &str) {
     run.assert_success();
     assert!(
@@ -43,6 +47,7 @@ fn assert_one_job(run: &Run, dir: &std::path::Path, rendezvous: &str) {
         .map(|r| std::fs::read_to_string(dir.join(format!("params{r}.txt"))).unwrap())
         .collect();
     assert_eq!(params[0], params[1], "one model trained by both ranks");
+    macro_reference::assert_model_equals_reference(dir, 2);
 }
 
 /// Starts `macro_worker` twice, rank `$r` of 2, with `vars` (a shell line of
