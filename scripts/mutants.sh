@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Mutation testing of the correctness core with cargo-mutants (https://mutants.rs):
+# each mutant (a function body replaced, an operator flipped, …) is built and the tests
+# that cover its file are run; a mutant that no test fails on is "missed" and means a
+# gap in the tests. Kept out of scripts/test.sh: every mutant is an incremental build
+# plus multi-process tests, so a file takes tens of minutes to hours on 2 cores.
+#
+#   scripts/mutants.sh                 every file below
+#   scripts/mutants.sh ddp optim       some of them (by the names below)
+#   scripts/mutants.sh --list [NAMES]  list the mutants only (no builds)
+#
+# cargo-mutants (pinned) is installed into .tools/ on first use. Results go to
+# target/mutants/NAME/mutants.out (caught.txt, missed.txt, timeout.txt, unviable.txt);
+# the script ends with a table of the counts per file.
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$ROOT"
+export OMP_NUM_THREADS=1
+MUTANTS_VERSION=27.0.0
+MUTANTS="$ROOT/.tools/bin/cargo-mutants"
+if [ "$("$MUTANTS" mutants --version 2>/dev/null)" != "cargo-mutants $MUTANTS_VERSION" ]; then
+  echo "mutants: installing cargo-mutants $MUTANTS_VERSION into $ROOT/.tools (first run only)" >&2
+  cargo install cargo-mutants --version "$MUTANTS_VERSION" --locked --root "$ROOT/.tools"
+fi
+
+# NAME -> the file it mutates and the test targets that cover it. Every test target
+# named here is in tch-distributed-tests; the SDK's own unit tests (--lib) run too, and
+# `--bin tchrun` builds the launcher that the multi-process tests start.
+declare -A FILE TESTS
+FILE[ddp]=sdk/src/ddp.rs;                  TESTS[ddp]="ddp accumulation parity macro_behaviour error_hints"
+FILE[optim]=sdk/src/optim.rs;              TESTS[optim]="ddp parity accumulation amp macro_behaviour optimizer_settings grad_scaler"
+FILE[amp]=sdk/src/amp.rs;                  TESTS[amp]="amp accumulation grad_scaler"
+FILE[sampler]=sdk/src/data/sampler.rs;     TESTS[sampler]="sampler data shuffles"
+FILE[loader]=sdk/src/data/loader.rs;       TESTS[loader]="data accumulation checkpoint loader_epochs"
+FILE[state]=sdk/src/checkpoint/state.rs;   TESTS[state]="checkpoint grad_scaler preemption"
+ALL=(ddp optim amp sampler loader state)
+
+list=""
+if [ "${1:-}" = --list ]; then
+  list=--list
+  shift
+fi
+names=("$@")
+[ ${#names[@]} -gt 0 ] || names=("${ALL[@]}")
+
+summary=""
+for name in "${names[@]}"; do
+  file="${FILE[$name]:?unknown name $name: use one of ${ALL[*]}}"
+  args=(--file "$file" --package tch-distributed
+    --test-package tch-distributed --test-package tch-distributed-tests
+    --cargo-test-arg=--lib --cargo-test-arg=--bin=tchrun)
+  for t in ${TESTS[$name]}; do
+    args+=("--cargo-test-arg=--test=$t")
+  done
+  if [ -n "$list" ]; then
+    "$MUTANTS" mutants --list "${args[@]}"
+    continue
+  fi
+  out="$ROOT/target/mutants/$name"
+  mkdir -p "$out"
+  echo "mutants: $file, tests: ${TESTS[$name]}" >&2
+  # Exit codes 2 (mutants missed) and 3 (timeouts) are results, reported below; others
+  # (1: usage, 4: the tests fail without any mutant) stop the script.
+  "$MUTANTS" mutants "${args[@]}" --output "$out" --minimum-test-timeout 120 \
+    || { rc=$?; [ $rc -eq 2 ] || [ $rc -eq 3 ] || exit $rc; }
+  count() { [ -f "$out/mutants.out/$1.txt" ] && grep -c . "$out/mutants.out/$1.txt" || echo 0; }
+  summary+="$(printf '%-28s caught %4s  missed %4s  timeout %4s  unviable %4s' \
+    "$file" "$(count caught)" "$(count missed)" "$(count timeout)" "$(count unviable)")"$'\n'
+done
+[ -n "$list" ] || printf '\nmutants per file:\n%s' "$summary"
