@@ -8,6 +8,8 @@
 #   scripts/mutants.sh                 every file below
 #   scripts/mutants.sh ddp optim       some of them (by the names below)
 #   scripts/mutants.sh --list [NAMES]  list the mutants only (no builds)
+#   scripts/mutants.sh NAMES -- ARGS   ARGS go to cargo-mutants (e.g. --in-place, in a
+#                                      disposable checkout whose target/ is built)
 #
 # cargo-mutants (pinned) is installed into .tools/ on first use. Results go to
 # target/mutants/NAME/mutants.out (caught.txt, missed.txt, timeout.txt, unviable.txt);
@@ -39,7 +41,13 @@ if [ "${1:-}" = --list ]; then
   list=--list
   shift
 fi
-names=("$@")
+names=()
+while [ $# -gt 0 ] && [ "$1" != -- ]; do
+  names+=("$1")
+  shift
+done
+[ "${1:-}" != -- ] || shift
+extra=("$@")
 [ ${#names[@]} -gt 0 ] || names=("${ALL[@]}")
 
 summary=""
@@ -52,7 +60,7 @@ for name in "${names[@]}"; do
     args+=("--cargo-test-arg=--test=$t")
   done
   if [ -n "$list" ]; then
-    "$MUTANTS" mutants --list "${args[@]}"
+    "$MUTANTS" mutants --list "${args[@]}" "${extra[@]}"
     continue
   fi
   out="$ROOT/target/mutants/$name"
@@ -60,7 +68,7 @@ for name in "${names[@]}"; do
   echo "mutants: $file, tests: ${TESTS[$name]}" >&2
   # Exit codes 2 (mutants missed) and 3 (timeouts) are results, reported below; others
   # (1: usage, 4: the tests fail without any mutant) stop the script.
-  "$MUTANTS" mutants "${args[@]}" --output "$out" --minimum-test-timeout 120 \
+  "$MUTANTS" mutants "${args[@]}" --output "$out" --minimum-test-timeout 120 "${extra[@]}" \
     || { rc=$?; [ $rc -eq 2 ] || [ $rc -eq 3 ] || exit $rc; }
   count() { [ -f "$out/mutants.out/$1.txt" ] && grep -c . "$out/mutants.out/$1.txt" || echo 0; }
   summary+="$(printf '%-28s caught %4s  missed %4s  timeout %4s  unviable %4s' \
