@@ -65,6 +65,17 @@ pub fn example(name: &str) -> PathBuf {
     path
 }
 
+/// A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0 and released),
+/// for a test that must name `MASTER_PORT` itself. Another process may take it in
+/// between; the tests that use it start their ranks at once.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 /// The variable that names the Python with PyTorch the tests use:
 /// `TCHD_PYTHON=/path/to/python` (see [`python`]).
 pub const PYTHON_VAR: &str = "TCHD_PYTHON";

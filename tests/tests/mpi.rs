@@ -4,12 +4,11 @@
 //! with a real `mpirun` (Debian's `openmpi-bin`, which `.ci/run` installs): without one
 //! on `PATH` that test is recorded as skipped, and fails under `CI=true`.
 
-use std::net::TcpListener;
 use std::process::Command;
 use std::time::Duration;
 
 use tch_distributed_tests::{
-    output_within, run_with, scratch_dir, skip, without_launcher, Run, Scratch,
+    free_port, output_within, run_with, scratch_dir, skip, without_launcher, Run, Scratch,
 };
 
 const MACRO_WORKER: &str = env!("CARGO_BIN_EXE_macro_worker");
@@ -17,14 +16,6 @@ const MACRO_WORKER: &str = env!("CARGO_BIN_EXE_macro_worker");
 #[path = "support/macro_reference.rs"]
 mod macro_reference;
 const TIMEOUT: Duration = Duration::from_secs(90);
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// Both ranks trained one model, the one-process closed form's (`macro_reference`),
 /// and rank 0's banner names the job.

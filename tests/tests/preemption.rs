@@ -7,23 +7,14 @@
 //! (`checkpoint.rs` covers the signal sent to `tchrun`, which forwards it to all.)
 
 use std::fs;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use tch_distributed_tests::{run_tchrun, run_with, scratch_dir, without_launcher, Run};
+use tch_distributed_tests::{free_port, run_tchrun, run_with, scratch_dir, without_launcher, Run};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_resume_worker");
 const TIMEOUT: Duration = Duration::from_secs(120);
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// The last step rank 0 finished (`resume_worker` writes it to `OUT/progress`).
 fn progress(out: &Path) -> u64 {

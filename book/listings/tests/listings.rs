@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{run_with, scratch_dir, tchrun, Run};
+use tch_distributed_tests::{free_port, run_with, scratch_dir, tchrun, Run};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -117,14 +117,6 @@ fn hello_ranks_under_tchrun() {
         run.stdout
     );
     assert_eq!(run.stdout.matches("tch-distributed: backend").count(), 1);
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 #[test]
