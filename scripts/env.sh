@@ -60,21 +60,30 @@ tinyshakespeare() {
   echo "$data"
 }
 
+# Makes directory $1 a copy of the working tree: the files git sees, tracked or not,
+# mtimes kept so that cargo rebuilds only what changed; files gone here go there too.
+# Its own target/ stays.
+sync_tree() {
+  local dest="$1" list
+  mkdir -p "$dest"
+  list="$(mktemp)"
+  (cd "$ROOT" && git ls-files -co --exclude-standard -z) >"$list"
+  (cd "$dest" && find . -path ./target -prune -o -type f -printf '%P\0') | sort -z \
+    | comm -z -13 <(sort -z "$list") - | (cd "$dest" && xargs -0r rm -f)
+  (cd "$ROOT" && tar --null -T "$list" -cf -) | tar -xf - -C "$dest"
+  rm -f "$list"
+}
+
 # Prints the directory that cargo builds in for $TCH: the repository for 0.24; for 0.26,
-# target/tch-0.26/ws, brought up to date with the working tree first (the files git
-# sees, tracked or not, mtimes kept so that cargo rebuilds only what changed; files
-# gone here go there too), with its Cargo.lock moved to tch 0.26.
+# target/tch-0.26/ws, a copy of the working tree (sync_tree) with its Cargo.lock moved
+# to tch 0.26.
 tch_workspace() {
   if [ "$TCH" = 0.24 ]; then
     echo "$ROOT"
     return
   fi
-  local ws="$ROOT/target/tch-$TCH/ws" meta="$ROOT/target/tch-$TCH"
-  mkdir -p "$ws"
-  (cd "$ROOT" && git ls-files -co --exclude-standard -z) >"$meta/files"
-  (cd "$ws" && find . -path ./target -prune -o -type f -printf '%P\0') | sort -z >"$meta/present"
-  sort -z "$meta/files" | comm -z -13 - "$meta/present" | (cd "$ws" && xargs -0r rm -f)
-  (cd "$ROOT" && tar --null -T "$meta/files" -cf -) | tar -xf - -C "$ws"
+  local ws="$ROOT/target/tch-$TCH/ws"
+  sync_tree "$ws"
   (cd "$ws" && { cargo update --quiet --offline -p tch --precise "$TCH.0" 2>/dev/null \
     || cargo update --quiet -p tch --precise "$TCH.0"; })
   echo "$ws"

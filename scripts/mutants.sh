@@ -8,12 +8,13 @@
 #   scripts/mutants.sh                 every file below
 #   scripts/mutants.sh ddp optim       some of them (by the names below)
 #   scripts/mutants.sh --list [NAMES]  list the mutants only (no builds)
-#   scripts/mutants.sh NAMES -- ARGS   ARGS go to cargo-mutants (e.g. --in-place, in a
-#                                      disposable checkout whose target/ is built)
+#   scripts/mutants.sh NAMES -- ARGS   ARGS go to cargo-mutants (e.g. --shard 1/4)
 #
-# cargo-mutants (pinned) is installed into .tools/ on first use. Results go to
-# target/mutants/NAME/mutants.out (caught.txt, missed.txt, timeout.txt, unviable.txt);
-# the script ends with a table of the counts per file.
+# cargo-mutants (pinned) is installed into .tools/ on first use. It mutates, in place,
+# a copy of the working tree in target/mutants/tree (kept, so later runs build
+# incrementally), where the workspace's binaries (tchrun, the workers) are built first.
+# Results go to target/mutants/NAME/mutants.out (caught.txt, missed.txt, timeout.txt,
+# unviable.txt); the script ends with a table of the counts per file.
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
 export OMP_NUM_THREADS=1
@@ -24,9 +25,8 @@ if [ "$("$MUTANTS" mutants --version 2>/dev/null)" != "cargo-mutants $MUTANTS_VE
   cargo install cargo-mutants --version "$MUTANTS_VERSION" --locked --root "$ROOT/.tools"
 fi
 
-# NAME -> the file it mutates and the test targets that cover it. Every test target
-# named here is in tch-distributed-tests; the SDK's own unit tests (--lib) run too, and
-# `--bin tchrun` builds the launcher that the multi-process tests start.
+# NAME -> the file it mutates and the test targets (in tch-distributed-tests) that cover
+# it. tchrun, which those tests start, is built once unmutated: it only launches.
 declare -A FILE TESTS
 FILE[ddp]=sdk/src/ddp.rs;                  TESTS[ddp]="ddp accumulation parity macro_behaviour error_hints"
 FILE[optim]=sdk/src/optim.rs;              TESTS[optim]="ddp parity accumulation amp macro_behaviour optimizer_settings grad_scaler"
@@ -50,12 +50,19 @@ done
 extra=("$@")
 [ ${#names[@]} -gt 0 ] || names=("${ALL[@]}")
 
+TREE="$ROOT/target/mutants/tree"
+if [ -z "$list" ]; then
+  sync_tree "$TREE"
+  (cd "$TREE" && cargo build --workspace --bins)
+else
+  TREE="$ROOT"  # listing reads the sources only
+fi
+
 summary=""
 for name in "${names[@]}"; do
   file="${FILE[$name]:?unknown name $name: use one of ${ALL[*]}}"
-  args=(--file "$file" --package tch-distributed
-    --test-package tch-distributed --test-package tch-distributed-tests
-    --cargo-test-arg=--lib --cargo-test-arg=--bin=tchrun)
+  args=(--dir "$TREE" --file "$file" --package tch-distributed
+    --test-package tch-distributed-tests)
   for t in ${TESTS[$name]}; do
     args+=("--cargo-test-arg=--test=$t")
   done
@@ -68,7 +75,7 @@ for name in "${names[@]}"; do
   echo "mutants: $file, tests: ${TESTS[$name]}" >&2
   # Exit codes 2 (mutants missed) and 3 (timeouts) are results, reported below; others
   # (1: usage, 4: the tests fail without any mutant) stop the script.
-  "$MUTANTS" mutants "${args[@]}" --output "$out" --minimum-test-timeout 120 "${extra[@]}" \
+  "$MUTANTS" mutants "${args[@]}" --in-place --output "$out" --minimum-test-timeout 120 "${extra[@]}" \
     || { rc=$?; [ $rc -eq 2 ] || [ $rc -eq 3 ] || exit $rc; }
   count() { [ -f "$out/mutants.out/$1.txt" ] && grep -c . "$out/mutants.out/$1.txt" || echo 0; }
   summary+="$(printf '%-28s caught %4s  missed %4s  timeout %4s  unviable %4s' \
