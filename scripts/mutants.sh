@@ -25,7 +25,7 @@ if [ "$("$MUTANTS" mutants --version 2>/dev/null)" != "cargo-mutants $MUTANTS_VE
   cargo install cargo-mutants --version "$MUTANTS_VERSION" --locked --root "$ROOT/.tools"
 fi
 
-# NAME -> the file it mutates and the test targets (in tch-distributed-tests) that cover
+# NAME -> the file it mutates and the test targets (of the workspace) that cover
 # it. tchrun, which those tests start, is built once unmutated: it only launches.
 declare -A FILE TESTS
 FILE[ddp]=sdk/src/ddp.rs;                  TESTS[ddp]="ddp accumulation parity macro_behaviour error_hints"
@@ -62,7 +62,7 @@ summary=""
 for name in "${names[@]}"; do
   file="${FILE[$name]:?unknown name $name: use one of ${ALL[*]}}"
   args=(--dir "$TREE" --file "$file" --package tch-distributed
-    --test-package tch-distributed-tests)
+    --test-workspace=true)
   for t in ${TESTS[$name]}; do
     args+=("--cargo-test-arg=--test=$t")
   done
@@ -75,7 +75,11 @@ for name in "${names[@]}"; do
   echo "mutants: $file, tests: ${TESTS[$name]}" >&2
   # Exit codes 2 (mutants missed) and 3 (timeouts) are results, reported below; others
   # (1: usage, 4: the tests fail without any mutant) stop the script.
-  "$MUTANTS" mutants "${args[@]}" --in-place --output "$out" --minimum-test-timeout 120 "${extra[@]}" \
+  # --baseline=skip: cargo-mutants runs its unmutated baseline on the mutated package's
+  # own tests only (not --test-workspace's), where these --test targets do not exist.
+  # The tree is the working tree, which scripts/test.sh checks; the timeout is fixed.
+  "$MUTANTS" mutants "${args[@]}" --in-place --output "$out" --baseline=skip --timeout 600 \
+    --build-timeout 900 "${extra[@]}" \
     || { rc=$?; [ $rc -eq 2 ] || [ $rc -eq 3 ] || exit $rc; }
   count() { [ -f "$out/mutants.out/$1.txt" ] && grep -c . "$out/mutants.out/$1.txt" || echo 0; }
   summary+="$(printf '%-28s caught %4s  missed %4s  timeout %4s  unviable %4s' \
