@@ -81,7 +81,11 @@ for name in "${names[@]}"; do
   "$MUTANTS" mutants "${args[@]}" --in-place --output "$out" --baseline=skip --timeout 600 \
     --build-timeout 900 "${extra[@]}" \
     || { rc=$?; [ $rc -eq 2 ] || [ $rc -eq 3 ] || exit $rc; }
-  count() { [ -f "$out/mutants.out/$1.txt" ] && grep -c . "$out/mutants.out/$1.txt" || echo 0; }
+  count() {
+    local n=0
+    [ ! -f "$out/mutants.out/$1.txt" ] || n=$(grep -c . "$out/mutants.out/$1.txt" || true)
+    echo "$n"
+  }
   summary+="$(printf '%-28s caught %4s  missed %4s  timeout %4s  unviable %4s' \
     "$file" "$(count caught)" "$(count missed)" "$(count timeout)" "$(count unviable)")"$'\n'
 done

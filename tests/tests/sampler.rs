@@ -77,3 +77,19 @@ fn steps_per_epoch_shrink_with_world_size_as_the_guides_say() {
     let padded = DistributedSampler::new(29_500, 0, 8).unwrap();
     assert_eq!(padded.num_samples() / 4, 922);
 }
+
+/// What the sampler reports about itself (its rank, the epoch set on it, its length),
+/// which the loader and user code read back. Found missing by `scripts/mutants.sh
+/// sampler`: these getters could return constants and every other test passed.
+#[test]
+fn the_sampler_reports_its_rank_epoch_and_length() {
+    for (rank, epoch) in [(0, 0), (2, 5), (3, 1)] {
+        let mut sampler = DistributedSampler::new(10, rank, 4).unwrap();
+        sampler.set_epoch(epoch);
+        assert_eq!(sampler.rank(), rank);
+        assert_eq!(sampler.world_size(), 4);
+        assert_eq!(sampler.epoch(), epoch);
+        assert_eq!(sampler.len(), 10);
+        assert!(!sampler.is_empty());
+    }
+}
