@@ -34,8 +34,9 @@ if [ -z "${LIBTORCH:-}" ]; then
   if [ ! -f "$MARKER" ]; then
     echo "setup: installing $REQUIREMENTS into $VENV (first run only: ~3 min, ~4.7 GB)" >&2
     [ -x "$VENV/bin/pip" ] || python3 -m venv "$VENV"
+    # No pip cache: it would keep another ~4 GB of wheels on disk.
     # shellcheck disable=SC2086
-    "$VENV/bin/pip" install --quiet --disable-pip-version-check $REQUIREMENTS
+    "$VENV/bin/pip" install --quiet --disable-pip-version-check --no-cache-dir $REQUIREMENTS
     touch "$MARKER"
   fi
   export VIRTUAL_ENV="$VENV"

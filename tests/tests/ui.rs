@@ -70,6 +70,9 @@ fn ui() {
     if !tch_distributed_tests::cuda_requested() {
         std::env::set_var("CUDA_VISIBLE_DEVICES", "");
     }
+    // trybuild's project does not inherit the workspace's `[profile.dev]`: without
+    // this its build of libtorch's bindings carries full debug info (gigabytes).
+    std::env::set_var("CARGO_PROFILE_DEV_DEBUG", "false");
     let t = trybuild::TestCases::new();
     t.pass("ui/pass/*.rs");
     t.compile_fail("ui/fail/*.rs");

@@ -64,6 +64,8 @@ fn a_user_crate_on_this_tch_adds_the_sdk_and_trains_on_two_ranks() {
         .current_dir(&krate)
         .args(["build", "--quiet"])
         .env("CARGO_TARGET_DIR", krate.join("target"))
+        // Built to run, never debugged: no debug info keeps its target small.
+        .env("CARGO_PROFILE_DEV_DEBUG", "false")
         .env_remove("CARGO_MANIFEST_DIR");
     let built = run_with(build, &dir, Duration::from_secs(1800), |_, _| {});
     built.assert_success();
