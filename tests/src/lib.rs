@@ -554,6 +554,36 @@ pub fn run_with(
     }
 }
 
+/// Runs every `(command, dir)` at the same time, each as [`run_with`] does (its own
+/// process group, `timeout`, output in its `dir`), and returns their runs in the same
+/// order: ranks started by hand, or the nodes of a job on one machine.
+/// `while_running(i, pid, dir)` is called for the `i`-th once it has started, on that
+/// run's own thread.
+pub fn run_together<D: AsRef<Path> + Send>(
+    runs: Vec<(Command, D)>,
+    timeout: Duration,
+    while_running: impl Fn(usize, u32, &Path) + Sync,
+) -> Vec<Run> {
+    let while_running = &while_running;
+    thread::scope(|s| {
+        let handles: Vec<_> = runs
+            .into_iter()
+            .enumerate()
+            .map(|(i, (cmd, dir))| {
+                s.spawn(move || {
+                    run_with(cmd, dir.as_ref(), timeout, |pid, dir| {
+                        while_running(i, pid, dir)
+                    })
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect()
+    })
+}
+
 /// `run_with` for `tchrun args…`.
 pub fn run_tchrun(
     dir: &Path,

@@ -2,11 +2,10 @@
 //! an error does: `Error: …` naming the problem and the fix, exit code 1, no panic
 //! pointing into the SDK's sources and no C++ stack frames.
 
-use std::net::TcpListener;
 use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{run_with, scratch_dir, without_launcher, Run};
+use tch_distributed_tests::{free_port, run_with, scratch_dir, without_launcher, Run};
 
 #[path = "support/messages.rs"]
 mod messages;
@@ -59,12 +58,7 @@ fn a_bad_launch_environment_names_the_variable_and_the_fix() {
 fn a_rendezvous_that_times_out_says_where_and_what_to_check() {
     let dir = scratch_dir("entry-rendezvous");
     // A port nobody listens on: rank 1 waits for rank 0's store, which never comes.
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let port = port.to_string();
+    let port = free_port().to_string();
     let run = worker(
         &dir,
         &[

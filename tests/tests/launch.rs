@@ -6,7 +6,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use tch_distributed_tests::{
-    children, compare, run_tchrun, run_with, scratch_dir, torchrun, wait_for_text,
+    children, compare, free_port, run_tchrun, run_together, run_with, scratch_dir, torchrun,
+    wait_for_text, Run,
 };
 
 #[path = "support/macro_reference.rs"]
@@ -449,12 +450,7 @@ fn torchrun_reports_a_failing_ranks_message_as_the_root_cause() {
 /// under its own keys and trains to the end.
 #[test]
 fn two_nodes_restart_together_at_node_0s_store() {
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    let port = free_port().to_string();
     let dir = scratch_dir("two-nodes-restart");
     let d = dir.to_str().unwrap();
     // Rank 1 fails after its first step, in the first attempt only.
@@ -475,28 +471,21 @@ fn two_nodes_restart_together_at_node_0s_store() {
         .env_remove("TCH_DISTRIBUTED_NPROC");
         cmd
     };
-    let node1_err = dir.join("node1.stderr");
-    // Node 1 in a process group of its own, killed whole when the guard drops (on a
-    // panic too).
-    let mut node1 = tch_distributed_tests::ProcessGroup::spawn(
-        node("1")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::fs::File::create(&node1_err).unwrap()),
-    )
-    .unwrap();
-    let run = run_with(node("0"), &dir, TIMEOUT, |_, _| {});
-    let node1_status = node1.wait_until(std::time::Instant::now() + Duration::from_secs(30));
-    drop(node1);
-    let node1_stderr = std::fs::read_to_string(&node1_err).unwrap_or_default();
+    let node1_dir = dir.join("node1");
+    std::fs::create_dir_all(&node1_dir).unwrap();
+    let nodes = vec![(node("0"), dir.to_path_buf()), (node("1"), node1_dir)];
+    let [run, node1]: [Run; 2] = run_together(nodes, TIMEOUT, |_, _, _| {})
+        .try_into()
+        .unwrap();
     run.assert_success();
+    node1.assert_success();
     assert!(
-        node1_status.is_some_and(|s| s.success()),
-        "node 1: {node1_status:?}\n{node1_stderr}"
-    );
-    assert!(
-        node1_stderr.contains("rank 1 fails on purpose")
-            && node1_stderr.contains("restarting this node's rank (restart 1 of 1)"),
-        "{node1_stderr}"
+        node1.stderr.contains("rank 1 fails on purpose")
+            && node1
+                .stderr
+                .contains("restarting this node's rank (restart 1 of 1)"),
+        "{}",
+        node1.stderr
     );
     assert!(
         run.stderr

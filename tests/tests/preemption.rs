@@ -11,7 +11,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use tch_distributed_tests::{free_port, run_tchrun, run_with, scratch_dir, without_launcher, Run};
+use tch_distributed_tests::{
+    free_port, run_tchrun, run_together, scratch_dir, without_launcher, Run,
+};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_resume_worker");
 const TIMEOUT: Duration = Duration::from_secs(120);
@@ -29,40 +31,33 @@ fn progress(out: &Path) -> u64 {
 /// done, sends `signal` to rank `target` alone; returns each rank's run.
 fn preempt_one_rank(out: &Path, ckpt: &Path, signal: i32, target: usize) -> Vec<Run> {
     let port = free_port().to_string();
-    std::thread::scope(|s| {
-        let ranks: Vec<_> = (0..2)
-            .map(|rank| {
-                let port = port.clone();
-                s.spawn(move || {
-                    let dir = out.join(format!("rank{rank}"));
-                    fs::create_dir_all(&dir).unwrap();
-                    let mut cmd = Command::new(WORKER);
-                    without_launcher(&mut cmd)
-                        .args([out.to_str().unwrap(), ckpt.to_str().unwrap()])
-                        .args(["1000000", "adam"])
-                        .env("RANK", rank.to_string())
-                        .env("WORLD_SIZE", "2")
-                        .env("LOCAL_RANK", rank.to_string())
-                        .env("LOCAL_WORLD_SIZE", "2")
-                        .env("MASTER_ADDR", "127.0.0.1")
-                        .env("MASTER_PORT", &port);
-                    run_with(cmd, &dir, TIMEOUT, |pid, _| {
-                        if rank != target {
-                            return;
-                        }
-                        // Bounded: without the signal the job runs into the timeout,
-                        // and fails the test there.
-                        let deadline = Instant::now() + TIMEOUT / 2;
-                        while progress(out) < 6 && Instant::now() < deadline {
-                            std::thread::sleep(Duration::from_millis(20));
-                        }
-                        // This rank's pid only: the other rank hears nothing.
-                        unsafe { libc::kill(pid as i32, signal) };
-                    })
-                })
-            })
-            .collect();
-        ranks.into_iter().map(|r| r.join().unwrap()).collect()
+    let ranks = (0..2).map(|rank| {
+        let dir = out.join(format!("rank{rank}"));
+        fs::create_dir_all(&dir).unwrap();
+        let mut cmd = Command::new(WORKER);
+        without_launcher(&mut cmd)
+            .args([out.to_str().unwrap(), ckpt.to_str().unwrap()])
+            .args(["1000000", "adam"])
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", "2")
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", &port);
+        (cmd, dir)
+    });
+    run_together(ranks.collect(), TIMEOUT, |rank, pid, _| {
+        if rank != target {
+            return;
+        }
+        // Bounded: without the signal the job runs into the timeout, and fails the
+        // test there.
+        let deadline = Instant::now() + TIMEOUT / 2;
+        while progress(out) < 6 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // This rank's pid only: the other rank hears nothing.
+        unsafe { libc::kill(pid as i32, signal) };
     })
 }
 

@@ -3,12 +3,13 @@
 //! each rank's closure started and ended; the first ones take 500 ms).
 
 use std::fs;
-use std::net::TcpListener;
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{run_tchrun, run_with, scratch_dir, tchrun, without_launcher};
+use tch_distributed_tests::{
+    free_port, run_tchrun, run_together, scratch_dir, tchrun, without_launcher, Run,
+};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_first_worker");
 const TIMEOUT: Duration = Duration::from_secs(90);
@@ -60,12 +61,7 @@ fn main_process_first_runs_rank_0_before_the_others() {
 fn local_main_process_first_runs_each_nodes_local_rank_0_first() {
     // Two "nodes" of 2 ranks on this machine: ranks 0 and 2 are local rank 0.
     let dir = scratch_dir("local-first");
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+    let port = free_port().to_string();
     let node = |rank: &str| {
         let mut cmd = Command::new(tchrun());
         without_launcher(&mut cmd);
@@ -88,13 +84,12 @@ fn local_main_process_first_runs_each_nodes_local_rank_0_first() {
     };
     let node1_dir = dir.join("node1");
     fs::create_dir_all(&node1_dir).unwrap();
-    let node1 = std::thread::spawn({
-        let cmd = node("1");
-        move || run_with(cmd, &node1_dir, TIMEOUT, |_, _| {})
-    });
-    let node0 = run_with(node("0"), &dir, TIMEOUT, |_, _| {});
+    let nodes = vec![(node("0"), dir.to_path_buf()), (node("1"), node1_dir)];
+    let [node0, node1]: [Run; 2] = run_together(nodes, TIMEOUT, |_, _, _| {})
+        .try_into()
+        .unwrap();
     node0.assert_success();
-    node1.join().unwrap().assert_success();
+    node1.assert_success();
     assert_after(&dir, &[0, 2], &[1, 3]);
     // The two local rank 0s ran at the same time, not one after the other.
     let ((s0, e0), (s2, e2)) = (times(&dir, 0), times(&dir, 2));

@@ -3,11 +3,10 @@
 //! started with different world sizes say so at once. The message is the book's
 //! (`book/src/errors/`, see `support/messages.rs`).
 
-use std::net::TcpListener;
 use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{run_with, scratch_dir, without_launcher, Run};
+use tch_distributed_tests::{free_port, run_together, scratch_dir, without_launcher};
 
 #[path = "support/messages.rs"]
 mod messages;
@@ -18,32 +17,22 @@ const MACRO: &str = env!("CARGO_BIN_EXE_macro_worker");
 #[test]
 fn ranks_missing_at_rendezvous_are_counted() {
     // WORLD_SIZE=3 but only ranks 0 and 1 start.
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
-    let runs: Vec<Run> = std::thread::scope(|s| {
-        let handles: Vec<_> = ["0", "1"]
-            .map(|rank| {
-                let port = port.clone();
-                s.spawn(move || {
-                    let dir = scratch_dir(&format!("missing-rank-{rank}"));
-                    let mut cmd = Command::new(MACRO);
-                    without_launcher(&mut cmd).arg(&dir).arg("8").envs([
-                        ("RANK", rank),
-                        ("WORLD_SIZE", "3"),
-                        ("MASTER_ADDR", "127.0.0.1"),
-                        ("MASTER_PORT", port.as_str()),
-                        ("TCH_DISTRIBUTED_TIMEOUT", "3"),
-                    ]);
-                    run_with(cmd, &dir, Duration::from_secs(60), |_, _| {})
-                })
-            })
-            .into();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let port = free_port().to_string();
+    let dirs: Vec<_> = ["0", "1"]
+        .map(|r| scratch_dir(&format!("missing-rank-{r}")))
+        .into();
+    let ranks = ["0", "1"].iter().zip(&dirs).map(|(rank, dir)| {
+        let mut cmd = Command::new(MACRO);
+        without_launcher(&mut cmd).arg(dir).arg("8").envs([
+            ("RANK", *rank),
+            ("WORLD_SIZE", "3"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", port.as_str()),
+            ("TCH_DISTRIBUTED_TIMEOUT", "3"),
+        ]);
+        (cmd, dir)
     });
+    let runs = run_together(ranks.collect(), Duration::from_secs(60), |_, _, _| {});
     for (rank, run) in runs.iter().enumerate() {
         assert_eq!(run.status.code(), Some(1), "{run:?}");
         assert_no_raw_text(&run.stderr);
@@ -68,32 +57,25 @@ fn ranks_missing_at_rendezvous_are_counted() {
 
 #[test]
 fn ranks_with_different_world_sizes_say_so() {
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
-    let runs: Vec<Run> = std::thread::scope(|s| {
-        let handles: Vec<_> = [("0", "2"), ("1", "3")]
-            .map(|(rank, size)| {
-                let port = port.clone();
-                s.spawn(move || {
-                    let dir = scratch_dir(&format!("world-size-{rank}"));
-                    let mut cmd = Command::new(MACRO);
-                    without_launcher(&mut cmd).arg(&dir).arg("8").envs([
-                        ("RANK", rank),
-                        ("WORLD_SIZE", size),
-                        ("MASTER_ADDR", "127.0.0.1"),
-                        ("MASTER_PORT", port.as_str()),
-                        ("TCH_DISTRIBUTED_TIMEOUT", "20"),
-                    ]);
-                    run_with(cmd, &dir, Duration::from_secs(60), |_, _| {})
-                })
-            })
-            .into();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let port = free_port().to_string();
+    let dirs: Vec<_> = ["0", "1"]
+        .map(|r| scratch_dir(&format!("world-size-{r}")))
+        .into();
+    let ranks = [("0", "2"), ("1", "3")]
+        .iter()
+        .zip(&dirs)
+        .map(|((rank, size), dir)| {
+            let mut cmd = Command::new(MACRO);
+            without_launcher(&mut cmd).arg(dir).arg("8").envs([
+                ("RANK", *rank),
+                ("WORLD_SIZE", *size),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", port.as_str()),
+                ("TCH_DISTRIBUTED_TIMEOUT", "20"),
+            ]);
+            (cmd, dir)
+        });
+    let runs = run_together(ranks.collect(), Duration::from_secs(60), |_, _, _| {});
     for (run, expected) in runs.iter().zip([
         "(rank 0, world size 2): WORLD_SIZE is 2 here but 3 on rank 1: start every rank with the same WORLD_SIZE",
         "(rank 1, world size 3): WORLD_SIZE is 3 here but 2 on rank 0: start every rank with the same WORLD_SIZE",

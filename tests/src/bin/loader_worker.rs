@@ -151,25 +151,43 @@ fn accum(out: &str, n: i64, batch: usize, steps: usize, epochs: u64) -> anyhow::
     Ok(())
 }
 
+/// The modes, as the module's docs give them.
+#[derive(clap::Parser)]
+enum Mode {
+    Resume {
+        out: String,
+        ckpt: String,
+        n: i64,
+        batch: usize,
+        stop_after: u64,
+        epochs: u64,
+    },
+    Accum {
+        out: String,
+        n: i64,
+        batch: usize,
+        accum: usize,
+        epochs: u64,
+    },
+}
+
 fn main() -> anyhow::Result<()> {
     tch::set_num_threads(1);
-    let args: Vec<String> = std::env::args().collect();
-    match args[1].as_str() {
-        "resume" => resume(
-            &args[2],
-            &args[3],
-            args[4].parse()?,
-            args[5].parse()?,
-            args[6].parse()?,
-            args[7].parse()?,
-        ),
-        "accum" => accum(
-            &args[2],
-            args[3].parse()?,
-            args[4].parse()?,
-            args[5].parse()?,
-            args[6].parse()?,
-        ),
-        other => anyhow::bail!("unknown mode {other}"),
+    match <Mode as clap::Parser>::parse() {
+        Mode::Resume {
+            out,
+            ckpt,
+            n,
+            batch,
+            stop_after,
+            epochs,
+        } => resume(&out, &ckpt, n, batch, stop_after, epochs),
+        Mode::Accum {
+            out,
+            n,
+            batch,
+            accum: steps,
+            epochs,
+        } => accum(&out, n, batch, steps, epochs),
     }
 }

@@ -97,17 +97,29 @@ fn diverge(clean_at: i64) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The modes, as the module's docs give them.
+#[derive(clap::Parser)]
+enum Mode {
+    Resume {
+        out: String,
+        ckpt: String,
+        steps: u64,
+        save_at: Option<u64>,
+    },
+    Diverge {
+        clean_at: i64,
+    },
+}
+
 fn main() -> anyhow::Result<()> {
     tch::set_num_threads(1);
-    let args: Vec<String> = std::env::args().collect();
-    match args[1].as_str() {
-        "resume" => resume(
-            &args[2],
-            &args[3],
-            args[4].parse()?,
-            args.get(5).map(|s| s.parse()).transpose()?,
-        ),
-        "diverge" => diverge(args[2].parse()?),
-        other => anyhow::bail!("unknown mode {other}"),
+    match <Mode as clap::Parser>::parse() {
+        Mode::Resume {
+            out,
+            ckpt,
+            steps,
+            save_at,
+        } => resume(&out, &ckpt, steps, save_at),
+        Mode::Diverge { clean_at } => diverge(clean_at),
     }
 }
