@@ -24,8 +24,9 @@ case "$TCH" in
     exit 2
     ;;
 esac
-# The Python side of the tests that compare with PyTorch (safetensors.torch).
-PY_TEST_DEPS='safetensors==0.5.3'
+# The Python side of the tests that compare with PyTorch (safetensors.torch), and
+# TensorBoard's event reader for the Tracker's tests.
+PY_TEST_DEPS='safetensors==0.5.3 tensorboard==2.21.0'
 REQUIREMENTS="torch==$TORCH_VERSION $CUDA_HEADERS $PY_TEST_DEPS"
 
 if [ -z "${LIBTORCH:-}" ]; then

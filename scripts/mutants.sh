@@ -61,8 +61,10 @@ fi
 summary=""
 for name in "${names[@]}"; do
   file="${FILE[$name]:?unknown name $name: use one of ${ALL[*]}}"
+  # Builds and tests the tests package only (its test targets and workers), not the
+  # examples, the book's listings or the benchmarks, which no covering test runs.
   args=(--dir "$TREE" --file "$file" --package tch-distributed
-    --test-workspace=true)
+    --test-package tch-distributed-tests)
   for t in ${TESTS[$name]}; do
     args+=("--cargo-test-arg=--test=$t")
   done
@@ -76,7 +78,7 @@ for name in "${names[@]}"; do
   # Exit codes 2 (mutants missed) and 3 (timeouts) are results, reported below; others
   # (1: usage, 4: the tests fail without any mutant) stop the script.
   # --baseline=skip: cargo-mutants runs its unmutated baseline on the mutated package's
-  # own tests only (not --test-workspace's), where these --test targets do not exist.
+  # own tests only (not --test-package's), where these --test targets do not exist.
   # The tree is the working tree, which scripts/test.sh checks; the timeout is fixed.
   "$MUTANTS" mutants "${args[@]}" --in-place --output "$out" --baseline=skip --timeout 600 \
     --build-timeout 900 "${extra[@]}" \

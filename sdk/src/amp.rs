@@ -1,5 +1,7 @@
 //! Mixed precision: autocast and `GradScaler`, with the semantics of PyTorch's.
 
+use std::fmt;
+
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
@@ -17,6 +19,17 @@ pub enum MixedPrecision {
     Bf16,
     /// float16 autocast, with a [`GradScaler`] against underflowing gradients.
     Fp16,
+}
+
+/// `no`, `bf16` or `fp16`, as the attribute's `mixed_precision` spells them.
+impl fmt::Display for MixedPrecision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            MixedPrecision::No => "no",
+            MixedPrecision::Bf16 => "bf16",
+            MixedPrecision::Fp16 => "fp16",
+        })
+    }
 }
 
 impl MixedPrecision {

@@ -634,3 +634,14 @@ impl<'a, T> VarStoreMutOther<'a> for &Probe<T> {
         None
     }
 }
+
+/// Inside a `#[distributed]` function: the attribute's options (after the environment's
+/// overrides) and the mixed precision chosen, for the run's recorded configuration.
+pub(crate) fn attribute_settings() -> Option<(Options, MixedPrecision)> {
+    (DEPTH.with(Cell::get) > 0).then(|| {
+        (
+            OPTIONS.with(|o| o.borrow().clone()),
+            PRECISION.with(Cell::get),
+        )
+    })
+}
