@@ -10,6 +10,7 @@ use super::dataset::{Batch, Dataset};
 use super::sampler::DistributedSampler;
 use crate::error::{Error, Result};
 use crate::init;
+use crate::observe::progress::Progress;
 
 /// This rank's batches of a [`Dataset`], as PyTorch's `DataLoader` over a
 /// [`DistributedSampler`]: every rank gets the same number of batches
@@ -252,7 +253,9 @@ impl<D: Dataset> DataLoader<D> {
                 (batches, Source::Workers(workers))
             }
         };
+        let steps = (skip + batches.len()) as u64;
         Batches {
+            progress: Progress::start(Some(epoch), Some(steps), skip as u64),
             loader: self,
             batches,
             skipped: skip,
@@ -412,17 +415,24 @@ pub struct Batches<'a, D: Dataset> {
     row: usize,
     pin: Option<Device>,
     source: Source<D::Item>,
+    /// Rank 0's bar: a step is counted when the loop asks for the next batch.
+    progress: Progress,
 }
 
 impl<D: Dataset> Iterator for Batches<'_, D> {
     type Item = Result<D::Item>;
 
     fn next(&mut self) -> Option<Result<D::Item>> {
+        if self.next > 0 {
+            self.progress.step();
+        }
         if let Source::Failed(e) = &mut self.source {
             return e.take().map(Err);
         }
         let Some(indices) = self.batches.get(self.next) else {
             crate::optim::set_end_of_data(false);
+            // Counted once: the epoch is over.
+            self.progress = Progress::none();
             return None;
         };
         let batch = match &self.source {

@@ -5,6 +5,7 @@ use tch::Tensor;
 
 use crate::error::{Error, Result};
 use crate::init;
+use crate::observe::progress::Progress;
 use crate::process_group::ReduceOp;
 
 mod batch_size;
@@ -31,7 +32,7 @@ pub use sampler::DistributedSampler;
 /// # Ok(()) }
 /// ```
 pub fn shard<I: IntoIterator>(batches: I) -> Sharded<I::IntoIter> {
-    Sharded::new(batches.into_iter())
+    Sharded::new(batches.into_iter()).with_progress(None)
 }
 
 /// An iterator split across ranks, batch by batch, as Accelerate's `even_batches`
@@ -60,6 +61,10 @@ pub struct Sharded<I: Iterator> {
     done: bool,
     /// What the loop yields, for `TCH_DISTRIBUTED_RECORD`.
     recording: Option<crate::record::Recording<I::Item>>,
+    /// Batches yielded so far.
+    yielded: u64,
+    /// Rank 0's bar: a step is counted when the loop asks for the next batch.
+    progress: Progress,
 }
 
 impl<I: Iterator> Sharded<I> {
@@ -80,7 +85,23 @@ impl<I: Iterator> Sharded<I> {
             seen: 0,
             done: false,
             recording: None,
+            yielded: 0,
+            progress: Progress::none(),
         }
+    }
+
+    /// Shows rank 0's progress bar for this loop (see [`crate::PROGRESS_ENV`]), as
+    /// epoch `epoch` when known. Its length is this rank's share of the batches,
+    /// `ceil(batches / world_size)`, when `inner` knows how many it yields
+    /// (`size_hint`); tch's `Iter2` and `TextDataIter` do not say, and the bar then
+    /// counts steps without a total.
+    pub(crate) fn with_progress(mut self, epoch: Option<u64>) -> Self {
+        let steps = match self.inner.size_hint() {
+            (low, Some(high)) if low == high => Some(low.div_ceil(self.world_size) as u64),
+            _ => None,
+        };
+        self.progress = Progress::start(epoch, steps, 0);
+        self
     }
 
     /// Records the rows this rank gets, when `TCH_DISTRIBUTED_RECORD` asks for it.
@@ -128,6 +149,7 @@ impl<I: Iterator> Sharded<I> {
     }
 
     fn yielded(&mut self, item: I::Item) -> Option<I::Item> {
+        self.yielded += 1;
         if let Some(r) = &mut self.recording {
             r.add(&item);
         }
@@ -138,8 +160,12 @@ impl<I: Iterator> Sharded<I> {
 impl<I: Iterator> Iterator for Sharded<I> {
     type Item = I::Item;
     fn next(&mut self) -> Option<I::Item> {
+        if self.yielded > 0 {
+            self.progress.step();
+        }
         if self.done {
             crate::optim::set_end_of_data(false);
+            self.progress = Progress::none();
             return None;
         }
         let mut got = 0;
@@ -161,6 +187,7 @@ impl<I: Iterator> Iterator for Sharded<I> {
         if got == 0 || self.first.is_empty() {
             // The epoch ended on a round boundary (or was empty).
             crate::optim::set_end_of_data(false);
+            self.progress = Progress::none();
             return None;
         }
         // An incomplete round: this rank takes one of the epoch's first batches,

@@ -216,6 +216,7 @@ impl Tracker {
             }
         }
         let values = self.reduce(values)?;
+        super::progress::set_last_metrics(&values);
         let Some(files) = self.files.as_mut() else {
             return Ok(());
         };
