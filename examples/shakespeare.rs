@@ -19,9 +19,9 @@ use std::time::Instant;
 use tch::data::TextData;
 use tch::nn::{self, Module, OptimizerConfig, RNN};
 use tch::{Device, Kind, Tensor};
-use tch_distributed::{Checkpointer, TrainState};
+use tch_distributed::{Checkpointer, Tracker, TrainState};
 
-#[derive(Parser, Debug)]
+#[derive(Parser, Debug, serde::Serialize)]
 #[command(about = "Character-level LSTM on tinyshakespeare, data-parallel over tch-distributed")]
 struct Args {
     /// The training text.
@@ -60,6 +60,10 @@ struct Args {
     /// Steps between resumable checkpoints (with `--checkpoint-dir`).
     #[arg(long, default_value_t = 100)]
     checkpoint_every: usize,
+    /// Metrics (metrics.jsonl, TensorBoard event files, loss.png) and the run's
+    /// configuration (config.json) go here, from rank 0: `tensorboard --logdir DIR`.
+    #[arg(long, default_value = "runs/shakespeare")]
+    runs: std::path::PathBuf,
 }
 
 struct CharLstm {
@@ -130,6 +134,11 @@ fn train(args: &Args) -> Result<()> {
         args.batch_size
     );
 
+    // The global loss (averaged over ranks) each step; rank 0 writes it.
+    let mut tracker = Tracker::new(&args.runs)?.average_over_ranks();
+    tracker.batch_size(args.batch_size as usize)?;
+    tracker.config("args", args)?;
+
     let start = Instant::now();
     let (mut window, mut loss_sum, mut losses) = (Instant::now(), 0.0, 0);
     let mut step = 0;
@@ -153,7 +162,9 @@ fn train(args: &Args) -> Result<()> {
             opt.backward_step_clip_norm(&loss, 0.5);
 
             step += 1;
-            loss_sum += loss.double_value(&[]);
+            let loss = loss.double_value(&[]);
+            tracker.log(step as u64, &[("loss", loss)])?;
+            loss_sum += loss;
             losses += 1;
             if step % args.log_every == 0 || step == args.steps {
                 let tokens = (losses as i64 * args.batch_size * args.seq_len) as f64;
@@ -189,6 +200,9 @@ fn train(args: &Args) -> Result<()> {
         tokens / elapsed,
         args.checkpoint.display()
     );
+    for plot in tracker.finish()? {
+        println!("plotted {}", plot.display());
+    }
     let sample = tch::no_grad(|| model.sample(&data, 200, device));
     println!("sample:\n{sample}");
     Ok(())

@@ -15,5 +15,8 @@ cargo build --release --quiet -p tch-distributed-examples --example shakespeare
 export TCH_DISTRIBUTED_BACKEND=gloo
 # No launcher: the #[distributed] training function starts its own 2 ranks.
 export TCH_DISTRIBUTED_NPROC=2
+# Metrics, TensorBoard events, loss.png, config.json and the trained weights, side
+# by side.
+RUN="$ROOT/runs/shakespeare"
 exec "$PWD/target/release/examples/shakespeare" \
-  --data "$DATA" --checkpoint "$ROOT/data/shakespeare.safetensors" "$@"
+  --data "$DATA" --runs "$RUN" --checkpoint "$RUN/shakespeare.safetensors" "$@"

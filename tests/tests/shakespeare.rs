@@ -22,6 +22,8 @@ fn launches_two_ranks_itself_trains_and_writes_one_checkpoint() {
         .arg(&text)
         .arg("--checkpoint")
         .arg(&checkpoint)
+        .arg("--runs")
+        .arg(dir.join("runs"))
         .args(["--steps", "6", "--log-every", "3", "--batch-size", "4"])
         .args(["--seq-len", "16", "--hidden", "32"])
         .env("TCH_DISTRIBUTED_NPROC", "2");
@@ -33,6 +35,7 @@ fn launches_two_ranks_itself_trains_and_writes_one_checkpoint() {
         "epoch 1 step     3 |",
         "epoch 1 step     6 |",
         "trained 6 steps",
+        "plotted ",
         "sample:",
     ] {
         assert_eq!(
@@ -53,6 +56,19 @@ fn launches_two_ranks_itself_trains_and_writes_one_checkpoint() {
         .filter(|n| n.starts_with(".tmp-"))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
+    // The tracker's files: the global loss of each of the 6 steps, the plot, and the
+    // configuration with the arguments (tests/tests/tracker.rs checks their contents).
+    let runs = dir.join("runs");
+    let metrics = fs::read_to_string(runs.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 6, "{metrics}");
+    assert!(runs.join("loss.png").is_file());
+    let config: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(runs.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["args"]["steps"], 6, "{config}");
+    assert_eq!(
+        config["effective_batch_size"], 8,
+        "4 per rank × 2 ranks: {config}"
+    );
 }
 
 /// The main job's restart pattern: with `--checkpoint-dir`, a rank SIGKILLed mid-run
@@ -75,6 +91,8 @@ fn a_killed_rank_under_max_restarts_resumes_from_the_newest_checkpoint() {
         .arg(&text)
         .arg("--checkpoint")
         .arg(dir.join("model.safetensors"))
+        .arg("--runs")
+        .arg(dir.join("runs"))
         .arg("--checkpoint-dir")
         .arg(&ckpt)
         .args([

@@ -75,7 +75,9 @@ pub(crate) fn draw(
     let mut chart = builder.build_cartesian_2d(x0..x1, y0..y1)?;
     let mut mesh = chart.configure_mesh();
     if text {
-        mesh.x_desc("step").y_desc(name);
+        mesh.x_desc("step")
+            .y_desc(name)
+            .x_label_formatter(&|x| format!("{x:.0}"));
     } else {
         mesh.disable_x_axis().disable_y_axis();
     }
