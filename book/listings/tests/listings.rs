@@ -410,3 +410,33 @@ fn tchrun_help_is_what_the_reference_shows() {
         recorded.display()
     );
 }
+
+#[test]
+fn watching_writes_one_set_of_metrics_from_rank_0() {
+    let dir = scratch_dir("watching");
+    let runs = dir.join("runs");
+    let listing = env!("CARGO_BIN_EXE_watching");
+    let run = tchrun_listing(&dir, 2, listing, &[runs.to_str().unwrap()]);
+    // 512 samples, 2 ranks, batch 16: 16 steps per epoch, 3 epochs.
+    let metrics = fs::read_to_string(runs.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 48, "{metrics}");
+    for png in ["loss.png", "epoch.png"] {
+        assert_eq!(run.stdout.matches(png).count(), 1, "{}", run.stdout);
+        assert!(runs.join(png).is_file());
+    }
+    let events = fs::read_dir(&runs)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .contains("tfevents")
+        })
+        .count();
+    assert_eq!(events, 1, "one event file, rank 0's");
+    let config: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(runs.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["effective_batch_size"], 32, "{config}");
+    assert_eq!(config["lr"], 1e-2, "{config}");
+}
