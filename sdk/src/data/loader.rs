@@ -415,7 +415,7 @@ pub struct Batches<'a, D: Dataset> {
     row: usize,
     pin: Option<Device>,
     source: Source<D::Item>,
-    /// Rank 0's bar: a step is counted when the loop asks for the next batch.
+    /// Rank 0's bar for this epoch.
     progress: Progress,
 }
 
@@ -423,9 +423,6 @@ impl<D: Dataset> Iterator for Batches<'_, D> {
     type Item = Result<D::Item>;
 
     fn next(&mut self) -> Option<Result<D::Item>> {
-        if self.next > 0 {
-            self.progress.step();
-        }
         if let Source::Failed(e) = &mut self.source {
             return e.take().map(Err);
         }
@@ -453,6 +450,7 @@ impl<D: Dataset> Iterator for Batches<'_, D> {
             Source::Failed(_) => unreachable!("handled above"),
         };
         self.next += 1;
+        self.progress.handed_out();
         if batch.is_err() {
             // Stop after an error.
             self.next = self.batches.len();

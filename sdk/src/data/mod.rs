@@ -61,9 +61,7 @@ pub struct Sharded<I: Iterator> {
     done: bool,
     /// What the loop yields, for `TCH_DISTRIBUTED_RECORD`.
     recording: Option<crate::record::Recording<I::Item>>,
-    /// Batches yielded so far.
-    yielded: u64,
-    /// Rank 0's bar: a step is counted when the loop asks for the next batch.
+    /// Rank 0's bar for this loop.
     progress: Progress,
 }
 
@@ -85,7 +83,6 @@ impl<I: Iterator> Sharded<I> {
             seen: 0,
             done: false,
             recording: None,
-            yielded: 0,
             progress: Progress::none(),
         }
     }
@@ -149,7 +146,7 @@ impl<I: Iterator> Sharded<I> {
     }
 
     fn yielded(&mut self, item: I::Item) -> Option<I::Item> {
-        self.yielded += 1;
+        self.progress.handed_out();
         if let Some(r) = &mut self.recording {
             r.add(&item);
         }
@@ -160,9 +157,6 @@ impl<I: Iterator> Sharded<I> {
 impl<I: Iterator> Iterator for Sharded<I> {
     type Item = I::Item;
     fn next(&mut self) -> Option<I::Item> {
-        if self.yielded > 0 {
-            self.progress.step();
-        }
         if self.done {
             crate::optim::set_end_of_data(false);
             self.progress = Progress::none();

@@ -45,9 +45,13 @@ fn enabled() -> bool {
     !off && init::rank_and_world_size().0 == 0 && std::io::stderr().is_terminal()
 }
 
-/// One epoch's bar; draws nothing where [`enabled`] is false.
+/// One epoch's bar; draws nothing where [`enabled`] is false. A step is counted
+/// when the loop is handed its next batch, and when the bar is dropped (the epoch
+/// ended, or the loop was left with `break`).
 pub(crate) struct Progress {
     bar: Option<ProgressBar>,
+    /// A batch was handed out and its step is not counted yet.
+    pending: bool,
 }
 
 impl Progress {
@@ -56,7 +60,7 @@ impl Progress {
     /// mid-epoch).
     pub(crate) fn start(epoch: Option<u64>, steps: Option<u64>, done: u64) -> Progress {
         if !enabled() {
-            return Progress { bar: None };
+            return Progress::none();
         }
         let prefix = epoch.map(|e| format!("epoch {e}")).unwrap_or_default();
         let (bar, template) = match steps {
@@ -75,17 +79,28 @@ impl Progress {
         bar.set_position(done);
         bar.reset_eta();
         bar.enable_steady_tick(Duration::from_millis(500));
-        Progress { bar: Some(bar) }
+        Progress {
+            bar: Some(bar),
+            pending: false,
+        }
     }
 
     /// A bar that draws nothing.
     pub(crate) fn none() -> Progress {
-        Progress { bar: None }
+        Progress {
+            bar: None,
+            pending: false,
+        }
     }
 
-    /// One step done.
-    pub(crate) fn step(&self) {
-        if let Some(bar) = &self.bar {
+    /// The loop is handed a batch: the step of the one before it is done.
+    pub(crate) fn handed_out(&mut self) {
+        self.count_pending();
+        self.pending = true;
+    }
+
+    fn count_pending(&mut self) {
+        if let (true, Some(bar)) = (std::mem::take(&mut self.pending), &self.bar) {
             bar.set_message(last_metrics());
             bar.inc(1);
         }
@@ -94,6 +109,7 @@ impl Progress {
 
 impl Drop for Progress {
     fn drop(&mut self) {
+        self.count_pending();
         if let Some(bar) = self.bar.take() {
             // The epoch's last state stays on screen, as tqdm's default.
             bar.set_message(last_metrics());
