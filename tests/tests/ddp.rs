@@ -2,6 +2,9 @@
 
 use std::time::Duration;
 
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Tensor};
+use tch_distributed::{DdpOptions, DdpStats, DistributedDataParallel};
 use tch_distributed_tests::{run_tchrun, scratch_dir, Run};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ddp_worker");
@@ -101,4 +104,36 @@ fn find_unused_parameters_trains_a_model_with_an_unused_layer() {
         "{}",
         run.stdout
     );
+}
+
+/// In a world of one (this test process, no launcher) DDP keeps the options it was
+/// given, leaves backward's gradients as they are (nothing to average) and counts every
+/// backward pass as synchronized.
+#[test]
+fn in_a_world_of_one_ddp_keeps_its_options_and_counts_its_backward_passes() {
+    let ctx = tch_distributed::init().unwrap();
+    assert_eq!(ctx.world_size(), 1);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let net = nn::linear(vs.root(), 3, 1, Default::default());
+    let options = DdpOptions {
+        bucket_cap_mb: 7.0,
+        first_bucket_cap_mb: 2.0,
+        find_unused_parameters: true,
+        broadcast_buffers: false,
+    };
+    let ddp = DistributedDataParallel::new(&vs, ctx.process_group(), options.clone()).unwrap();
+    assert_eq!(ddp.options(), &options);
+    let x = Tensor::ones([2, 3], (Kind::Float, Device::Cpu));
+    for _ in 0..3 {
+        ddp.backward(&net.forward(&x).sum(Kind::Float)).unwrap();
+    }
+    let expected = DdpStats {
+        synced_backward_passes: 3,
+        local_backward_passes: 0,
+        bucket_rebuilds: 0,
+    };
+    assert_eq!(ddp.stats(), expected);
+    // Three passes accumulate: d(sum of 2 rows of x·w)/dw = 2 per pass, 6 in all.
+    let grad = Vec::<f32>::try_from(net.ws.grad().reshape([-1])).unwrap();
+    assert_eq!(grad, [6.0, 6.0, 6.0]);
 }
