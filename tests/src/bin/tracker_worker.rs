@@ -29,27 +29,28 @@ fn train(out: &str, average: bool, loader: bool) -> anyhow::Result<()> {
     tracker.config("args", std::env::args().collect::<Vec<_>>())?;
     let mut local = String::new();
     let mut step = 0;
-    let mut train_step = |bx: Tensor, by: Tensor| -> anyhow::Result<()> {
-        let loss = net.forward(&bx).mse_loss(&by, tch::Reduction::Mean);
-        let value = loss.double_value(&[]);
-        opt.backward_step(&loss);
-        step += 1;
-        tracker.log(step, &[("loss", value), ("rank", rank as f64)])?;
-        local.push_str(&format!("{value:?}\n"));
-        Ok(())
-    };
-    if loader {
-        let data = DataLoader::new(TensorDataset::new(&xs, &ys)?, 4)?.shuffle(false);
-        for batch in &data {
-            let (bx, by) = batch?;
-            train_step(bx, by)?;
-        }
-    } else {
-        for (bx, by) in Iter2::new(&xs, &ys, 4) {
-            train_step(bx, by)?;
+    {
+        let mut train_step = |bx: Tensor, by: Tensor| -> anyhow::Result<()> {
+            let loss = net.forward(&bx).mse_loss(&by, tch::Reduction::Mean);
+            let value = loss.double_value(&[]);
+            opt.backward_step(&loss);
+            step += 1;
+            tracker.log(step, &[("loss", value), ("rank", rank as f64)])?;
+            local.push_str(&format!("{value:?}\n"));
+            Ok(())
+        };
+        if loader {
+            let data = DataLoader::new(TensorDataset::new(&xs, &ys)?, 4)?.shuffle(false);
+            for batch in &data {
+                let (bx, by) = batch?;
+                train_step(bx, by)?;
+            }
+        } else {
+            for (bx, by) in Iter2::new(&xs, &ys, 4) {
+                train_step(bx, by)?;
+            }
         }
     }
-    drop(train_step);
     std::fs::write(format!("{out}/local{rank}.txt"), local)?;
     tracker.finish()?;
     Ok(())
