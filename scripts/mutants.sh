@@ -28,7 +28,7 @@ fi
 # NAME -> the file it mutates and the test targets (of the workspace) that cover
 # it. tchrun, which those tests start, is built once unmutated: it only launches.
 declare -A FILE TESTS
-FILE[ddp]=sdk/src/ddp.rs;                  TESTS[ddp]="ddp accumulation parity macro_behaviour error_hints stalled_ranks"
+FILE[ddp]=sdk/src/ddp.rs;                  TESTS[ddp]="ddp accumulation parity macro_behaviour error_hints stalled_ranks entry_errors"
 FILE[optim]=sdk/src/optim.rs;              TESTS[optim]="ddp parity accumulation amp macro_behaviour optimizer_settings grad_scaler"
 FILE[amp]=sdk/src/amp.rs;                  TESTS[amp]="amp accumulation grad_scaler"
 FILE[sampler]=sdk/src/data/sampler.rs;     TESTS[sampler]="sampler data shuffles"
