@@ -133,6 +133,8 @@ fn an_unused_parameter_error_says_how_to_turn_on_find_unused_parameters() {
         );
         assert_eq!(message[end], UNUSED_HINT, "rank {rank}");
     }
+    // A Reducer error inside backward, not a collective that timed out.
+    assert!(!run.stderr.contains("timed out"), "{}", run.stderr);
     assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
 
     // With the option, the same model trains.
