@@ -148,3 +148,26 @@ fn an_unused_parameter_error_says_how_to_turn_on_find_unused_parameters() {
     run.assert_success();
     assert!(run.stdout.contains("step 3"), "{}", run.stdout);
 }
+
+/// An error of autograd's inside a synchronized backward pass (the gradient
+/// all-reduce was armed) is reported as itself, not as a collective that timed out.
+#[test]
+fn an_autograd_error_inside_a_synchronized_backward_is_not_a_timeout() {
+    let dir = scratch_dir("hint-nograd");
+    let run = run_tchrun(
+        &dir,
+        &["--nproc-per-node", "2", WORKER, "nograd"],
+        TIMEOUT,
+        |_, _| {},
+    );
+    assert!(!run.status.success(), "{run:?}");
+    assert!(!run.stdout.contains("step 1"), "{}", run.stdout);
+    assert!(
+        run.stderr.contains("Error: rank 0: backward_step: ")
+            && run.stderr.contains("does not require grad"),
+        "{}",
+        run.stderr
+    );
+    assert!(!run.stderr.contains("timed out"), "{}", run.stderr);
+    assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
+}

@@ -4,6 +4,9 @@
 //!   without `find_unused_parameters`: on several ranks, c10d's Reducer fails at the
 //!   second backward pass, and the error must say how to turn the option on here.
 //! - `hint_worker unused-found`: the same with `find_unused_parameters = true`: trains.
+//! - `hint_worker nograd`: a loss cut from the graph (`detach`), so autograd fails
+//!   inside the first synchronized backward pass: the error is autograd's, not a
+//!   collective timeout.
 //! - `hint_worker hello`: prints `hello from rank R of W` (for launch-environment
 //!   errors, which stop it before that).
 //!
@@ -35,6 +38,18 @@ unused_fn!(unused,);
 unused_fn!(unused_found, find_unused_parameters = true);
 
 #[tch_distributed::distributed]
+fn nograd() -> anyhow::Result<()> {
+    let vs = nn::VarStore::new(Device::cuda_if_available());
+    let net = nn::linear(vs.root(), 2, 1, Default::default());
+    let mut opt = nn::Sgd::default().build(&vs, 0.1)?;
+    let x = Tensor::ones([4, 2], (Kind::Float, vs.device()));
+    let loss = net.forward(&x).mean(Kind::Float).detach();
+    opt.backward_step(&loss);
+    println!("step 1");
+    Ok(())
+}
+
+#[tch_distributed::distributed]
 fn hello() -> anyhow::Result<()> {
     let ctx = tch_distributed::current().expect("joined");
     println!("hello from rank {} of {}", ctx.rank(), ctx.world_size());
@@ -46,6 +61,7 @@ fn main() -> anyhow::Result<()> {
     match std::env::args().nth(1).as_deref() {
         Some("unused") => unused(),
         Some("unused-found") => unused_found(),
+        Some("nograd") => nograd(),
         Some("hello") => hello(),
         other => anyhow::bail!("unknown mode {other:?}"),
     }
