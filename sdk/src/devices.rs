@@ -38,17 +38,22 @@ pub(crate) fn local_device(local_rank: usize, gpus: usize) -> Device {
     }
 }
 
+/// A device as PyTorch writes it: `cpu`, `cuda:0`.
+pub(crate) fn device_name(device: Device) -> String {
+    match device {
+        Device::Cuda(i) => format!("cuda:{i}"),
+        other => format!("{other:?}").to_lowercase(),
+    }
+}
+
 /// The devices of the `local_world_size` ranks of a node, as the banner lists them.
 pub(crate) fn node_devices(local_world_size: usize, device: Device, gpus: usize) -> String {
     match device {
         Device::Cuda(_) => (0..local_world_size)
-            .map(|r| match local_device(r, gpus) {
-                Device::Cuda(i) => format!("cuda:{i}"),
-                _ => "cpu".to_string(),
-            })
+            .map(|r| device_name(local_device(r, gpus)))
             .collect::<Vec<_>>()
             .join(" "),
-        other => format!("{other:?}").to_lowercase(),
+        other => device_name(other),
     }
 }
 

@@ -83,6 +83,13 @@ impl From<tch::TchError> for Error {
     }
 }
 
+/// An I/O error naming the operation and the path: `io("writing", path)` gives
+/// `writing PATH: …`.
+pub(crate) fn io(what: &str, path: &std::path::Path) -> impl FnOnce(std::io::Error) -> Error {
+    let context = format!("{what} {}", path.display());
+    move |source| Error::Io { context, source }
+}
+
 /// A duration as the messages write it: `3 s`, `2.5 s`.
 pub(crate) fn seconds(d: Duration) -> String {
     let s = d.as_secs_f64();

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use tch::nn::VarStore;
 
-use crate::error::{Error, Result};
+use crate::error::{io, Error, Result};
 use crate::init::Context;
 
 mod preemption;
@@ -46,12 +46,6 @@ pub fn load_var_store(ctx: &Context, vs: &mut VarStore, path: impl AsRef<Path>) 
     ctx.barrier()?;
     vs.load(path.as_ref())
         .map_err(|e| Error::Torch(format!("loading {}: {e}", path.as_ref().display())))
-}
-
-/// An I/O error naming the operation and the path.
-fn io(what: &str, path: &Path) -> impl FnOnce(std::io::Error) -> Error {
-    let context = format!("{what} {}", path.display());
-    move |source| Error::Io { context, source }
 }
 
 /// Flushes a written file to disk.

@@ -428,7 +428,7 @@ impl<D: Dataset> Iterator for Batches<'_, D> {
         }
         let Some(indices) = self.batches.get(self.next) else {
             crate::optim::set_end_of_data(false);
-            // Counted once: the epoch is over.
+            // The epoch is over: finish the bar.
             self.progress = Progress::none();
             return None;
         };

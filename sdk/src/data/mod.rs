@@ -145,6 +145,13 @@ impl<I: Iterator> Sharded<I> {
         Ok(self)
     }
 
+    /// The loop's end: no batch follows, and the bar is finished.
+    fn end(&mut self) -> Option<I::Item> {
+        crate::optim::set_end_of_data(false);
+        self.progress = Progress::none();
+        None
+    }
+
     fn yielded(&mut self, item: I::Item) -> Option<I::Item> {
         self.progress.handed_out();
         if let Some(r) = &mut self.recording {
@@ -158,9 +165,7 @@ impl<I: Iterator> Iterator for Sharded<I> {
     type Item = I::Item;
     fn next(&mut self) -> Option<I::Item> {
         if self.done {
-            crate::optim::set_end_of_data(false);
-            self.progress = Progress::none();
-            return None;
+            return self.end();
         }
         let mut got = 0;
         for i in 0..self.world_size {
@@ -180,9 +185,7 @@ impl<I: Iterator> Iterator for Sharded<I> {
         self.done = true;
         if got == 0 || self.first.is_empty() {
             // The epoch ended on a round boundary (or was empty).
-            crate::optim::set_end_of_data(false);
-            self.progress = Progress::none();
-            return None;
+            return self.end();
         }
         // An incomplete round: this rank takes one of the epoch's first batches,
         // as the ranks after the last real batch do in turn.

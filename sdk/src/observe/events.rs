@@ -59,7 +59,8 @@ fn masked_crc(bytes: &[u8]) -> u32 {
     crc.rotate_right(15).wrapping_add(0xa282_ead8)
 }
 
-fn now() -> f64 {
+/// Seconds since the Unix epoch.
+pub(crate) fn now() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs_f64())

@@ -4,14 +4,13 @@ use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Map, Value};
 
-use super::events::EventWriter;
+use super::events::{self, EventWriter};
 use super::plot;
-use crate::error::{Error, Result};
-use crate::{init, ReduceOp};
+use crate::error::{io, Error, Result};
+use crate::{devices, init, ReduceOp};
 
 /// The JSONL file's name in a tracker's directory.
 pub const METRICS_FILE: &str = "metrics.jsonl";
@@ -54,10 +53,6 @@ struct Files {
     events: EventWriter,
 }
 
-fn io(context: String) -> impl FnOnce(std::io::Error) -> Error {
-    move |source| Error::Io { context, source }
-}
-
 impl Tracker {
     /// A tracker writing into `dir` (created, with its parents, on rank 0), for the
     /// job joined by [`init`](crate::init) or `#[distributed]`, or for a single process
@@ -82,11 +77,7 @@ impl Tracker {
         config.insert("world_size".into(), json!(world_size));
         if let Some(c) = &ctx {
             config.insert("backend".into(), json!(c.backend().to_string()));
-            let device = match c.device() {
-                tch::Device::Cuda(i) => format!("cuda:{i}"),
-                other => format!("{other:?}").to_lowercase(),
-            };
-            config.insert("device".into(), json!(device));
+            config.insert("device".into(), json!(devices::device_name(c.device())));
             config.insert("local_world_size".into(), json!(c.local_world_size()));
         }
         config.insert(
@@ -109,15 +100,15 @@ impl Tracker {
             config.insert("attribute".into(), attribute);
         }
         let files = if rank == 0 {
-            fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
+            fs::create_dir_all(&dir).map_err(io("creating", &dir))?;
             let path = dir.join(METRICS_FILE);
             let jsonl = OpenOptions::new()
                 .create(true)
                 .append(true)
                 .open(&path)
-                .map_err(io(format!("opening {}", path.display())))?;
-            let events = EventWriter::create(&dir)
-                .map_err(io(format!("creating an event file in {}", dir.display())))?;
+                .map_err(io("opening", &path))?;
+            let events =
+                EventWriter::create(&dir).map_err(io("creating an event file in", &dir))?;
             Some(Files { jsonl, events })
         } else {
             None
@@ -194,8 +185,8 @@ impl Tracker {
         let path = self.dir.join(CONFIG_FILE);
         let part = self.dir.join(format!("{CONFIG_FILE}.part"));
         let text = serde_json::to_string_pretty(&self.config).expect("a JSON map");
-        fs::write(&part, text + "\n").map_err(io(format!("writing {}", part.display())))?;
-        fs::rename(&part, &path).map_err(io(format!("writing {}", path.display())))
+        fs::write(&part, text + "\n").map_err(io("writing", &part))?;
+        fs::rename(&part, &path).map_err(io("writing", &path))
     }
 
     /// Logs `values` (name, value) at `step`: on rank 0, one line of
@@ -216,28 +207,24 @@ impl Tracker {
             }
         }
         let values = self.reduce(values)?;
-        super::progress::set_last_metrics(&values);
         let Some(files) = self.files.as_mut() else {
             return Ok(());
         };
-        let time = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs_f64())
-            .unwrap_or(0.0);
+        // Only rank 0 draws a bar.
+        super::progress::set_last_metrics(&values);
         let mut line = Map::new();
         line.insert("step".into(), json!(step));
-        line.insert("time".into(), json!(time));
+        line.insert("time".into(), json!(events::now()));
         for (name, v) in &values {
             // JSON has no NaN or infinity: those are written as null.
             line.insert(name.to_string(), json!(v));
         }
         let path = self.dir.join(METRICS_FILE);
-        writeln!(files.jsonl, "{}", Value::Object(line))
-            .map_err(io(format!("writing {}", path.display())))?;
+        writeln!(files.jsonl, "{}", Value::Object(line)).map_err(io("writing", &path))?;
         files
             .events
             .scalars(step, &values)
-            .map_err(io(format!("writing {}", files.events.path().display())))?;
+            .map_err(io("writing", files.events.path()))?;
         for (name, v) in values {
             self.history
                 .entry(name.to_string())
