@@ -16,6 +16,9 @@ use std::time::Duration;
 use tch::Tensor;
 use tch_distributed_tests::{compare, run_with, scratch_dir, without_launcher};
 
+#[path = "support/messages.rs"]
+mod messages;
+
 /// What a user writes: the crate's manifest, with the SDK by `path`.
 fn manifest(tch: &str, sdk: &Path) -> String {
     format!(
@@ -37,6 +40,23 @@ anyhow = "1"
     )
 }
 
+/// Writes `text` to `path` unless it already holds it (so cargo's fingerprints stay).
+fn write_if_changed(path: &Path, text: &str) {
+    if fs::read_to_string(path).ok().as_deref() != Some(text) {
+        fs::write(path, text).unwrap();
+    }
+}
+
+/// The tch of this build, the other supported one, and the torch each needs.
+fn versions() -> [(&'static str, &'static str); 2] {
+    let pairs = [("0.24", "2.11.0"), ("0.26", "2.13.0")];
+    if tch_distributed::TCH_VERSION == pairs[0].0 {
+        pairs
+    } else {
+        [pairs[1], pairs[0]]
+    }
+}
+
 #[test]
 fn a_user_crate_on_this_tch_adds_the_sdk_and_trains_on_two_ranks() {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -44,11 +64,6 @@ fn a_user_crate_on_this_tch_adds_the_sdk_and_trains_on_two_ranks() {
     let tch = tch_distributed::TCH_VERSION;
     let krate = repo.join(format!("target/user-crate/tch-{tch}"));
     fs::create_dir_all(krate.join("src")).unwrap();
-    let write_if_changed = |path: &Path, text: &str| {
-        if fs::read_to_string(path).ok().as_deref() != Some(text) {
-            fs::write(path, text).unwrap();
-        }
-    };
     write_if_changed(&krate.join("Cargo.toml"), &manifest(tch, &repo.join("sdk")));
     let listing = fs::read_to_string(repo.join("book/listings/src/bin/data_parallel.rs")).unwrap();
     write_if_changed(&krate.join("src/main.rs"), &listing);
@@ -124,4 +139,51 @@ fn a_user_crate_on_this_tch_adds_the_sdk_and_trains_on_two_ranks() {
     assert_eq!(rank0.len(), 4, "l1 and l2, weight and bias");
     let diff = compare::named(&rank0, &rank1);
     assert!(diff.is_exact(), "rank 0 and rank 1 differ: {diff:?}");
+}
+
+/// A crate that asks for the other tch than the libtorch it builds with pairs with
+/// (`tch = "0.26"` beside torch 2.11.0 on the tch 0.24 leg, and the reverse) does not
+/// build: tch's own build script stops with one line that names both versions, the
+/// line that the book's troubleshooting chapter shows (`book/src/errors/`, written
+/// for the tch 0.24 leg; the 0.26 leg's line is the same with the versions swapped).
+#[test]
+fn a_user_crate_on_the_other_tch_stops_with_one_line_naming_both_versions() {
+    let [(_, torch), (other_tch, other_torch)] = versions();
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let repo = repo.canonicalize().unwrap();
+    let krate = repo.join(format!("target/user-crate/mismatch-tch-{other_tch}"));
+    fs::create_dir_all(krate.join("src")).unwrap();
+    write_if_changed(&krate.join("Cargo.toml"), &manifest(other_tch, &repo.join("sdk")));
+    write_if_changed(&krate.join("src/main.rs"), "fn main() {}\n");
+
+    let dir = scratch_dir("user-crate-mismatch");
+    let mut build = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    build
+        .current_dir(&krate)
+        .args(["build", "--quiet"])
+        .env("CARGO_TARGET_DIR", krate.join("target"))
+        .env("CARGO_PROFILE_DEV_DEBUG", "false")
+        .env_remove("CARGO_MANIFEST_DIR")
+        .env_remove("LIBTORCH_BYPASS_VERSION_CHECK");
+    let built = run_with(build, &dir, Duration::from_secs(900), |_, _| {});
+    assert!(!built.status.success(), "it built:\n{}", built.stderr);
+    let line = built
+        .stderr
+        .lines()
+        .map(str::trim)
+        .find(|l| l.starts_with("Error: this tch version expects"))
+        .unwrap_or_else(|| panic!("no version line in:\n{}", built.stderr));
+    assert!(
+        line.contains(&format!("expects PyTorch {other_torch}, got {torch}")),
+        "{line}"
+    );
+    // In the book's terms (the tch 0.24 leg): expects 2.13.0, got 2.11.0.
+    let as_recorded = if torch == "2.11.0" {
+        line.to_string()
+    } else {
+        line.replace("2.11.0", "{a}")
+            .replace("2.13.0", "2.11.0")
+            .replace("{a}", "2.13.0")
+    };
+    messages::assert_recorded("libtorch-mismatch", &as_recorded);
 }
