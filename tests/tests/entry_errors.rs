@@ -104,3 +104,54 @@ fn ranks_with_different_models_name_the_variable() {
         &messages::message_block(&run.stderr, "Error: rank 0:"),
     );
 }
+
+/// The model mismatch error for `MISMATCH=extra` (see `macro_worker`) on `nproc` ranks:
+/// rank 0's message block.
+fn models_error(nproc: usize, extra: usize) -> String {
+    let dir = scratch_dir("entry-mismatch-many");
+    let mut cmd = Command::new(tch_distributed_tests::tchrun());
+    cmd.args(["--nproc-per-node", &nproc.to_string(), WORKER])
+        .args([dir.to_str().unwrap(), "8"])
+        .env("MISMATCH", extra.to_string());
+    let run = run_with(cmd, &dir, Duration::from_secs(60), |_, _| {});
+    assert_clean(&run, &["Error: rank 0: "]);
+    let block = messages::message_block(&run.stderr, "Error: rank 0:");
+    block
+        .split_once("the ranks built different models:\n")
+        .unwrap_or_else(|| panic!("{block}"))
+        .1
+        .split("\nhint: ")
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// The lines for the variables `extra00` … in `range`, which rank `last` alone has and
+/// the ranks that `others` names lack.
+fn extra_lines(others: &str, last: usize, range: std::ops::Range<usize>) -> Vec<String> {
+    range
+        .map(|i| {
+            format!("  variable \"extra{i:02}\": {others} no such variable, rank {last} has [1]")
+        })
+        .collect()
+}
+
+#[test]
+fn a_model_error_lists_only_what_differs_groups_the_ranks_and_stops_after_ten() {
+    // 3 ranks, ranks 0 and 1 alike: the shared layer is not listed, the dtype is shown
+    // where it differs (and only there), and of 13 differing variables 10 are listed.
+    let mut expected = vec![
+        "  variable \"alpha\": ranks 0 and 1 have [1] Float, rank 2 has [1] Double".to_string(),
+    ];
+    expected.extend(extra_lines("ranks 0 and 1 have", 2, 0..9));
+    expected.push("  and 3 more variables".to_string());
+    assert_eq!(models_error(3, 12), expected.join("\n"));
+}
+
+#[test]
+fn a_model_error_with_ten_differing_variables_lists_all_ten() {
+    let mut expected =
+        vec!["  variable \"alpha\": rank 0 has [1] Float, rank 1 has [1] Double".to_string()];
+    expected.extend(extra_lines("rank 0 has", 1, 0..9));
+    assert_eq!(models_error(2, 9), expected.join("\n"));
+}

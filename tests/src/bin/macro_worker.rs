@@ -10,7 +10,9 @@
 //! `--plain` runs the same function without the attribute. With `SEED=s` in the
 //! environment it seeds libtorch's generator first (unseeded, libtorch draws a seed
 //! at random); with `FAIL_RANK=r`, rank `r` returns an error after its first step;
-//! with `MISMATCH=1`, rank `r`'s layer has `1 + r` outputs.
+//! with `MISMATCH=1`, rank `r`'s layer has `1 + r` outputs; with `MISMATCH=N` for
+//! `N > 1`, the last rank alone adds a Double `alpha` (Float on the others) and `N`
+//! variables `extra00`, `extra01`, … that the others lack (the layer is the same).
 
 use tch::data::Iter2;
 use tch::nn::{self, Module, OptimizerConfig};
@@ -37,8 +39,19 @@ train! {
     let vs = nn::VarStore::new(device);
     let rank = tch_distributed::current().map(|c| c.rank()).unwrap_or(0);
     // MISMATCH=1: each rank builds a layer of its own width (ranks that disagree).
-    let width = if std::env::var("MISMATCH").is_ok() { 1 + rank as i64 } else { 1 };
+    let mismatch: Option<usize> = std::env::var("MISMATCH").ok().and_then(|m| m.parse().ok());
+    let width = if mismatch == Some(1) { 1 + rank as i64 } else { 1 };
     let net = nn::linear(vs.root(), 1, width, Default::default());
+    // MISMATCH=N > 1: the same layer everywhere; the last rank differs in a dtype and
+    // in N variables of its own.
+    if let Some(extra) = mismatch.filter(|&n| n > 1) {
+        let last = tch_distributed::current().map(|c| c.world_size() - 1) == Some(rank);
+        let kind = if last { Kind::Double } else { Kind::Float };
+        let _ = vs.root().add("alpha", Tensor::ones([1], (kind, device)), true);
+        for i in (0..extra).filter(|_| last) {
+            let _ = vs.root().zeros(&format!("extra{i:02}"), &[1]);
+        }
+    }
     let mut opt = nn::Sgd::default().build(&vs, 1e-4)?;
     let mut init: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     init.sort_by(|a, b| a.0.cmp(&b.0));
