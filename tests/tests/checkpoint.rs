@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use std::process::Command;
 
-use tch_distributed_tests::{run_python, run_with, scratch_dir, tchrun, wait_until, Run};
+use tch_distributed_tests::{
+    run_python, run_with, scratch_dir, tchrun, wait_until, without_launcher, Run,
+};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_resume_worker");
 const TIMEOUT: Duration = Duration::from_secs(120);
@@ -137,21 +139,45 @@ fn incomplete_and_corrupt_checkpoints_are_skipped_with_a_warning() {
     );
 }
 
-#[test]
-fn sigterm_checkpoints_at_the_next_step_and_exits_143() {
-    let dir = scratch_dir("preempt");
+/// How a preemption signal reaches a job.
+#[derive(Clone, Copy, Debug)]
+enum Delivery {
+    /// To the launcher's pid alone (a scheduler, `kill PID`): it forwards it.
+    Launcher,
+    /// To the launcher's whole process group, as a terminal delivers Ctrl-C.
+    ForegroundGroup,
+}
+
+/// How the job's 2 ranks are started.
+#[derive(Clone, Copy, Debug)]
+enum Launch {
+    Tchrun,
+    /// The `#[distributed]` function starts its own ranks (`TCH_DISTRIBUTED_NPROC=2`).
+    SelfLaunch,
+}
+
+/// Runs `resume_worker` on 2 ranks for 1,000,000 steps and, once step 6 is done,
+/// sends `signal` as `delivery` says. Asserts that the job exits with 128 + the
+/// signal within a minute, every rank stopped once at the same step, and that one
+/// complete checkpoint holds it; returns that step.
+fn preempt(dir: &Path, launch: Launch, signal: i32, delivery: Delivery) -> u64 {
     let ckpt = dir.join("ckpt");
-    let mut cmd = Command::new(tchrun());
-    cmd.args([
-        "--nproc-per-node",
-        "2",
-        WORKER,
-        dir.to_str().unwrap(),
-        ckpt.to_str().unwrap(),
-    ])
-    .args(["1000000", "adam"]);
-    let run = run_with(cmd, &dir, TIMEOUT, |pid, dir| {
-        // Once training is under way, preempt the job (tchrun forwards the signal).
+    let job = [dir.to_str().unwrap(), ckpt.to_str().unwrap(), "1000000", "adam"];
+    let cmd = match launch {
+        Launch::Tchrun => {
+            let mut cmd = Command::new(tchrun());
+            cmd.args(["--nproc-per-node", "2", WORKER]).args(job);
+            cmd
+        }
+        Launch::SelfLaunch => {
+            let mut cmd = Command::new(WORKER);
+            without_launcher(&mut cmd)
+                .args(job)
+                .env("TCH_DISTRIBUTED_NPROC", "2");
+            cmd
+        }
+    };
+    let run = run_with(cmd, dir, TIMEOUT, |pid, dir| {
         let progress = dir.join("progress");
         wait_until(
             "step 6 in the progress file",
@@ -165,32 +191,42 @@ fn sigterm_checkpoints_at_the_next_step_and_exits_143() {
                     >= 6
             },
         );
-        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        // run_with starts the launcher as the leader of its own process group.
+        let target = match delivery {
+            Delivery::Launcher => pid as i32,
+            Delivery::ForegroundGroup => -(pid as i32),
+        };
+        unsafe { libc::kill(target, signal) };
     });
-    assert_eq!(run.status.code(), Some(143), "{run:?}");
-    assert!(run.elapsed < Duration::from_secs(60), "{:?}", run.elapsed);
-    let saved: Vec<String> = fs::read_dir(&ckpt)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .filter(|n| n.starts_with("step-"))
-        .collect();
-    let preempted = run
-        .stderr
-        .lines()
-        .find_map(|l| l.strip_prefix("rank 0: preempted at step "))
-        .unwrap_or_else(|| panic!("no preemption message:\n{}", run.stderr));
-    let step: u64 = preempted.split(',').next().unwrap().parse().unwrap();
+    let what = format!("{launch:?}, signal {signal} to the {delivery:?}");
+    assert_eq!(run.status.code(), Some(128 + signal), "{what}: {run:?}");
+    assert!(run.elapsed < Duration::from_secs(60), "{what}: {:?}", run.elapsed);
+    let preempted = |rank: usize| -> Vec<u64> {
+        let prefix = format!("rank {rank}: preempted at step ");
+        run.stderr
+            .lines()
+            .filter_map(|l| l.strip_prefix(&prefix)?.split(',').next()?.parse().ok())
+            .collect()
+    };
+    let step = match preempted(0)[..] {
+        [step] => step,
+        _ => panic!("{what}: not one preemption on rank 0:\n{}", run.stderr),
+    };
+    assert_eq!(preempted(1), [step], "{what}:\n{}", run.stderr);
     let name = format!("step-{step:010}");
-    assert!(saved.contains(&name), "{name} in {saved:?}");
-    assert!(ckpt.join(&name).join("COMPLETE").exists());
-    // Both ranks stopped at the same step.
     assert!(
-        run.stderr
-            .contains(&format!("rank 1: preempted at step {step},")),
-        "{}",
-        run.stderr
+        ckpt.join(&name).join("COMPLETE").exists(),
+        "{what}: no complete {name}"
     );
+    step
+}
+
+#[test]
+fn sigterm_checkpoints_at_the_next_step_and_exits_143() {
+    let dir = scratch_dir("preempt");
+    let step = preempt(&dir, Launch::Tchrun, libc::SIGTERM, Delivery::Launcher);
     // And the run resumes from it.
+    let ckpt = dir.join("ckpt");
     let run = train(
         &dir,
         ckpt.to_str().unwrap(),
@@ -204,6 +240,20 @@ fn sigterm_checkpoints_at_the_next_step_and_exits_143() {
         "{}",
         run.stdout
     );
+}
+
+/// Ctrl-C in a terminal: SIGINT to the whole foreground process group, the launcher
+/// and (unless they are kept out of it) every rank, which the launcher then forwards
+/// to again. Each rank must still take it as one request: one checkpoint, exit 130.
+/// Five times for each launcher, since the double delivery is a race.
+#[test]
+fn ctrl_c_in_a_terminal_checkpoints_once_and_exits_130_under_tchrun_and_self_launch() {
+    for launch in [Launch::Tchrun, Launch::SelfLaunch] {
+        for attempt in 0..5 {
+            let dir = scratch_dir(&format!("ctrl-c-{launch:?}-{attempt}"));
+            preempt(&dir, launch, libc::SIGINT, Delivery::ForegroundGroup);
+        }
+    }
 }
 
 #[test]

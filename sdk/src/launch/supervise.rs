@@ -79,7 +79,7 @@ impl Attempt<'_> {
         if self.set_omp {
             cmd.env("OMP_NUM_THREADS", "1");
         }
-        die_with_launcher(&mut cmd);
+        own_session_dying_with_launcher(&mut cmd);
         cmd
     }
 
@@ -189,10 +189,21 @@ impl Attempt<'_> {
     }
 }
 
-/// Makes the rank started by `cmd` die with the launcher, so that no rank outlives
-/// it unsupervised when the launcher itself is killed (`SIGKILL`, the OOM killer, a
-/// lost SSH session): `tchrun`'s or a self-launching program's ranks exit within
-/// moments of it.
+/// Starts the rank of `cmd` in a session of its own, as torchrun starts its workers
+/// (`start_new_session`), and makes it die with the launcher.
+///
+/// **Its own session:** Ctrl-C in a terminal sends `SIGINT` to the whole foreground
+/// process group. Ranks in the launcher's group would get it from the terminal and
+/// again from the launcher, which forwards what it receives;
+/// [`Preemption`](crate::Preemption) takes a second signal as "exit now", so the
+/// checkpoint was lost in most runs. Outside that group, a rank hears the launcher
+/// alone: one signal forwarded per signal received (a second Ctrl-C still ends the
+/// ranks at once). The same holds for a scheduler that signals the launcher's process
+/// group (SLURM's `scancel --signal`, `srun`'s forwarding).
+///
+/// **Death with the launcher,** so that no rank outlives it unsupervised when the
+/// launcher itself is killed (`SIGKILL`, the OOM killer, a lost SSH session):
+/// `tchrun`'s or a self-launching program's ranks exit within moments of it.
 ///
 /// The child asks the kernel for `SIGKILL` when its parent dies
 /// (`PR_SET_PDEATHSIG`). `SIGKILL` rather than `SIGTERM`: a rank that installed
@@ -212,15 +223,18 @@ impl Attempt<'_> {
 /// The kernel sends the signal when the *thread* that forked the child exits: the
 /// launcher starts its ranks from the thread that then supervises them until the
 /// process exits.
-fn die_with_launcher(cmd: &mut Command) {
+fn own_session_dying_with_launcher(cmd: &mut Command) {
     #[cfg(target_os = "linux")]
     {
         let launcher = std::process::id() as libc::pid_t;
         // SAFETY: the closure runs in the child between fork and exec, where only
-        // async-signal-safe calls are allowed: prctl, getppid and _exit are, and
-        // `last_os_error` only reads errno (no allocation).
+        // async-signal-safe calls are allowed: setsid, prctl, getppid and _exit are,
+        // and `last_os_error` only reads errno (no allocation).
         unsafe {
             cmd.pre_exec(move || {
+                if libc::setsid() == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
                 let (signal, unused) = (libc::SIGKILL as libc::c_ulong, 0 as libc::c_ulong);
                 if libc::prctl(libc::PR_SET_PDEATHSIG, signal, unused, unused, unused) == -1 {
                     return Err(std::io::Error::last_os_error());
