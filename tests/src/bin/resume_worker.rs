@@ -60,6 +60,10 @@ fn train(out: &str, ckpt: &str, steps: u64, kind: &str) -> anyhow::Result<()> {
         .build(&vs, 0.05)?,
         _ => nn::Adam::default().build(&vs, 0.01)?,
     };
+    // A rank-local draw, as a rank that samples on its own makes: from here on the
+    // ranks' generators (the one dropout draws from) differ, so each rank must get its
+    // own back when it resumes.
+    let _ = Tensor::rand([1 + rank as i64], (Kind::Float, device));
 
     let checkpoints = Checkpointer::new(ckpt).keep_last(2);
     let preemption = Preemption::install()?;
