@@ -162,7 +162,12 @@ enum Launch {
 /// complete checkpoint holds it; returns that step.
 fn preempt(dir: &Path, launch: Launch, signal: i32, delivery: Delivery) -> u64 {
     let ckpt = dir.join("ckpt");
-    let job = [dir.to_str().unwrap(), ckpt.to_str().unwrap(), "1000000", "adam"];
+    let job = [
+        dir.to_str().unwrap(),
+        ckpt.to_str().unwrap(),
+        "1000000",
+        "adam",
+    ];
     let cmd = match launch {
         Launch::Tchrun => {
             let mut cmd = Command::new(tchrun());
@@ -200,7 +205,11 @@ fn preempt(dir: &Path, launch: Launch, signal: i32, delivery: Delivery) -> u64 {
     });
     let what = format!("{launch:?}, signal {signal} to the {delivery:?}");
     assert_eq!(run.status.code(), Some(128 + signal), "{what}: {run:?}");
-    assert!(run.elapsed < Duration::from_secs(60), "{what}: {:?}", run.elapsed);
+    assert!(
+        run.elapsed < Duration::from_secs(60),
+        "{what}: {:?}",
+        run.elapsed
+    );
     let preempted = |rank: usize| -> Vec<u64> {
         let prefix = format!("rank {rank}: preempted at step ");
         run.stderr

@@ -153,7 +153,10 @@ fn a_user_crate_on_the_other_tch_stops_with_one_line_naming_both_versions() {
     let repo = repo.canonicalize().unwrap();
     let krate = repo.join(format!("target/user-crate/mismatch-tch-{other_tch}"));
     fs::create_dir_all(krate.join("src")).unwrap();
-    write_if_changed(&krate.join("Cargo.toml"), &manifest(other_tch, &repo.join("sdk")));
+    write_if_changed(
+        &krate.join("Cargo.toml"),
+        &manifest(other_tch, &repo.join("sdk")),
+    );
     write_if_changed(&krate.join("src/main.rs"), "fn main() {}\n");
 
     let dir = scratch_dir("user-crate-mismatch");
