@@ -96,6 +96,57 @@ fn resume_after_a_killed_rank_is_bit_for_bit() {
     }
 }
 
+/// `resume_worker` as one process, no launcher (a world of one): rank 0 alone makes,
+/// writes and completes each checkpoint.
+fn train_alone(dir: &Path, ckpt: &str, steps: &str, env: &[(&str, &str)]) -> Run {
+    let mut cmd = Command::new(WORKER);
+    without_launcher(&mut cmd)
+        .args([dir.to_str().unwrap(), ckpt, steps, "adam"])
+        .envs(env.iter().copied());
+    run_with(cmd, dir, TIMEOUT, |_, _| {})
+}
+
+#[test]
+fn one_process_resumes_bit_for_bit_too() {
+    let straight = scratch_dir("alone-straight");
+    let ckpt = straight.join("ckpt");
+    train_alone(&straight, ckpt.to_str().unwrap(), "13", &[]).assert_success();
+
+    let killed = scratch_dir("alone-killed");
+    let ckpt = killed.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    let kill = [("KILL_AT", "6"), ("KILL_RANK", "0")];
+    assert!(!train_alone(&killed, c, "13", &kill).status.success());
+    let run = train_alone(&killed, c, "13", &[]);
+    run.assert_success();
+    // 10 steps per epoch on one rank: step 4 is in epoch 0.
+    assert!(
+        run.stdout.contains("resumed at step 4, epoch 0"),
+        "{}",
+        run.stdout
+    );
+    for file in ["final0", "probe0"] {
+        assert_equal(&params(&straight, file), &params(&killed, file), file);
+    }
+}
+
+#[test]
+fn a_checkpoint_of_another_model_shape_names_the_variable_and_both_shapes() {
+    let dir = scratch_dir("other-shape");
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    train_alone(&dir, c, "5", &[]).assert_success();
+    let run = train_alone(&dir, c, "9", &[("HIDDEN", "8")]);
+    assert_eq!(run.status.code(), Some(1), "{}", run.stderr);
+    assert!(
+        run.stderr
+            .contains("model.safetensors: `l1.bias` has shape [16], the model [8]"),
+        "{}",
+        run.stderr
+    );
+    assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
+}
+
 #[test]
 fn incomplete_and_corrupt_checkpoints_are_skipped_with_a_warning() {
     let dir = scratch_dir("corrupt");

@@ -324,7 +324,8 @@ impl Checkpointer {
         let state: TrainState = serde_json::from_slice(&read(STATE)?)
             .map_err(|e| Error::Config(format!("{STATE}: {e}")))?;
         let model = tensors(MODEL, &read(MODEL)?)?;
-        let expected = vs.variables();
+        // By name, so that the first mismatch reported is the same in every run.
+        let expected: BTreeMap<String, Tensor> = vs.variables().into_iter().collect();
         for (name, var) in &expected {
             match model.iter().find(|(n, _)| n == name) {
                 Some((_, t)) if t.size() == var.size() => {}

@@ -7,7 +7,8 @@
 //! Trains a small MLP with dropout over a `DataLoader` (40 samples, batch 4, so 5
 //! steps per epoch on 2 ranks), saving a checkpoint every 4 steps (`keep_last(2)`)
 //! and resuming from the newest usable one at start. With `KILL_AT=s` and
-//! `KILL_RANK=r`, rank r SIGKILLs itself after step s. On SIGTERM/SIGINT the ranks
+//! `KILL_RANK=r`, rank r SIGKILLs itself after step s; with `HIDDEN=n` the hidden
+//! layer has n units instead of 16. On SIGTERM/SIGINT the ranks
 //! checkpoint at the end of the step and exit with 128 + the signal. Rank 0 writes
 //! the last finished step to `OUT/progress`. At the end every rank writes
 //! its parameters to `OUT/final{rank}.safetensors`, then takes two more steps on a
@@ -47,11 +48,13 @@ fn train(out: &str, ckpt: &str, steps: u64, kind: &str) -> anyhow::Result<()> {
     };
     let loader = DataLoader::new(TensorDataset::new(&xs, &ys)?, 4)?.to_device(device);
     let mut vs = nn::VarStore::new(device);
+    // HIDDEN=n: another width than the 16 that checkpoints were written with.
+    let hidden = env("HIDDEN").unwrap_or(16) as i64;
     let net = nn::seq_t()
-        .add(nn::linear(vs.root() / "l1", 6, 16, Default::default()))
+        .add(nn::linear(vs.root() / "l1", 6, hidden, Default::default()))
         .add_fn(|x| x.relu())
         .add_fn_t(|x, train| x.dropout(0.2, train))
-        .add(nn::linear(vs.root() / "l2", 16, 1, Default::default()));
+        .add(nn::linear(vs.root() / "l2", hidden, 1, Default::default()));
     let mut opt = match kind {
         "sgd" => nn::Sgd {
             momentum: 0.9,
