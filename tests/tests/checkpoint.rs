@@ -147,6 +147,68 @@ fn a_checkpoint_of_another_model_shape_names_the_variable_and_both_shapes() {
     assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
 }
 
+fn copy_dir(from: &Path, to: &Path) {
+    fs::create_dir_all(to).unwrap();
+    for entry in fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        match entry.file_type().unwrap().is_dir() {
+            true => copy_dir(&entry.path(), &target),
+            false => drop(fs::copy(entry.path(), target).unwrap()),
+        }
+    }
+}
+
+/// Ranks whose listings of the checkpoint directory differ (nodes whose shared file
+/// system has not caught up): rank 1 already sees step 12, rank 0 only step 8. Every
+/// rank resumes from the same step, rank 0's choice, and the run ends as an
+/// uninterrupted one; a rank resuming from its own listing would train from another
+/// step than the others.
+#[test]
+fn ranks_that_list_different_checkpoints_resume_from_the_same_one() {
+    // Checkpoints at steps 8 and 12 (keep_last(2)), and the end of an uninterrupted run
+    // of 11 steps.
+    let source = scratch_dir("views-source");
+    train(
+        &source,
+        source.join("ckpt").to_str().unwrap(),
+        "13",
+        "adam",
+        None,
+    )
+    .assert_success();
+    let straight = scratch_dir("views-straight");
+    let ckpt = straight.join("ckpt");
+    train(&straight, ckpt.to_str().unwrap(), "11", "adam", None).assert_success();
+
+    let views = scratch_dir("views");
+    let ckpt = views.join("ckpt");
+    copy_dir(&source.join("ckpt"), &views.join("ckpt-rank1"));
+    copy_dir(&source.join("ckpt"), &views.join("ckpt-rank0"));
+    fs::remove_dir_all(views.join("ckpt-rank0/step-0000000012")).unwrap();
+    // To step 11: no save after the resume (saves need rank 0's directory on every
+    // rank).
+    let mut cmd = Command::new(tchrun());
+    cmd.args(["--nproc-per-node", "2", WORKER])
+        .args([
+            views.to_str().unwrap(),
+            ckpt.to_str().unwrap(),
+            "11",
+            "adam",
+        ])
+        .env("CKPT_PER_RANK", "1")
+        // Ranks at different steps would wait on each other's collectives.
+        .env("TCH_DISTRIBUTED_TIMEOUT", "20");
+    let run = run_with(cmd, &views, TIMEOUT, |_, _| {});
+    run.assert_success();
+    assert!(
+        run.stdout.contains("resumed at step 8, epoch 1"),
+        "{}",
+        run.stdout
+    );
+    assert_same(&straight, &views, "different listings");
+}
+
 #[test]
 fn incomplete_and_corrupt_checkpoints_are_skipped_with_a_warning() {
     let dir = scratch_dir("corrupt");

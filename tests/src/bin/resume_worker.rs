@@ -8,7 +8,7 @@
 //! steps per epoch on 2 ranks), saving a checkpoint every 4 steps (`keep_last(2)`)
 //! and resuming from the newest usable one at start. With `KILL_AT=s` and
 //! `KILL_RANK=r`, rank r SIGKILLs itself after step s; with `HIDDEN=n` the hidden
-//! layer has n units instead of 16. On SIGTERM/SIGINT the ranks
+//! layer has n units instead of 16; with `CKPT_PER_RANK=1` rank r uses `CKPT-rank{r}`. On SIGTERM/SIGINT the ranks
 //! checkpoint at the end of the step and exit with 128 + the signal. Rank 0 writes
 //! the last finished step to `OUT/progress`. At the end every rank writes
 //! its parameters to `OUT/final{rank}.safetensors`, then takes two more steps on a
@@ -68,7 +68,13 @@ fn train(out: &str, ckpt: &str, steps: u64, kind: &str) -> anyhow::Result<()> {
     // own back when it resumes.
     let _ = Tensor::rand([1 + rank as i64], (Kind::Float, device));
 
-    let checkpoints = Checkpointer::new(ckpt).keep_last(2);
+    // CKPT_PER_RANK=1: each rank its own view of the checkpoints, `CKPT-rank{r}` (as
+    // nodes whose shared file system has not caught up see different listings).
+    let ckpt = match std::env::var_os("CKPT_PER_RANK") {
+        Some(_) => format!("{ckpt}-rank{rank}"),
+        None => ckpt.to_string(),
+    };
+    let checkpoints = Checkpointer::new(&ckpt).keep_last(2);
     let preemption = Preemption::install()?;
     let mut step = 0;
     if let Some(state) = checkpoints.load_state(&mut vs, &mut opt)? {
