@@ -145,6 +145,12 @@ fn a_checkpoint_of_another_model_shape_names_the_variable_and_both_shapes() {
         run.stderr
     );
     assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
+    // The warning as each checkpoint is skipped, in a world of one too.
+    assert!(
+        run.stderr.contains("tch-distributed: skipping checkpoint "),
+        "{}",
+        run.stderr
+    );
 }
 
 fn copy_dir(from: &Path, to: &Path) {
