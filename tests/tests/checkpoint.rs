@@ -125,6 +125,8 @@ fn one_process_resumes_bit_for_bit_too() {
         "{}",
         run.stdout
     );
+    // Nothing was skipped, so no warning names the checkpoint used.
+    assert!(!run.stderr.contains("resumed from"), "{}", run.stderr);
     for file in ["final0", "probe0"] {
         assert_equal(&params(&straight, file), &params(&killed, file), file);
     }
@@ -246,6 +248,17 @@ fn incomplete_and_corrupt_checkpoints_are_skipped_with_a_warning() {
             run.stderr
         );
     }
+
+    // After skipping, the checkpoint used is named, once (by rank 0).
+    let resumed = format!(
+        "resumed from {} (step 4)",
+        ckpt.join("step-0000000004").display()
+    );
+    assert_eq!(run.stderr.matches(&resumed).count(), 1, "{}", run.stderr);
+    // The same in a world of one (resuming a 2-rank checkpoint in one process).
+    let run = train_alone(&dir, c, "5", &[]);
+    run.assert_success();
+    assert_eq!(run.stderr.matches(&resumed).count(), 1, "{}", run.stderr);
 
     // Nothing usable left: a clear error.
     fs::write(ckpt.join("step-0000000004/optimizer.pt"), "garbage").unwrap();
