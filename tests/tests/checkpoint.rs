@@ -476,6 +476,31 @@ fn a_failed_save_names_the_path_and_keeps_the_previous_checkpoint() {
     assert!(run.stdout.contains("resumed at step 4"), "{}", run.stdout);
 }
 
+/// A save that fails after its temporary directory was written (here: the checkpoint it
+/// replaces cannot be moved aside) removes that directory and leaves the previous
+/// checkpoint as it was; in a world of one, where rank 0 alone cleans up.
+#[test]
+fn a_save_that_fails_late_leaves_no_temporary_directory() {
+    let dir = scratch_dir("fails-late");
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    train_alone(&dir, c, "9", &[]).assert_success();
+    let before = fs::read(ckpt.join("step-0000000008/model.safetensors")).unwrap();
+    // Step 8 without its COMPLETE marker: the run resumes from step 4, and saving step
+    // 8 again moves the old one aside to `.old-…`, where a file is in the way.
+    fs::remove_file(ckpt.join("step-0000000008/COMPLETE")).unwrap();
+    fs::write(ckpt.join(".old-step-0000000008"), "in the way").unwrap();
+    let run = train_alone(&dir, c, "9", &[]);
+    assert!(!run.status.success(), "{}", run.stderr);
+    assert!(run.stderr.contains("moving aside"), "{}", run.stderr);
+    assert!(
+        !ckpt.join(".tmp-step-0000000008").exists(),
+        "the temporary directory is left behind"
+    );
+    let after = fs::read(ckpt.join("step-0000000008/model.safetensors")).unwrap();
+    assert_eq!(before, after, "the previous step 8 changed");
+}
+
 #[test]
 fn a_killed_rank_under_max_restarts_resumes_and_ends_bit_for_bit() {
     let kind = "adam";
