@@ -248,6 +248,46 @@ fn join(
     }
 }
 
+/// The job's backend: the one asked for (the attribute, [`InitOptions`], or
+/// `TCH_DISTRIBUTED_BACKEND`), else NCCL on CUDA devices and Gloo on the CPU, as
+/// PyTorch's users choose them. Returns a note for rank 0 to print when Gloo was asked
+/// for on CUDA devices with more than one rank: it works, through host copies, but
+/// is slower than NCCL.
+///
+/// Never falls back to Gloo without a word: a job of several ranks on CUDA devices
+/// that asks for nothing, in a build without NCCL (its headers were not found at build
+/// time), fails with [`Error::Config`] naming the fix.
+fn choose_backend(
+    asked: Option<Backend>,
+    device: Device,
+    nccl_built: bool,
+    world_size: usize,
+) -> Result<(Backend, Option<String>)> {
+    let several_on_cuda = device.is_cuda() && world_size > 1;
+    match asked {
+        Some(Backend::Gloo) if several_on_cuda => Ok((
+            Backend::Gloo,
+            Some(format!(
+                "backend gloo on {} for {world_size} ranks: Gloo copies every all-reduce \
+                 through host memory, which is much slower than NCCL on GPUs",
+                crate::devices::device_name(device)
+            )),
+        )),
+        Some(backend) => Ok((backend, None)),
+        None if device.is_cuda() && nccl_built => Ok((Backend::Nccl, None)),
+        None if several_on_cuda => Err(Error::Config(format!(
+            "{world_size} ranks on CUDA devices need the NCCL backend, and this build of \
+             tch-distributed has none: the CUDA and NCCL headers were not found when it was \
+             built (cargo printed `tch-distributed: NCCL backend not built`). Install them \
+             next to torch (pip install 'cuda-toolkit[nvcc,cccl]') or point \
+             TCH_DISTRIBUTED_CUDA_INCLUDE at them, then rebuild; or ask for Gloo \
+             (backend = \"gloo\" in the attribute, or TCH_DISTRIBUTED_BACKEND=gloo), which \
+             works on GPUs but is much slower"
+        ))),
+        None => Ok((Backend::Gloo, None)),
+    }
+}
+
 impl Context {
     /// Builds a context for `env` (a single process when `None`); see [`init_with`].
     /// Unlike `init`, this does not register the context as the process's current one.
@@ -269,14 +309,18 @@ impl Context {
         let device = options
             .device
             .unwrap_or_else(|| devices::local_device(env.local_rank, gpus));
-        let backend = match options.backend {
-            Some(b) => b,
+        let asked = match options.backend {
+            Some(b) => Some(b),
             None => match std::env::var("TCH_DISTRIBUTED_BACKEND") {
-                Ok(name) => Backend::parse(&name)?,
-                Err(_) if device.is_cuda() && Backend::nccl_available() => Backend::Nccl,
-                Err(_) => Backend::Gloo,
+                Ok(name) => Some(Backend::parse(&name)?),
+                Err(_) => None,
             },
         };
+        let (backend, note) =
+            choose_backend(asked, device, Backend::nccl_available(), env.world_size)?;
+        if let (Some(note), 0) = (note, env.rank) {
+            crate::log::warn(note);
+        }
 
         // Store and process-group failures name the rendezvous point and this rank.
         let place = |e: Error| match e {
@@ -430,5 +474,48 @@ impl Context {
             rendezvous,
             self.group.timeout().as_secs_f64()
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_backend_is_nccl_on_cuda_gloo_on_the_cpu_and_never_a_silent_fallback() {
+        let (cpu, cuda) = (Device::Cpu, Device::Cuda(0));
+        let choose = |asked, device, nccl, world| choose_backend(asked, device, nccl, world);
+        // Nothing asked for: as PyTorch's users choose.
+        assert_eq!(choose(None, cuda, true, 2).unwrap(), (Backend::Nccl, None));
+        assert_eq!(choose(None, cuda, true, 1).unwrap(), (Backend::Nccl, None));
+        assert_eq!(choose(None, cpu, true, 2).unwrap(), (Backend::Gloo, None));
+        assert_eq!(choose(None, cpu, false, 2).unwrap(), (Backend::Gloo, None));
+        // One process on a GPU without NCCL: no collective crosses a process.
+        assert_eq!(choose(None, cuda, false, 1).unwrap(), (Backend::Gloo, None));
+        // Several ranks on GPUs without NCCL: an error that says how to get it.
+        let err = choose(None, cuda, false, 2).unwrap_err().to_string();
+        for part in [
+            "2 ranks on CUDA devices need the NCCL backend",
+            "TCH_DISTRIBUTED_CUDA_INCLUDE",
+            "TCH_DISTRIBUTED_BACKEND=gloo",
+        ] {
+            assert!(err.contains(part), "{part:?} not in {err}");
+        }
+        // Asked for: given, with a note for Gloo on several GPUs.
+        let (backend, note) = choose(Some(Backend::Gloo), cuda, false, 2).unwrap();
+        assert_eq!(backend, Backend::Gloo);
+        assert!(note.unwrap().contains("slower than NCCL"));
+        assert_eq!(
+            choose(Some(Backend::Gloo), cuda, true, 1).unwrap(),
+            (Backend::Gloo, None)
+        );
+        assert_eq!(
+            choose(Some(Backend::Gloo), cpu, true, 4).unwrap(),
+            (Backend::Gloo, None)
+        );
+        assert_eq!(
+            choose(Some(Backend::Nccl), cuda, true, 2).unwrap(),
+            (Backend::Nccl, None)
+        );
     }
 }
