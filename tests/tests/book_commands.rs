@@ -202,7 +202,8 @@ impl Checker {
         };
         let mut packages = value(&["-p", "--package"]);
         for path in value(&["--path"]) {
-            let dir = repo().join(&path);
+            // The own-crate chapter's clone of this repository, next to the crate.
+            let dir = repo().join(path.strip_prefix("../tch-distributed/").unwrap_or(&path));
             match self.targets.iter().find(|(_, (d, ..))| *d == dir) {
                 Some((name, _)) => packages.push(name.clone()),
                 None => self.problem(line, format!("no workspace package at {path}")),

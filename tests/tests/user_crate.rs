@@ -19,25 +19,24 @@ use tch_distributed_tests::{compare, run_with, scratch_dir, without_launcher};
 #[path = "support/messages.rs"]
 mod messages;
 
-/// What a user writes: the crate's manifest, with the SDK by `path`.
+/// What a user writes: the own-crate chapter's manifest
+/// (`book/listings/own-crate/Cargo.toml`), with tch `tch` and the SDK of this
+/// repository; plus an empty `[workspace]`, since the crate's directory lies inside the
+/// repository (a user's crate does not).
 fn manifest(tch: &str, sdk: &Path) -> String {
-    format!(
-        r#"[package]
-name = "user-crate"
-version = "0.1.0"
-edition = "2021"
-publish = false
-
-[dependencies]
-tch = "{tch}"
-tch-distributed = {{ path = "{}" }}
-anyhow = "1"
-
-# Its own workspace: this directory lies inside the SDK's repository.
-[workspace]
-"#,
-        sdk.display()
-    )
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../book/listings/own-crate/Cargo.toml");
+    let chapter = fs::read_to_string(path).unwrap();
+    let (tch_line, sdk_path) = ("tch = \"0.26\"", "path = \"../tch-distributed/sdk\"");
+    for line in [tch_line, sdk_path] {
+        assert!(
+            chapter.contains(line),
+            "{line} not in the chapter's manifest:\n{chapter}"
+        );
+    }
+    let text = chapter
+        .replace(tch_line, &format!("tch = \"{tch}\""))
+        .replace(sdk_path, &format!("path = \"{}\"", sdk.display()));
+    format!("{text}\n[workspace]\n")
 }
 
 /// Writes `text` to `path` unless it already holds it (so cargo's fingerprints stay).
@@ -99,7 +98,7 @@ fn a_user_crate_on_this_tch_adds_the_sdk_and_trains_on_two_ranks() {
     // At run time the binary finds libtorch through the rpath that its build script
     // added (the alternative, LD_LIBRARY_PATH, is removed to show it is not needed).
     let record = dir.join("record");
-    let mut run = Command::new(krate.join("target/debug/user-crate"));
+    let mut run = Command::new(krate.join("target/debug/my-trainer"));
     without_launcher(&mut run)
         .arg(dir.join("model.safetensors"))
         .env_remove("LD_LIBRARY_PATH")

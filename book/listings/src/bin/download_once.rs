@@ -14,7 +14,9 @@ use tch::{Device, Kind, Tensor};
 /// `cache` unless an earlier run, or another rank, already did. A function without the
 /// attribute: its output comes from every rank that runs it.
 fn download_if_missing(cache: &Path) -> std::io::Result<PathBuf> {
+    // ANCHOR: rank
     let rank = tch_distributed::current().map_or(0, |c| c.rank());
+    // ANCHOR_END: rank
     let file = cache.join("points.txt");
     let what = if file.exists() {
         "found in cache"
