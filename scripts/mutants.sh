@@ -61,10 +61,12 @@ fi
 summary=""
 for name in "${names[@]}"; do
   file="${FILE[$name]:?unknown name $name: use one of ${ALL[*]}}"
-  # Builds and tests the tests package only (its test targets and workers), not the
-  # examples, the book's listings or the benchmarks, which no covering test runs.
+  # Builds and tests the SDK's own unit tests (--lib) and the tests package (its
+  # test targets and workers), not the examples, the book's listings or the
+  # benchmarks, which no covering test runs.
   args=(--dir "$TREE" --file "$file" --package tch-distributed
-    --test-package tch-distributed-tests)
+    --test-package tch-distributed --test-package tch-distributed-tests
+    --cargo-test-arg=--lib)
   for t in ${TESTS[$name]}; do
     args+=("--cargo-test-arg=--test=$t")
   done

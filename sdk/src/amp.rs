@@ -62,12 +62,20 @@ impl MixedPrecision {
         let (mut major, mut minor) = (0, 0);
         ffi::check(unsafe { ffi::tdc_cuda_capability(index as i32, &mut major, &mut minor) })
             .map_err(Error::Torch)?;
-        let choice = if major >= 8 {
+        Ok((
+            Self::for_compute_capability(major),
+            format!("auto: compute capability {major}.{minor}"),
+        ))
+    }
+
+    /// bf16 from compute capability 8.0 on (Ampere: A100, RTX 30), whose tensor cores
+    /// run it at fp16's speed; fp16 before.
+    fn for_compute_capability(major: i32) -> Self {
+        if major >= 8 {
             MixedPrecision::Bf16
         } else {
             MixedPrecision::Fp16
-        };
-        Ok((choice, format!("auto: compute capability {major}.{minor}")))
+        }
     }
 
     /// The autocast dtype, if any.
@@ -404,6 +412,36 @@ mod tests {
         assert_eq!(lin.forward(&x).kind(), Kind::Float);
         let no = autocast(Device::Cpu, MixedPrecision::No, || lin.forward(&x)).unwrap();
         assert_eq!(no.kind(), Kind::Float);
+    }
+
+    #[test]
+    fn auto_picks_bf16_from_ampere_on_and_each_mode_names_its_dtype() {
+        for (major, choice) in [
+            (6, MixedPrecision::Fp16),
+            (7, MixedPrecision::Fp16),
+            (8, MixedPrecision::Bf16),
+            (9, MixedPrecision::Bf16),
+        ] {
+            assert_eq!(
+                MixedPrecision::for_compute_capability(major),
+                choice,
+                "{major}"
+            );
+        }
+        for (mode, kind) in [
+            (MixedPrecision::No, None),
+            (MixedPrecision::Bf16, Some(Kind::BFloat16)),
+            (MixedPrecision::Fp16, Some(Kind::Half)),
+        ] {
+            assert_eq!(mode.kind(), kind);
+            // Displayed as the attribute spells it, so it parses back.
+            let shown = mode.to_string();
+            assert_eq!(
+                MixedPrecision::parse(&shown, Device::Cpu).unwrap().0,
+                mode,
+                "{shown}"
+            );
+        }
     }
 
     #[test]
