@@ -135,6 +135,15 @@ fn fail(message: &str) -> ! {
 }
 
 fn main() {
+    println!("cargo:rustc-check-cfg=cfg(tdc_libtorch, values(\"2.11\", \"2.13\"))");
+    println!("cargo:rustc-check-cfg=cfg(tdc_nccl)");
+    // Documentation only (docs.rs, `--features doc-only`): no libtorch, no shim; the
+    // docs describe the tch 0.24 / libtorch 2.11 pair. Nothing built this way links.
+    if env::var_os("CARGO_FEATURE_DOC_ONLY").is_some() {
+        println!("cargo:rustc-cfg=tdc_libtorch=\"2.11\"");
+        println!("cargo:rustc-env=TDC_LIBTORCH_VERSION=2.11.0");
+        return;
+    }
     let lib_dir = PathBuf::from(env::var("DEP_TCH_LIBTORCH_LIB").expect(
         "torch-sys did not report its libtorch directory; set LIBTORCH, or LIBTORCH_USE_PYTORCH=1 \
          with the project's .venv first on PATH",
@@ -149,7 +158,6 @@ fn main() {
         "cargo:rustc-cfg=tdc_libtorch=\"{}.{}\"",
         version.0, version.1
     );
-    println!("cargo:rustc-check-cfg=cfg(tdc_libtorch, values(\"2.11\", \"2.13\"))");
     println!(
         "cargo:rustc-env=TDC_LIBTORCH_VERSION={}.{}.{}",
         version.0, version.1, version.2
@@ -196,7 +204,6 @@ fn main() {
     } else if !has_cuda {
         println!("cargo:warning=tch-distributed: libtorch has no CUDA; building Gloo (CPU) only");
     }
-    println!("cargo:rustc-check-cfg=cfg(tdc_nccl)");
     build.compile("tdc_shim");
 
     println!("cargo:rustc-link-search=native={}", lib_dir.display());
