@@ -22,14 +22,13 @@ const GRADS: &[[f32; 3]] = &[
     [0.1, 0.2, 0.3],
 ];
 
-/// After each step: the scale and the parameter's values.
-fn ours() -> Vec<(f64, Vec<f32>)> {
+/// After each step: the scale and the parameter's values, with `scaler`.
+fn ours(mut scaler: GradScaler) -> Vec<(f64, Vec<f32>)> {
     let vs = VarStore::new(Device::Cpu);
     let p = vs
         .root()
         .var_copy("p", &Tensor::from_slice(&[1.0f32, 2.0, 3.0]));
     let mut opt = Optimizer::new(&nn::Sgd::default(), &vs, 0.1).unwrap();
-    let mut scaler = GradScaler::new().init_scale(1024.0).growth_interval(2);
     let mut out = Vec::new();
     for g in GRADS {
         opt.zero_grad().unwrap();
@@ -43,17 +42,9 @@ fn ours() -> Vec<(f64, Vec<f32>)> {
     out
 }
 
-#[test]
-fn same_scales_and_steps_as_pytorch() {
-    let ours = ours();
-    // The schedule on its own: halve on each overflow, double after 2 clean steps.
-    let scales: Vec<f64> = ours.iter().map(|(s, _)| *s).collect();
-    assert_eq!(
-        scales,
-        [1024.0, 512.0, 512.0, 256.0, 256.0, 512.0, 512.0, 1024.0, 1024.0]
-    );
-    assert_eq!(ours[1].1, ours[0].1, "the inf step is skipped");
-
+/// What PyTorch's `torch.amp.GradScaler('cpu', {args})` gives on [`GRADS`], as
+/// [`ours`] does; `None` when no PyTorch is found (a skip, a failure under CI).
+fn theirs(args: &str) -> Option<Vec<(f64, Vec<f32>)>> {
     let grads: Vec<String> = GRADS
         .iter()
         .map(|g| format!("[{}]", g.map(|v| format!("float('{v}')")).join(",")))
@@ -62,7 +53,7 @@ fn same_scales_and_steps_as_pytorch() {
         "import torch\n\
          p = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))\n\
          opt = torch.optim.SGD([p], lr=0.1)\n\
-         scaler = torch.amp.GradScaler('cpu', init_scale=1024.0, growth_interval=2)\n\
+         scaler = torch.amp.GradScaler('cpu', {args})\n\
          for g in [{}]:\n    \
              opt.zero_grad()\n    \
              scaler.scale((p * torch.tensor(g)).sum()).backward()\n    \
@@ -71,18 +62,77 @@ fn same_scales_and_steps_as_pytorch() {
              print(scaler.get_scale(), ' '.join(repr(v) for v in p.tolist()))\n",
         grads.join(",")
     );
-    let Some(stdout) = run_python(&script, &[], "") else {
+    let stdout = run_python(&script, &[], "")?;
+    Some(
+        stdout
+            .lines()
+            .map(|l| {
+                let mut f = l.split(' ');
+                let scale = f.next().unwrap().parse().unwrap();
+                (scale, f.map(|v| v.parse::<f64>().unwrap() as f32).collect())
+            })
+            .collect(),
+    )
+}
+
+#[test]
+fn same_scales_and_steps_as_pytorch() {
+    let ours = ours(GradScaler::new().init_scale(1024.0).growth_interval(2));
+    // The schedule on its own: halve on each overflow, double after 2 clean steps.
+    let scales: Vec<f64> = ours.iter().map(|(s, _)| *s).collect();
+    assert_eq!(
+        scales,
+        [1024.0, 512.0, 512.0, 256.0, 256.0, 512.0, 512.0, 1024.0, 1024.0]
+    );
+    assert_eq!(ours[1].1, ours[0].1, "the inf step is skipped");
+
+    let Some(theirs) = theirs("init_scale=1024.0, growth_interval=2") else {
         return;
     };
-    let theirs: Vec<(f64, Vec<f32>)> = stdout
-        .lines()
-        .map(|l| {
-            let mut f = l.split(' ');
-            let scale = f.next().unwrap().parse().unwrap();
-            (scale, f.map(|v| v.parse::<f64>().unwrap() as f32).collect())
-        })
-        .collect();
     assert_eq!(ours, theirs, "scale and parameters after each step");
+}
+
+/// Every setting of the builder reaches the schedule, whatever the order of the calls.
+#[test]
+fn a_scaler_built_with_other_factors_matches_pytorch_built_with_them() {
+    let ours = ours(
+        GradScaler::new()
+            .growth_factor(4.0)
+            .init_scale(1024.0)
+            .backoff_factor(0.25)
+            .growth_interval(2)
+            .max_consecutive_skips(3),
+    );
+    // Quartered on each overflow, quadrupled after 2 clean steps.
+    let scales: Vec<f64> = ours.iter().map(|(s, _)| *s).collect();
+    assert_eq!(
+        scales,
+        [1024.0, 256.0, 256.0, 64.0, 64.0, 256.0, 256.0, 1024.0, 1024.0]
+    );
+    let Some(theirs) =
+        theirs("init_scale=1024.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=2")
+    else {
+        return;
+    };
+    assert_eq!(ours, theirs, "scale and parameters after each step");
+}
+
+/// `max_consecutive_skips(2)`: the second overflow in a row ends the run, not the 100th.
+#[test]
+fn max_consecutive_skips_is_the_limit_that_update_enforces() {
+    let vs = VarStore::new(Device::Cpu);
+    let p = vs.root().var_copy("p", &Tensor::from_slice(&[1.0f32]));
+    let mut opt = Optimizer::new(&nn::Sgd::default(), &vs, 0.1).unwrap();
+    let mut scaler = GradScaler::new().max_consecutive_skips(2).init_scale(8.0);
+    let mut step = |g: f32| {
+        opt.zero_grad().unwrap();
+        scaler.scale(&(&p * g as f64).sum(Kind::Float)).backward();
+        scaler.step(&mut opt).unwrap();
+        scaler.update()
+    };
+    assert!(step(f32::INFINITY).is_ok(), "one skip is allowed");
+    let err = step(f32::INFINITY).unwrap_err().to_string();
+    assert!(err.contains("2 steps in a row"), "{err}");
 }
 
 #[test]
