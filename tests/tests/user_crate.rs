@@ -46,6 +46,20 @@ fn write_if_changed(path: &Path, text: &str) {
     }
 }
 
+/// `cargo build` of the crate in `krate`, as its user runs it, into its own target
+/// directory.
+fn cargo_build(krate: &Path) -> Command {
+    let mut build = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    build
+        .current_dir(krate)
+        .args(["build", "--quiet"])
+        .env("CARGO_TARGET_DIR", krate.join("target"))
+        // Built to run, never debugged: no debug info keeps its target small.
+        .env("CARGO_PROFILE_DEV_DEBUG", "false")
+        .env_remove("CARGO_MANIFEST_DIR");
+    build
+}
+
 /// The tch of this build, the other supported one, and the torch each needs.
 fn versions() -> [(&'static str, &'static str); 2] {
     let pairs = [("0.24", "2.11.0"), ("0.26", "2.13.0")];
@@ -73,15 +87,12 @@ fn a_user_crate_on_this_tch_adds_the_sdk_and_trains_on_two_ranks() {
     // Built as a user builds it: cargo resolves the crate's own dependencies (no
     // lockfile given), with the libtorch this test was built with.
     let dir = scratch_dir("user-crate");
-    let mut build = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    build
-        .current_dir(&krate)
-        .args(["build", "--quiet"])
-        .env("CARGO_TARGET_DIR", krate.join("target"))
-        // Built to run, never debugged: no debug info keeps its target small.
-        .env("CARGO_PROFILE_DEV_DEBUG", "false")
-        .env_remove("CARGO_MANIFEST_DIR");
-    let built = run_with(build, &dir, Duration::from_secs(1800), |_, _| {});
+    let built = run_with(
+        cargo_build(&krate),
+        &dir,
+        Duration::from_secs(1800),
+        |_, _| {},
+    );
     built.assert_success();
     let lock = fs::read_to_string(krate.join("Cargo.lock")).unwrap();
     let torch_sys: Vec<&str> = lock
@@ -159,14 +170,8 @@ fn a_user_crate_on_the_other_tch_stops_with_one_line_naming_both_versions() {
     write_if_changed(&krate.join("src/main.rs"), "fn main() {}\n");
 
     let dir = scratch_dir("user-crate-mismatch");
-    let mut build = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    build
-        .current_dir(&krate)
-        .args(["build", "--quiet"])
-        .env("CARGO_TARGET_DIR", krate.join("target"))
-        .env("CARGO_PROFILE_DEV_DEBUG", "false")
-        .env_remove("CARGO_MANIFEST_DIR")
-        .env_remove("LIBTORCH_BYPASS_VERSION_CHECK");
+    let mut build = cargo_build(&krate);
+    build.env_remove("LIBTORCH_BYPASS_VERSION_CHECK");
     let built = run_with(build, &dir, Duration::from_secs(900), |_, _| {});
     assert!(!built.status.success(), "it built:\n{}", built.stderr);
     let line = built
