@@ -30,8 +30,14 @@ fn cargo_package_packs_and_builds_the_macros_then_the_sdk() {
     let dir = scratch_dir("package");
     let mut cmd = cargo();
     // --allow-dirty: a developer's uncommitted changes; CI's clone is clean anyway.
-    cmd.args(["package", "-p", "tch-distributed-macros", "-p", "tch-distributed"])
-        .arg("--allow-dirty");
+    cmd.args([
+        "package",
+        "-p",
+        "tch-distributed-macros",
+        "-p",
+        "tch-distributed",
+    ])
+    .arg("--allow-dirty");
     let run = run_with(cmd, &dir, Duration::from_secs(1800), |_, _| {});
     run.assert_success();
     for krate in ["tch-distributed-macros", "tch-distributed"] {
@@ -65,14 +71,21 @@ fn the_sdk_documents_without_libtorch_as_docs_rs_does() {
         .map(str::to_string)
         .collect();
     let mut cmd = cargo();
-    cmd.args(["doc", "-p", "tch-distributed", "--no-deps", "--features", "doc-only"])
-        .env("CARGO_TARGET_DIR", repo().join("target/doc-only"))
-        .env("PATH", path.join(":"))
-        .env_remove("VIRTUAL_ENV")
-        .env_remove("LIBTORCH")
-        .env_remove("LIBTORCH_USE_PYTORCH")
-        .env_remove("LIBTORCH_LIB")
-        .env_remove("LIBTORCH_INCLUDE");
+    cmd.args([
+        "doc",
+        "-p",
+        "tch-distributed",
+        "--no-deps",
+        "--features",
+        "doc-only",
+    ])
+    .env("CARGO_TARGET_DIR", repo().join("target/doc-only"))
+    .env("PATH", path.join(":"))
+    .env_remove("VIRTUAL_ENV")
+    .env_remove("LIBTORCH")
+    .env_remove("LIBTORCH_USE_PYTORCH")
+    .env_remove("LIBTORCH_LIB")
+    .env_remove("LIBTORCH_INCLUDE");
     let run = run_with(cmd, &dir, Duration::from_secs(1200), |_, _| {});
     run.assert_success();
     let index = repo().join("target/doc-only/doc/tch_distributed/index.html");
