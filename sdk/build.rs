@@ -57,7 +57,8 @@ fn cxx11_abi() -> String {
 /// Include directories holding `cuda_runtime.h`, `crt/host_config.h` and `nccl.h`.
 /// `TCH_DISTRIBUTED_CUDA_INCLUDE` (colon-separated) wins; otherwise the pip packages
 /// next to torch (`nvidia/cu13/include`, `nvidia/nccl/include`) and `$CUDA_HOME/include`.
-fn cuda_include_dirs(lib_dir: &Path) -> Option<Vec<PathBuf>> {
+/// `libtorch_minor` names, when headers are missing, the toolkit that torch wheel wants.
+fn cuda_include_dirs(lib_dir: &Path, libtorch_minor: u32) -> Option<Vec<PathBuf>> {
     let mut candidates: Vec<PathBuf> = Vec::new();
     if let Some(dirs) = env_var("TCH_DISTRIBUTED_CUDA_INCLUDE") {
         candidates.extend(env::split_paths(&dirs));
@@ -84,9 +85,11 @@ fn cuda_include_dirs(lib_dir: &Path) -> Option<Vec<PathBuf>> {
         Some(candidates.into_iter().filter(|d| d.exists()).collect())
     } else {
         let missing: Vec<_> = needed.iter().filter(|f| !has(f)).collect();
+        // The CUDA 13 headers of the toolkit each torch wheel was built with.
+        let toolkit = if libtorch_minor >= 13 { "13.0.3" } else { "13.0.2" };
         println!(
             "cargo:warning=tch-distributed: NCCL backend not built: headers {missing:?} not found \
-             (pip install 'cuda-toolkit[nvcc,cccl]==13.0.2' next to torch, or set TCH_DISTRIBUTED_CUDA_INCLUDE)"
+             (pip install 'cuda-toolkit[nvcc,cccl]=={toolkit}' next to torch, or set TCH_DISTRIBUTED_CUDA_INCLUDE)"
         );
         None
     }
@@ -188,7 +191,7 @@ fn main() {
 
     let has_cuda = lib_dir.join("libtorch_cuda.so").exists();
     let nccl = if has_cuda {
-        cuda_include_dirs(&lib_dir)
+        cuda_include_dirs(&lib_dir, version.1)
     } else {
         None
     };
