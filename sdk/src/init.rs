@@ -153,7 +153,11 @@ fn join(
     };
     let size_key = |r: usize| format!("tchd/join/world_size/{r}");
     let rank_key = |r: usize| format!("tchd/join/rank/{r}");
+    // Twice: as text, for the blocking read of rank 0's below, and as a counter,
+    // which reads 0 without waiting when that rank never came.
+    let size_counter = |r: usize| format!("tchd/join/size/{r}");
     store.set(&size_key(rank), world_size.to_string().as_bytes())?;
+    store.add(&size_counter(rank), world_size as i64)?;
     if store.add(&rank_key(rank), 1)? > 1 {
         return Err(rendezvous(format!(
             "another process has already joined as rank {rank}: every process of the job needs \
@@ -162,8 +166,27 @@ fn join(
             world_size - 1
         )));
     }
+    // World sizes travel as "size RANK=SIZE,…": each rank names the first rank whose
+    // size differs from its own.
     if store.add(COUNT, 1)? == world_size as i64 {
-        store.set(ALL, b"ok")?;
+        // The rank whose arrival completes this rank's count: every counted rank
+        // published its size before counting itself, so compare them now (a rank
+        // started with a larger WORLD_SIZE may be among them), before anyone proceeds.
+        let mut sizes = Vec::new();
+        for r in 0..world_size {
+            sizes.push((r, store.add(&size_counter(r), 0)?));
+        }
+        let verdict = if sizes.iter().any(|&(_, s)| s == 0) {
+            // As many processes as ranks, but not these ranks: some RANK lies outside
+            // 0..world_size (its WORLD_SIZE is larger) or came twice.
+            format!("missing {world_size} ")
+        } else if sizes.iter().all(|&(_, s)| s == world_size as i64) {
+            "ok".to_string()
+        } else {
+            let listed: Vec<String> = sizes.iter().map(|(r, s)| format!("{r}={s}")).collect();
+            format!("size {}", listed.join(","))
+        };
+        store.set(ALL, verdict.as_bytes())?;
     }
     // Each `get` waits up to the store's timeout, the job's.
     let waited = (|| -> Result<Vec<u8>> {
@@ -171,8 +194,8 @@ fn join(
             let size0 = String::from_utf8_lossy(&store.get(&size_key(0))?).into_owned();
             if size0 != world_size.to_string() {
                 // Tells rank 0 and the ranks that agree with it, waiting below.
-                let _ = store.set(ALL, format!("size {world_size} {rank}").as_bytes());
-                return Ok(format!("size {size0} 0").into_bytes());
+                let _ = store.set(ALL, format!("size {rank}={world_size}").as_bytes());
+                return Ok(format!("size 0={size0}").into_bytes());
             }
         }
         store.get(ALL)
@@ -213,12 +236,21 @@ fn join(
             }
         }
     };
-    let mut words = outcome.split(' ');
-    match (words.next(), words.next(), words.next()) {
-        (Some("size"), Some(size), Some(other)) => Err(rendezvous(format!(
+    let mine = world_size.to_string();
+    let differing = outcome.strip_prefix("size ").and_then(|sizes| {
+        sizes
+            .split(',')
+            .filter_map(|rs| rs.split_once('='))
+            .find(|(_, size)| *size != mine)
+    });
+    if let Some((other, size)) = differing {
+        return Err(rendezvous(format!(
             "WORLD_SIZE is {world_size} here but {size} on rank {other}: start every rank with \
              the same WORLD_SIZE (the number of processes of the whole job)"
-        ))),
+        )));
+    }
+    let mut words = outcome.split(' ');
+    match (words.next(), words.next(), words.next()) {
         (Some("missing"), Some(joined), Some("")) => Err(rendezvous(format!(
             "{joined} processes joined within {}, but not as the {world_size} ranks (0 to {}) \
              that this rank expects: the ranks were started with different WORLD_SIZE values, \
