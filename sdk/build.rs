@@ -86,7 +86,11 @@ fn cuda_include_dirs(lib_dir: &Path, libtorch_minor: u32) -> Option<Vec<PathBuf>
     } else {
         let missing: Vec<_> = needed.iter().filter(|f| !has(f)).collect();
         // The CUDA 13 headers of the toolkit each torch wheel was built with.
-        let toolkit = if libtorch_minor >= 13 { "13.0.3" } else { "13.0.2" };
+        let toolkit = if libtorch_minor >= 13 {
+            "13.0.3"
+        } else {
+            "13.0.2"
+        };
         println!(
             "cargo:warning=tch-distributed: NCCL backend not built: headers {missing:?} not found \
              (pip install 'cuda-toolkit[nvcc,cccl]=={toolkit}' next to torch, or set TCH_DISTRIBUTED_CUDA_INCLUDE)"
