@@ -74,7 +74,8 @@ impl OptimizerKind for nn::RmsProp {
     }
 }
 
-/// torch-sys's error convention: the last error, if any, as `Err`.
+/// torch-sys's error convention: the last error, if any, as `Err` (libtorch's message,
+/// without C++ frames unless `TORCH_SHOW_CPP_STACKTRACES=1`).
 fn torch_sys_result() -> Result<()> {
     let ptr = unsafe { torch_sys::get_and_reset_last_err() };
     if ptr.is_null() {
@@ -84,7 +85,7 @@ fn torch_sys_result() -> Result<()> {
         .to_string_lossy()
         .into_owned();
     unsafe { libc::free(ptr as *mut libc::c_void) };
-    Err(Error::Torch(msg))
+    Err(Error::Torch(crate::error::without_cpp_frames(&msg)))
 }
 
 /// A gradient-descent optimizer over a `VarStore`'s trainable variables, with the
@@ -127,7 +128,9 @@ impl Optimizer {
     /// Builds `config` with learning rate `lr` over `vs`'s trainable variables, as
     /// `config.build(&vs, lr)` does in tch.
     ///
-    /// Errors with [`Error::Torch`] when libtorch rejects the options.
+    /// Errors with [`Error::Torch`] when libtorch rejects the options, with its own
+    /// reason (e.g. `Invalid learning rate: -1` for Adam, `Nesterov momentum requires a
+    /// momentum and zero dampening` for SGD).
     pub fn new(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Self> {
         let raw = config.create(lr);
         torch_sys_result()?;

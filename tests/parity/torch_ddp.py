@@ -5,11 +5,12 @@ with torch.nn.parallel.DistributedDataParallel on 2 ranks over gloo.
 
 Reads DIR/init.safetensors (the weights, under the VarStore's names) and
 DIR/data.safetensors (x: 64 x 8, y: 64 x 4); trains l1: Linear(8, 32) -> tanh ->
-l2: Linear(32, 4) once with torch.optim.SGD(lr=0.05, momentum=0.9) and once with
-torch.optim.Adam(lr=0.01), 100 steps each: 25 epochs of the 8 batches of 8 rows in
+l2: Linear(32, 4) once with each of torch.optim.SGD(lr=0.05, momentum=0.9),
+torch.optim.Adam(lr=0.01), torch.optim.AdamW(lr=0.01) and torch.optim.RMSprop(lr=0.01),
+100 steps each: 25 epochs of the 8 batches of 8 rows in
 order, rank r taking batches r, r + 2, r + 4, r + 6 of each epoch (what #[distributed]
 gives each rank of tch's Iter2). After steps 1, 10 and 100 rank 0 writes the
-parameters to DIR/torch-{sgd,adam}-{step}.safetensors.
+parameters to DIR/torch-{sgd,adam,adamw,rmsprop}-{step}.safetensors.
 
 The two ranks are forked from this process (one import of torch) and meet through a
 FileStore in DIR (no port to pick).
@@ -57,7 +58,11 @@ def save_file(tensors, path):
 def optimizer(kind, params):
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-    return torch.optim.Adam(params, lr=0.01)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+    return torch.optim.RMSprop(params, lr=0.01)
 
 
 def run(rank, out):
@@ -67,7 +72,7 @@ def run(rank, out):
     data = load_file(os.path.join(out, "data.safetensors"))
     xs, ys = data["x"], data["y"]
     batches = xs.shape[0] // BATCH
-    for kind in ("sgd", "adam"):
+    for kind in ("sgd", "adam", "adamw", "rmsprop"):
         model = Mlp()
         model.load_state_dict(load_file(os.path.join(out, "init.safetensors")))
         ddp = DistributedDataParallel(model)

@@ -1,6 +1,7 @@
 //! Gradient accumulation through `Optimizer::accumulate` on 2 real ranks equals one
-//! big batch on one process, with one all-reduce per optimizer step; clipping sees
-//! the averaged gradients, so every rank clips by the same global norm.
+//! big batch on one process, with one all-reduce per optimizer step, whether the
+//! training step is `backward_step` or spelled out (`zero_grad`, `backward`, `step`);
+//! clipping sees the averaged gradients, so every rank clips by the same global norm.
 
 use std::process::Command;
 use std::time::Duration;
@@ -13,39 +14,49 @@ const WORKER: &str = env!("CARGO_BIN_EXE_accum_worker");
 fn three_micro_batches_on_two_ranks_equal_one_batch_six_times_larger() {
     let dir = scratch_dir("accum");
     let d = dir.to_str().unwrap();
-    let run = run_tchrun(
-        &dir,
-        &["--nproc-per-node", "2", WORKER, d, "accum"],
-        Duration::from_secs(60),
-        |_, _| {},
-    );
-    run.assert_success();
     let mut cmd = Command::new(WORKER);
     cmd.args([d, "big"]).env_remove("TCH_DISTRIBUTED_NPROC");
     run_with(cmd, &dir, Duration::from_secs(60), |_, _| {}).assert_success();
-
     let big = dir.join("params-big.safetensors");
     let moved = compare::files(&dir.join("init.safetensors"), &big);
     assert!(
         moved.max_abs > 1e-3,
         "the big step moved the parameters: {moved:?}"
     );
-    for rank in 0..2 {
-        let ours = dir.join(format!("params{rank}.safetensors"));
-        compare::files(&ours, &big).assert_within(1e-6, &format!("rank {rank} against one batch"));
-        assert!(
-            run.stdout.contains(&format!(
-                "rank {rank}: stepped [false, false, true], synced 1, local 2"
-            )),
-            "one all-reduce per optimizer step:\n{}",
-            run.stdout
+
+    // `backward_step` on each micro-batch, then the training step spelled out: both
+    // step on the cycle's third micro-batch only.
+    for mode in ["accum", "spelled"] {
+        let run = run_tchrun(
+            &dir,
+            &["--nproc-per-node", "2", WORKER, d, mode],
+            Duration::from_secs(60),
+            |_, _| {},
         );
-        assert!(
-            run.stdout
-                .contains(&format!("rank {rank}: short cycle stepped true, synced 2")),
-            "{}",
-            run.stdout
-        );
+        run.assert_success();
+        for rank in 0..2 {
+            let ours = dir.join(format!("params{rank}-{mode}.safetensors"));
+            compare::files(&ours, &big)
+                .assert_within(1e-6, &format!("{mode}: rank {rank} against one batch"));
+            let expected = if mode == "accum" {
+                format!("rank {rank}: stepped [false, false, true], synced 1, local 2")
+            } else {
+                format!("rank {rank}: spelled out, stepped [false, false, true]")
+            };
+            assert!(
+                run.stdout.contains(&expected),
+                "{mode}: one all-reduce and one step per cycle:\n{}",
+                run.stdout
+            );
+            if mode == "accum" {
+                assert!(
+                    run.stdout
+                        .contains(&format!("rank {rank}: short cycle stepped true, synced 2")),
+                    "{}",
+                    run.stdout
+                );
+            }
+        }
     }
 }
 

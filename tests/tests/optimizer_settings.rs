@@ -1,6 +1,8 @@
 //! The SDK's `Optimizer` setters act on the optimizer: `set_lr` and `set_momentum`
 //! change the next SGD steps exactly as SGD's closed form says, in every parameter
-//! group.
+//! group. `clip_grad_norm` scales the gradients as PyTorch's
+//! `torch.nn.utils.clip_grad_norm_` says (by `max / (norm + 1e-6)`), and options that
+//! libtorch rejects are an error with libtorch's reason.
 //!
 //! The closed form is libtorch's `torch::optim::SGD` (as PyTorch's `torch.optim.SGD`),
 //! dampening 0, no weight decay, no Nesterov: at the first step the momentum buffer is
@@ -185,4 +187,96 @@ fn set_momentum_changes_the_second_step_as_the_closed_form_says() {
         let apart = compare::named_where(&expected, &kept, |n| n.starts_with(group));
         assert!(apart.max_abs > 100.0 * TOLERANCE, "{group}: {apart:?}");
     }
+}
+
+#[test]
+fn clip_grad_norm_scales_by_max_over_the_norm_plus_1e_6() {
+    let _serial = one_at_a_time();
+    let f = Fixture::new();
+    // The loss scaled so that the gradients' norm is about 0.5: the `+ 1e-6` is then a
+    // relative 2e-6 of the scale, 10 times the tolerance below.
+    let norm_of = |grads: &[(String, Tensor)]| {
+        grads
+            .iter()
+            .map(|(_, g)| {
+                g.to_kind(Kind::Double)
+                    .square()
+                    .sum(Kind::Double)
+                    .double_value(&[])
+            })
+            .sum::<f64>()
+            .sqrt()
+    };
+    let k = 0.5 / norm_of(&Fixture::gradient_at(&f.params()));
+    let mut opt = f.sgd(0.0, 0.1);
+    opt.zero_grad().unwrap();
+    opt.backward(&(f.loss() * k)).unwrap();
+    let grads = || {
+        let mut g: Vec<_> =
+            f.vs.variables()
+                .into_iter()
+                .map(|(name, t)| (name, t.grad().copy()))
+                .collect();
+        g.sort_by(|a, b| a.0.cmp(&b.0));
+        g
+    };
+    let before = grads();
+    let total = norm_of(&before);
+    let max = 0.1;
+    let norm = opt.clip_grad_norm(max).unwrap();
+    assert!(
+        (norm - total).abs() <= 1e-6 * total,
+        "the norm before clipping: {norm} vs {total}"
+    );
+    // PyTorch: clip_coef = max_norm / (total_norm + 1e-6), applied when below 1.
+    let coef = max / (total + 1e-6);
+    let expected: Vec<_> = before
+        .iter()
+        .map(|(n, g)| (n.clone(), g.to_kind(Kind::Double) * coef))
+        .collect();
+    let ours: Vec<_> = grads()
+        .into_iter()
+        .map(|(n, g)| (n, g.to_kind(Kind::Double)))
+        .collect();
+    let diff = compare::named(&ours, &expected);
+    // Measured: the f32 rounding of the product, about 1e-7.
+    assert!(diff.max_rel <= 2e-7, "clipped gradients: {diff:?}");
+    assert!(
+        (norm_of(&grads()) - max).abs() < 1e-6,
+        "clipped to the maximum"
+    );
+
+    // Below the maximum nothing changes, to the bit.
+    let unclipped = grads();
+    opt.clip_grad_norm(10.0 * max).unwrap();
+    assert!(compare::named(&grads(), &unclipped).is_exact());
+}
+
+#[test]
+fn options_that_libtorch_rejects_are_an_error_with_its_reason() {
+    let _serial = one_at_a_time();
+    let f = Fixture::new();
+    let nesterov = nn::Sgd {
+        nesterov: true,
+        ..Default::default()
+    };
+    let err = Optimizer::new(&nesterov, &f.vs, 0.1)
+        .err()
+        .expect("Nesterov without momentum is refused")
+        .to_string();
+    assert!(
+        err.contains("Nesterov momentum requires a momentum and zero dampening"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("Exception raised from"),
+        "no C++ frames: {err}"
+    );
+    let err = Optimizer::new(&nn::Adam::default(), &f.vs, -1.0)
+        .err()
+        .expect("a negative learning rate is refused")
+        .to_string();
+    assert!(err.contains("Invalid learning rate"), "{err}");
+    // The same options, valid, build.
+    Optimizer::new(&nn::Adam::default(), &f.vs, 1e-3).unwrap();
 }

@@ -3,7 +3,7 @@
 //! `torch.nn.parallel.DistributedDataParallel` and `torch.optim` (`tests/parity/torch_ddp.py`,
 //! in the Python that `tch_distributed_tests::python` finds), both over gloo, from the
 //! same initial weights and with the same per-rank batches, gives the same parameters
-//! after 1, 10 and 100 steps of SGD with momentum and of Adam.
+//! after 1, 10 and 100 steps of SGD with momentum, Adam, AdamW and RMSprop.
 //!
 //! Both sides run the same libtorch (2.11.0) kernels for the forward pass (`at::linear`,
 //! `tanh`, `mse_loss`), the backward pass and the `c10d::Reducer` that averages the
@@ -24,6 +24,11 @@
 //!   by the training, so the test asserts a tolerance there. (That this is the only
 //!   difference was checked by hand: with `Tensor.lerp_` replaced by `mul_(1 - w).add_(end,
 //!   alpha=w)` in the Python run, Adam too is bit for bit equal after 100 steps.)
+//!   AdamW is Adam with decoupled weight decay (`p.mul_(1 - lr · wd)` first, the same
+//!   on both sides) and differs the same way.
+//! - RMSprop (no momentum, not centered) is the same sequence of operations on both
+//!   sides (`square_avg.mul_(alpha).addcmul_(grad, grad, 1 - alpha)`, `sqrt`, `add_(eps)`,
+//!   `p.addcdiv_(grad, avg, -lr)`), so it is bit for bit equal at every step.
 //!
 //! A second case, `batchnorm_convnet_matches_ddp_with_broadcast_buffers`
 //! (`parity_bn_worker`, `tests/parity/torch_ddp_bn.py`), trains a convnet with batch
@@ -107,7 +112,7 @@ fn write_bn_fixture(dir: &Path) {
 }
 
 #[test]
-fn sgd_momentum_and_adam_match_pytorch_ddp_on_two_ranks() {
+fn sgd_adam_adamw_and_rmsprop_match_pytorch_ddp_on_two_ranks() {
     let dir = scratch_dir("parity");
     let d = dir.to_str().unwrap();
     write_fixture(&dir);
@@ -120,7 +125,9 @@ fn sgd_momentum_and_adam_match_pytorch_ddp_on_two_ranks() {
     );
     run.assert_success();
     assert!(
-        run.stdout.contains("sgd: 100 steps") && run.stdout.contains("adam: 100 steps"),
+        ["sgd", "adam", "adamw", "rmsprop"]
+            .iter()
+            .all(|kind| run.stdout.contains(&format!("{kind}: 100 steps"))),
         "{}",
         run.stdout
     );
@@ -149,12 +156,12 @@ fn sgd_momentum_and_adam_match_pytorch_ddp_on_two_ranks() {
         "parity with PyTorch {torch} DDP (2 ranks, gloo), max |ours - theirs| of the parameters:\n",
     );
     let mut diffs = BTreeMap::new();
-    for kind in ["sgd", "adam"] {
+    for kind in ["sgd", "adam", "adamw", "rmsprop"] {
         for step in [1, 10, 100] {
             let file = |side: &str| dir.join(format!("{side}-{kind}-{step}.safetensors"));
             let diff = compare(&file("rust"), &file("torch"));
             report.push_str(&format!(
-                "  {kind:4} step {step:3}: {:.3e} ({} of {} elements differ in their bits)\n",
+                "  {kind:7} step {step:3}: {:.3e} ({} of {} elements differ in their bits)\n",
                 diff.max_abs, diff.differing, diff.elements
             ));
             diffs.insert((kind, step), diff);
@@ -173,14 +180,28 @@ fn sgd_momentum_and_adam_match_pytorch_ddp_on_two_ranks() {
         let sgd = diffs[&("sgd", step)];
         assert_eq!(sgd.differing, 0, "SGD, step {step}: bit for bit\n{report}");
     }
-    let adam = |step| diffs[&("adam", step)];
-    assert_eq!(adam(1).differing, 0, "Adam, step 1: bit for bit\n{report}");
-    // Measured with PyTorch 2.11.0: 2.98e-8 at step 10 and 2.38e-7 at step 100 (the
-    // lerp rounding above, carried and amplified). The tolerances leave a margin of
-    // about 7 and 4 over that and no more, so that a real difference in the optimizer
-    // or the averaging cannot hide under them.
-    assert!(adam(10).max_abs <= 2e-7, "Adam, step 10\n{report}");
-    assert!(adam(100).max_abs <= 1e-6, "Adam, step 100\n{report}");
+    for step in [1, 10, 100] {
+        let rmsprop = diffs[&("rmsprop", step)];
+        assert_eq!(
+            rmsprop.differing, 0,
+            "RMSprop, step {step}: bit for bit\n{report}"
+        );
+    }
+    for kind in ["adam", "adamw"] {
+        let adam = |step| diffs[&(kind, step)];
+        assert_eq!(
+            adam(1).differing,
+            0,
+            "{kind}, step 1: bit for bit\n{report}"
+        );
+        // Measured with PyTorch 2.11.0, for both: 2.98e-8 at step 10 and 2.38e-7 at
+        // step 100 (the lerp rounding above, carried and amplified). The tolerances
+        // leave a margin of about 7 and 4 over that and no more, so that a real
+        // difference in the optimizer or the averaging cannot hide under them (AdamW's
+        // weight decay alone moves the parameters by about 1e-4 of their size per step).
+        assert!(adam(10).max_abs <= 2e-7, "{kind}, step 10\n{report}");
+        assert!(adam(100).max_abs <= 1e-6, "{kind}, step 100\n{report}");
+    }
 }
 
 /// The BatchNorm case: a small convnet (conv → batch norm → relu, twice, then a linear
@@ -247,7 +268,7 @@ fn batchnorm_convnet_matches_ddp_with_broadcast_buffers() {
         "every rank has rank 0's running statistics\n{report}"
     );
 
-    // As in `sgd_momentum_and_adam_match_pytorch_ddp_on_two_ranks`.
+    // As in `sgd_adam_adamw_and_rmsprop_match_pytorch_ddp_on_two_ranks`.
     let Some(python) = tch_distributed_tests::python_or_skip("comparison with PyTorch DDP") else {
         std::io::stderr().write_all(report.as_bytes()).unwrap();
         return;

@@ -4,7 +4,11 @@
 //!   `6r..6r+6` as 3 micro-batches of 2 with `accumulate(3)`, then one more
 //!   micro-batch after `sync_next()` (data ending mid-cycle). It prints which
 //!   micro-steps stepped and the DDP counters, and writes the parameters after the
-//!   first optimizer step to `OUT/params{rank}.safetensors`.
+//!   first optimizer step to `OUT/params{rank}-accum.safetensors`.
+//! - `accum_worker OUT spelled` (under tchrun, 2 ranks): the same 3 micro-batches with
+//!   the training step spelled out (`zero_grad`, `backward`, `step` on each), which
+//!   must step on the third only; it prints which stepped and writes the parameters
+//!   to `OUT/params{rank}-spelled.safetensors`.
 //! - `accum_worker OUT big` (one process): one step on all 12 samples at once, to
 //!   `OUT/params-big.safetensors` (and the parameters before it to
 //!   `OUT/init.safetensors`).
@@ -60,6 +64,26 @@ fn main() -> anyhow::Result<()> {
             opt.backward_step(&loss(&xs, &ys))?;
             vs.save(format!("{out}/params-big.safetensors"))?;
         }
+        "spelled" => {
+            let ddp =
+                DistributedDataParallel::new(&vs, ctx.process_group(), DdpOptions::default())?;
+            let mut opt = Optimizer::new(&nn::Sgd::default(), &vs, 0.1)?
+                .distributed(ddp)
+                .accumulate(3);
+            let rank = ctx.rank() as i64;
+            let mut stepped = Vec::new();
+            for m in 0..3 {
+                let (x, y) = (
+                    xs.narrow(0, 6 * rank + 2 * m, 2),
+                    ys.narrow(0, 6 * rank + 2 * m, 2),
+                );
+                opt.zero_grad()?;
+                opt.backward(&loss(&x, &y))?;
+                stepped.push(opt.step()?);
+            }
+            vs.save(format!("{out}/params{rank}-spelled.safetensors"))?;
+            println!("rank {rank}: spelled out, stepped {stepped:?}");
+        }
         _ => {
             let ddp =
                 DistributedDataParallel::new(&vs, ctx.process_group(), DdpOptions::default())?;
@@ -75,7 +99,7 @@ fn main() -> anyhow::Result<()> {
                 );
                 stepped.push(opt.backward_step(&loss(&x, &y))?);
             }
-            vs.save(format!("{out}/params{rank}.safetensors"))?;
+            vs.save(format!("{out}/params{rank}-accum.safetensors"))?;
             let stats = opt.ddp().unwrap().stats();
             println!(
                 "rank {rank}: stepped {stepped:?}, synced {}, local {}",

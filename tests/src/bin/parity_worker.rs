@@ -3,11 +3,13 @@
 //!
 //! `parity_worker DIR` (under `tchrun --nproc-per-node 2`) trains the MLP
 //! `l1: Linear(8, 32) → tanh → l2: Linear(32, 4)` on `DIR/data.safetensors` (`x`: 64 × 8,
-//! `y`: 64 × 4) from the weights in `DIR/init.safetensors`, once with SGD (lr 0.05,
-//! momentum 0.9) and once with Adam (lr 0.01, tch's defaults), 100 steps each: 25
+//! `y`: 64 × 4) from the weights in `DIR/init.safetensors`, once with each optimizer:
+//! SGD (lr 0.05, momentum 0.9), Adam, AdamW and RMSprop (lr 0.01, tch's defaults, which
+//! are PyTorch's but for AdamW's weight decay: 0.01 in both), 100 steps each: 25
 //! epochs of the 8 batches of 8 rows in order (no shuffle), rank `r` taking batches `r`,
 //! `r + 2`, … of each epoch (the attribute's sharding of `Iter2`). After steps 1, 10 and
-//! 100 it saves the model to `DIR/rust-{sgd,adam}-{step}.safetensors` (rank 0 writes).
+//! 100 it saves the model to `DIR/rust-{sgd,adam,adamw,rmsprop}-{step}.safetensors`
+//! (rank 0 writes).
 
 use tch::data::Iter2;
 use tch::nn::{self, Module, OptimizerConfig};
@@ -26,21 +28,22 @@ fn train(dir: &str) -> anyhow::Result<()> {
             .into_iter()
             .collect();
     let (xs, ys) = (&data["x"], &data["y"]);
-    for kind in ["sgd", "adam"] {
+    for kind in ["sgd", "adam", "adamw", "rmsprop"] {
         let mut vs = nn::VarStore::new(device);
         let net = nn::seq()
             .add(nn::linear(vs.root() / "l1", 8, 32, Default::default()))
             .add_fn(|x| x.tanh())
             .add(nn::linear(vs.root() / "l2", 32, 4, Default::default()));
         vs.load(format!("{dir}/init.safetensors"))?;
-        let mut opt = if kind == "sgd" {
-            nn::Sgd {
+        let mut opt = match kind {
+            "sgd" => nn::Sgd {
                 momentum: 0.9,
                 ..Default::default()
             }
-            .build(&vs, 0.05)?
-        } else {
-            nn::Adam::default().build(&vs, 0.01)?
+            .build(&vs, 0.05)?,
+            "adam" => nn::Adam::default().build(&vs, 0.01)?,
+            "adamw" => nn::AdamW::default().build(&vs, 0.01)?,
+            _ => nn::RmsProp::default().build(&vs, 0.01)?,
         };
         let mut step = 0;
         for _epoch in 0..EPOCHS {
