@@ -278,6 +278,19 @@ enum Delivery {
     Launcher,
     /// To the launcher's whole process group, as a terminal delivers Ctrl-C.
     ForegroundGroup,
+    /// To the launcher and to each rank by its pid, as SLURM's `--signal` and a
+    /// cluster's preemption reach every process of a job step (cgroup process
+    /// tracking); the launcher forwards its copy too.
+    EveryProcess,
+}
+
+/// The pids of `pid`'s child processes (Linux's `/proc/PID/task/PID/children`).
+fn children(pid: u32) -> Vec<i32> {
+    fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(|p| p.parse().unwrap())
+        .collect()
 }
 
 /// How the job's 2 ranks are started.
@@ -329,11 +342,18 @@ fn preempt(dir: &Path, launch: Launch, signal: i32, delivery: Delivery) -> u64 {
             },
         );
         // run_with starts the launcher as the leader of its own process group.
-        let target = match delivery {
-            Delivery::Launcher => pid as i32,
-            Delivery::ForegroundGroup => -(pid as i32),
+        let targets = match delivery {
+            Delivery::Launcher => vec![pid as i32],
+            Delivery::ForegroundGroup => vec![-(pid as i32)],
+            Delivery::EveryProcess => {
+                let ranks = children(pid);
+                assert_eq!(ranks.len(), 2, "the launcher's 2 ranks: {ranks:?}");
+                [vec![pid as i32], ranks].concat()
+            }
         };
-        unsafe { libc::kill(target, signal) };
+        for target in targets {
+            unsafe { libc::kill(target, signal) };
+        }
     });
     let what = format!("{launch:?}, signal {signal} to the {delivery:?}");
     assert_eq!(run.status.code(), Some(128 + signal), "{what}: {run:?}");
@@ -393,6 +413,20 @@ fn ctrl_c_in_a_terminal_checkpoints_once_and_exits_130_under_tchrun_and_self_lau
         for attempt in 0..5 {
             let dir = scratch_dir(&format!("ctrl-c-{launch:?}-{attempt}"));
             preempt(&dir, launch, libc::SIGINT, Delivery::ForegroundGroup);
+        }
+    }
+}
+
+/// A scheduler's preemption signal (SLURM's `--signal`, a cluster's SIGTERM): to every
+/// process of the job, the launcher included, which forwards it again. Each rank must
+/// take the two copies as one request (the second comes from another sender): one
+/// checkpoint, exit 143. Five times for each launcher.
+#[test]
+fn a_signal_to_every_process_of_the_job_checkpoints_once_and_exits_143() {
+    for launch in [Launch::Tchrun, Launch::SelfLaunch] {
+        for attempt in 0..5 {
+            let dir = scratch_dir(&format!("every-process-{launch:?}-{attempt}"));
+            preempt(&dir, launch, libc::SIGTERM, Delivery::EveryProcess);
         }
     }
 }

@@ -194,12 +194,12 @@ impl Attempt<'_> {
 ///
 /// **Its own session:** Ctrl-C in a terminal sends `SIGINT` to the whole foreground
 /// process group. Ranks in the launcher's group would get it from the terminal and
-/// again from the launcher, which forwards what it receives;
-/// [`Preemption`](crate::Preemption) takes a second signal as "exit now", so the
-/// checkpoint was lost in most runs. Outside that group, a rank hears the launcher
-/// alone: one signal forwarded per signal received (a second Ctrl-C still ends the
-/// ranks at once). The same holds for a scheduler that signals the launcher's process
-/// group (SLURM's `scancel --signal`, `srun`'s forwarding).
+/// again from the launcher, which forwards what it receives. Outside that group, a
+/// rank hears the launcher alone: one signal forwarded per signal received (a second
+/// Ctrl-C still ends the ranks at once). The same holds for a scheduler that signals
+/// the launcher's process group. (A scheduler that signals every process of the job,
+/// as SLURM's cgroup tracking does, still reaches each rank twice;
+/// [`Preemption`](crate::Preemption) tells those copies apart by their sender.)
 ///
 /// **Death with the launcher,** so that no rank outlives it unsupervised when the
 /// launcher itself is killed (`SIGKILL`, the OOM killer, a lost SSH session):
