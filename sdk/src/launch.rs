@@ -52,11 +52,47 @@ pub struct LaunchConfig {
     /// How many times to start every rank again after one fails
     /// (`--max-restarts`, as torchrun's); 0 ends the job at the first failure.
     pub max_restarts: usize,
+    /// Who launches: what starts the launcher's own lines on stderr and how they name
+    /// its settings.
+    pub launcher: Launcher,
+}
+
+/// Who launches the ranks, for the launcher's own lines on stderr (`tchrun: rank 1
+/// (local rank 1, pid 4242) exited with status 1`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Launcher {
+    /// The `tchrun` binary: lines start `tchrun:`, settings are its flags
+    /// (`--max-restarts`).
+    #[default]
+    Tchrun,
+    /// A `#[distributed]` program that starts its own ranks (`TCH_DISTRIBUTED_NPROC`):
+    /// lines start `tch-distributed:`, as the SDK's other lines do, and settings are
+    /// its variables (`TCH_DISTRIBUTED_MAX_RESTARTS`).
+    SelfLaunch,
+}
+
+impl Launcher {
+    /// The label that starts the launcher's lines: `tchrun` or `tch-distributed`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Launcher::Tchrun => "tchrun",
+            Launcher::SelfLaunch => "tch-distributed",
+        }
+    }
+
+    /// The setting of `max_restarts` as its user wrote it: `--max-restarts 3` or
+    /// `TCH_DISTRIBUTED_MAX_RESTARTS=3`.
+    fn max_restarts(self, n: usize) -> String {
+        match self {
+            Launcher::Tchrun => format!("--max-restarts {n}"),
+            Launcher::SelfLaunch => format!("TCH_DISTRIBUTED_MAX_RESTARTS={n}"),
+        }
+    }
 }
 
 impl Default for LaunchConfig {
     /// One rank on one node, rank 0, master at `127.0.0.1` on a free port,
-    /// 5 s stop grace period, no restarts.
+    /// 5 s stop grace period, no restarts, launched by `tchrun`.
     fn default() -> Self {
         Self {
             nproc_per_node: 1,
@@ -66,6 +102,7 @@ impl Default for LaunchConfig {
             master_port: 0,
             stop_grace: Duration::from_secs(5),
             max_restarts: 0,
+            launcher: Launcher::Tchrun,
         }
     }
 }
@@ -79,27 +116,23 @@ impl LaunchConfig {
     /// while `nnodes > 1` (each node would pick a different port).
     pub fn validate(&self) -> Result<()> {
         if self.nproc_per_node == 0 {
-            return Err(Error::Config(
-                "tchrun: --nproc-per-node must be at least 1".into(),
-            ));
+            return Err(Error::Config("--nproc-per-node must be at least 1".into()));
         }
         if self.nnodes == 0 {
-            return Err(Error::Config("tchrun: --nnodes must be at least 1".into()));
+            return Err(Error::Config("--nnodes must be at least 1".into()));
         }
         if self.node_rank >= self.nnodes {
             return Err(Error::Config(format!(
-                "tchrun: --node-rank {} is out of range for --nnodes {} (must be 0..{})",
+                "--node-rank {} is out of range for --nnodes {} (must be 0..{})",
                 self.node_rank, self.nnodes, self.nnodes
             )));
         }
         if self.master_addr.is_empty() {
-            return Err(Error::Config(
-                "tchrun: --master-addr must not be empty".into(),
-            ));
+            return Err(Error::Config("--master-addr must not be empty".into()));
         }
         if self.nnodes > 1 && self.master_port == 0 {
             return Err(Error::Config(
-                "tchrun: --nnodes > 1 needs a fixed port; pass --master-port so that every node uses the same port".into(),
+                "--nnodes > 1 needs a fixed port; pass --master-port so that every node uses the same port".into(),
             ));
         }
         Ok(())
@@ -120,7 +153,7 @@ impl LaunchConfig {
 /// [`Error::Io`] when `addr` does not resolve or nothing can be bound on it.
 pub fn free_port(addr: &str) -> Result<u16> {
     let io_err = |source| Error::Io {
-        context: format!("tchrun: cannot bind {addr}:0 to pick a free master port"),
+        context: format!("cannot bind {addr}:0 to pick a free master port"),
         source,
     };
     let listener = TcpListener::bind((addr, 0)).map_err(io_err)?;
@@ -182,29 +215,28 @@ pub fn launch_with_env(
 ) -> Result<i32> {
     config.validate()?;
     if program.is_empty() {
-        return Err(Error::Config(format!(
-            "tchrun: no program given; usage: {USAGE}"
-        )));
+        return Err(Error::Config(format!("no program given; usage: {USAGE}")));
     }
     let set_omp = config.nproc_per_node > 1
         && std::env::var_os("OMP_NUM_THREADS").is_none()
         && !extra_env.iter().any(|(k, _)| k == "OMP_NUM_THREADS");
     if set_omp {
         eprintln!(
-            "tchrun: warning: setting OMP_NUM_THREADS=1 for each rank to avoid overloading \
-             the system; set OMP_NUM_THREADS yourself to tune performance"
+            "{}: warning: setting OMP_NUM_THREADS=1 for each rank to avoid overloading \
+             the system; set OMP_NUM_THREADS yourself to tune performance",
+            config.launcher.label()
         );
     }
     let run_id = run_id();
 
     // Install the handlers before starting anything so no signal is lost.
     let mut signals = Signals::new([SIGINT, SIGTERM]).map_err(|source| Error::Io {
-        context: "tchrun: cannot install SIGINT/SIGTERM handlers".into(),
+        context: "cannot install SIGINT/SIGTERM handlers".into(),
         source,
     })?;
     let rendezvous = Rendezvous::new(config)?;
     let error_files = error_file::ErrorDir::create().map_err(|source| Error::Io {
-        context: "tchrun: cannot create a temporary directory for the ranks' error files".into(),
+        context: "cannot create a temporary directory for the ranks' error files".into(),
         source,
     })?;
 
@@ -232,7 +264,8 @@ pub fn launch_with_env(
                     (_, n) => format!("this node's {n} ranks"),
                 };
                 eprintln!(
-                    "tchrun: restarting {ranks} (restart {} of {})",
+                    "{}: restarting {ranks} (restart {} of {})",
+                    config.launcher.label(),
                     number + 1,
                     config.max_restarts
                 )
@@ -240,8 +273,9 @@ pub fn launch_with_env(
             Outcome::Failed => {
                 if config.max_restarts > 0 {
                     eprintln!(
-                        "tchrun: no restarts left (--max-restarts {}), giving up",
-                        config.max_restarts
+                        "{}: no restarts left ({}), giving up",
+                        config.launcher.label(),
+                        config.launcher.max_restarts(config.max_restarts)
                     );
                 }
                 return Ok(FAILURE_EXIT_CODE);

@@ -257,6 +257,7 @@ fn self_launch(ranks: usize) -> i32 {
     let config = crate::launch::LaunchConfig {
         nproc_per_node: ranks,
         max_restarts: self_launch_restarts(),
+        launcher: crate::launch::Launcher::SelfLaunch,
         ..Default::default()
     };
     crate::log::warn(format_args!(

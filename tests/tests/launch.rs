@@ -309,9 +309,12 @@ fn a_self_launching_program_restarts_its_ranks() {
         "{}",
         run.stderr
     );
+    // The launcher's lines name the program's own launcher and settings, not tchrun's.
     for needle in [
-        "restarting all 2 ranks (restart 1 of 1)",
-        "no restarts left (--max-restarts 1), giving up",
+        "tch-distributed: restarting all 2 ranks (restart 1 of 1)",
+        "tch-distributed: no restarts left (TCH_DISTRIBUTED_MAX_RESTARTS=1), giving up",
+        "tch-distributed: rank 1 (local rank 1, pid ",
+        "tch-distributed: root cause: rank 1 (local rank 1, pid ",
     ] {
         assert!(
             run.stderr.contains(needle),
@@ -319,6 +322,7 @@ fn a_self_launching_program_restarts_its_ranks() {
             run.stderr
         );
     }
+    assert!(!run.stderr.contains("tchrun"), "{}", run.stderr);
 }
 
 const ERROR_FILE_WORKER: &str = env!("CARGO_BIN_EXE_error_file_worker");

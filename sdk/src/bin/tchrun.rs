@@ -14,7 +14,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 use tch_distributed::config::{default_path, Origin, RunConfig, CONFIG_ENV};
-use tch_distributed::launch::{launch_with_env, LaunchConfig};
+use tch_distributed::launch::{launch_with_env, LaunchConfig, Launcher};
 
 /// What `tchrun --help` says after the options: where settings come from.
 const SETTINGS_HELP: &str = "\
@@ -102,6 +102,7 @@ fn main() -> ExitCode {
         master_port: run.master_port.unwrap_or(defaults.master_port),
         stop_grace,
         max_restarts: args.max_restarts,
+        launcher: Launcher::Tchrun,
     };
     let (program, rest) = match args.command.split_first() {
         Some((program, rest)) => (program.clone(), rest),
@@ -110,7 +111,7 @@ fn main() -> ExitCode {
     match launch_with_env(&config, &program, rest, &run.rank_env()) {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
         Err(err) => {
-            eprintln!("{err}");
+            eprintln!("tchrun: {err}");
             ExitCode::from(1)
         }
     }

@@ -65,16 +65,22 @@ impl Rendezvous {
             true,
             STORE_TIMEOUT,
         )
-        .map_err(|e| match e {
-            Error::PortInUse { addr, port } => Error::Config(format!(
-                "tchrun: port {port} on {addr} is already in use, so tchrun cannot host the \
-                 rendezvous store that --max-restarts needs: stop the process using it, or \
-                 pick another --master-port (0 picks a free one)"
-            )),
-            other => Error::Config(format!(
-                "tchrun: cannot host the rendezvous store that --max-restarts needs on {}:{}: {other}",
-                config.master_addr, config.master_port
-            )),
+        .map_err(|e| {
+            let needs = format!(
+                "the rendezvous store that {} needs",
+                config.launcher.max_restarts(config.max_restarts)
+            );
+            match e {
+                Error::PortInUse { addr, port } => Error::Config(format!(
+                    "port {port} on {addr} is already in use, so {} cannot host {needs}: stop \
+                     the process using it, or pick another --master-port (0 picks a free one)",
+                    config.launcher.label()
+                )),
+                other => Error::Config(format!(
+                    "cannot host {needs} on {}:{}: {other}",
+                    config.master_addr, config.master_port
+                )),
+            }
         })?;
         let port = store.port().unwrap_or(config.master_port);
         Ok(Rendezvous {

@@ -107,10 +107,10 @@ impl Attempt<'_> {
                     status: None,
                 }),
                 Err(source) => {
-                    ranks.stop(SIGTERM, config.stop_grace, signals)?;
+                    ranks.stop(SIGTERM, config, signals)?;
                     return Err(Error::Io {
                         context: format!(
-                            "tchrun: cannot start rank {rank} (program {})",
+                            "cannot start rank {rank} (program {})",
                             self.program.to_string_lossy()
                         ),
                         source,
@@ -122,10 +122,11 @@ impl Attempt<'_> {
         loop {
             if let Some(signo) = signals.pending().next() {
                 eprintln!(
-                    "tchrun: received {}, forwarding it to all ranks",
+                    "{}: received {}, forwarding it to all ranks",
+                    config.launcher.label(),
                     signal_name(signo)
                 );
-                ranks.stop(signo, config.stop_grace, signals)?;
+                ranks.stop(signo, config, signals)?;
                 return Ok(Outcome::Signalled(signo));
             }
             let mut failed = Vec::new();
@@ -136,7 +137,8 @@ impl Attempt<'_> {
                 if !status.success() {
                     failed.push((r.rank, r.local_rank, r.child.id()));
                     eprintln!(
-                        "tchrun: rank {} (local rank {}, pid {}) {}",
+                        "{}: rank {} (local rank {}, pid {}) {}",
+                        config.launcher.label(),
                         r.rank,
                         r.local_rank,
                         r.child.id(),
@@ -145,7 +147,7 @@ impl Attempt<'_> {
                 }
             }
             if !failed.is_empty() {
-                let signalled = ranks.stop(SIGTERM, config.stop_grace, signals)?;
+                let signalled = ranks.stop(SIGTERM, config, signals)?;
                 self.report_root_cause(&failed);
                 return Ok(match signalled {
                     Some(signo) => Outcome::Signalled(signo),
@@ -180,7 +182,8 @@ impl Attempt<'_> {
         let message = cause.message.trim_end().replace('\n', "\n    ");
         // One write, so that it stays in one piece next to the ranks' output.
         let report = format!(
-            "tchrun: root cause: rank {rank} (local rank {local_rank}, pid {pid}): {message}\n"
+            "{}: root cause: rank {rank} (local rank {local_rank}, pid {pid}): {message}\n",
+            self.config.launcher.label()
         );
         let _ = std::io::Write::write_all(&mut std::io::stderr(), report.as_bytes());
         if let Some(own) = std::env::var_os(ERROR_FILE_ENV).filter(|p| !p.is_empty()) {
@@ -263,7 +266,7 @@ impl Rank {
     fn try_wait(&mut self) -> Result<Option<ExitStatus>> {
         if self.status.is_none() {
             self.status = self.child.try_wait().map_err(|source| Error::Io {
-                context: format!("tchrun: cannot wait for rank {}", self.rank),
+                context: format!("cannot wait for rank {}", self.rank),
                 source,
             })?;
         }
@@ -291,11 +294,17 @@ impl Ranks {
         self.0.iter().all(|r| r.status.is_some())
     }
 
-    /// Sends `signo` to every live rank, waits up to `grace` for them to exit
+    /// Sends `signo` to every live rank, waits up to `config.stop_grace` for them to exit
     /// (forwarding further SIGINT/SIGTERM), then SIGKILLs and reaps the rest.
     /// Exit statuses seen here are not reported: we caused them. Returns the first
     /// SIGINT/SIGTERM the launcher received meanwhile, if any.
-    fn stop(&mut self, signo: i32, grace: Duration, signals: &mut Signals) -> Result<Option<i32>> {
+    fn stop(
+        &mut self,
+        signo: i32,
+        config: &LaunchConfig,
+        signals: &mut Signals,
+    ) -> Result<Option<i32>> {
+        let grace = config.stop_grace;
         self.0.iter().for_each(|r| r.signal(signo));
         let mut received = None;
         let deadline = Instant::now() + grace;
@@ -309,7 +318,8 @@ impl Ranks {
             if Instant::now() >= deadline {
                 for r in self.0.iter().filter(|r| r.status.is_none()) {
                     eprintln!(
-                        "tchrun: rank {} (pid {}) did not exit within {:.1} s, sending SIGKILL",
+                        "{}: rank {} (pid {}) did not exit within {:.1} s, sending SIGKILL",
+                        config.launcher.label(),
                         r.rank,
                         r.child.id(),
                         grace.as_secs_f64()
