@@ -173,16 +173,23 @@ impl VisitMut for Rewrite {
                             None
                         }
                     },
+                    // The receiver is evaluated once, into a `ref` binding: a place
+                    // (`vs`) is borrowed, not moved; a temporary (`make_model()`)
+                    // lives to the end of the match.
                     ("save", [path]) => Some(parse_quote!({
-                        match (&#k::__private::Probe::new(&#recv)).__tchd_var_store() {
-                            ::std::option::Option::Some(__tchd_vs) => #k::__private::save(__tchd_vs, #path),
-                            ::std::option::Option::None => #recv.save(#path),
+                        match #recv {
+                            ref __tchd_recv => match (&#k::__private::Probe::new(__tchd_recv)).__tchd_var_store() {
+                                ::std::option::Option::Some(__tchd_vs) => #k::__private::save(__tchd_vs, #path),
+                                ::std::option::Option::None => __tchd_recv.save(#path),
+                            },
                         }
                     })),
                     ("load", [path]) => Some(parse_quote!({
-                        match (&#k::__private::Probe::new(&mut #recv)).__tchd_var_store_mut() {
-                            ::std::option::Option::Some(__tchd_vs) => #k::__private::load(__tchd_vs, #path),
-                            ::std::option::Option::None => #recv.load(#path),
+                        match #recv {
+                            ref mut __tchd_recv => match (&#k::__private::Probe::new(&mut *__tchd_recv)).__tchd_var_store_mut() {
+                                ::std::option::Option::Some(__tchd_vs) => #k::__private::load(__tchd_vs, #path),
+                                ::std::option::Option::None => __tchd_recv.load(#path),
+                            },
                         }
                     })),
                     _ => None,

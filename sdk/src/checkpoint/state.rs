@@ -151,20 +151,31 @@ impl Checkpointer {
         self.root.join(format!("step-{step:010}"))
     }
 
-    /// The checkpoint directories under `root`, newest first, complete or not.
-    pub fn list(&self) -> Vec<(u64, PathBuf)> {
-        let mut found: Vec<(u64, PathBuf)> = fs::read_dir(&self.root)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| {
-                let name = e.file_name().into_string().ok()?;
-                let step = name.strip_prefix("step-")?.parse().ok()?;
-                Some((step, e.path()))
-            })
-            .collect();
+    /// The checkpoint directories under `root`, newest first, complete or not; empty
+    /// when `root` does not exist yet.
+    ///
+    /// Errors with [`Error::Io`] naming `root` when it exists but cannot be read (a
+    /// permission problem, a network file system's error, a file where the directory
+    /// should be): a job must not take that for "no checkpoints" and start afresh.
+    pub fn list(&self) -> Result<Vec<(u64, PathBuf)>> {
+        let entries = match fs::read_dir(&self.root) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            other => other.map_err(io("listing the checkpoints in", &self.root))?,
+        };
+        let mut found = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(io("listing the checkpoints in", &self.root))?;
+            let Some(step) = entry
+                .file_name()
+                .to_str()
+                .and_then(|name| name.strip_prefix("step-")?.parse().ok())
+            else {
+                continue;
+            };
+            found.push((step, entry.path()));
+        }
         found.sort_by_key(|f| std::cmp::Reverse(f.0));
-        found
+        Ok(found)
     }
 
     /// Saves a checkpoint of `vs`, `opt` and `state` (with `state.world_size` set to
@@ -286,7 +297,7 @@ impl Checkpointer {
         }
         if let Some(k) = self.keep_last {
             let complete: Vec<PathBuf> = self
-                .list()
+                .list()?
                 .into_iter()
                 .filter(|(_, p)| p.join(COMPLETE).exists())
                 .map(|(_, p)| p)
@@ -367,12 +378,23 @@ impl Checkpointer {
     /// current state instead of the saved one.
     ///
     /// Errors: [`Error::Config`] when checkpoints exist but none is usable (the
-    /// message lists each one and why).
+    /// message lists each one and why); [`Error::Io`] when `root` exists but cannot be
+    /// listed (see [`list`](Self::list)), on every rank.
     pub fn load_state(&self, vs: &mut VarStore, opt: &mut Optimizer) -> Result<Option<TrainState>> {
         let ctx = init::current();
         let (rank, world_size) = init::rank_and_world_size();
-        // Rank 0's listing, so that every rank tries the same candidates in order.
-        let mut steps: Vec<i64> = self.list().iter().map(|(s, _)| *s as i64).collect();
+        // Rank 0's listing, so that every rank tries the same candidates in order. A
+        // listing that fails on any rank fails the load on every rank.
+        let listed = self.list();
+        if !all_ok(listed.is_ok())? {
+            return Err(listed.err().unwrap_or_else(|| {
+                Error::Config(format!(
+                    "another rank cannot list the checkpoints in {}; its error says why",
+                    self.root.display()
+                ))
+            }));
+        }
+        let mut steps: Vec<i64> = listed?.iter().map(|(s, _)| *s as i64).collect();
         if let Some(ctx) = ctx.as_ref().filter(|c| c.world_size() > 1) {
             let mut count = Tensor::from_slice(&[steps.len() as i64]);
             ctx.process_group().broadcast(&mut count, 0)?;
@@ -468,6 +490,34 @@ mod tests {
         let mut scaler = crate::GradScaler::new();
         scaler.load_state((512.0, 3));
         assert_eq!(scaler.state(), (512.0, 3));
+    }
+
+    #[test]
+    fn a_directory_that_cannot_be_listed_is_an_error_not_a_fresh_start() {
+        let dir = std::env::temp_dir().join(format!("tdc-list-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        // Not there yet: no checkpoints.
+        let missing = Checkpointer::new(dir.join("ckpt"));
+        assert!(missing.list().unwrap().is_empty());
+        // A file where the directory should be stands for any error but "not found"
+        // (permissions, a network file system's error).
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("ckpt"), "not a directory").unwrap();
+        let unreadable = Checkpointer::new(dir.join("ckpt"));
+        let err = unreadable.list().unwrap_err().to_string();
+        assert!(
+            err.contains("listing the checkpoints in") && err.contains("ckpt"),
+            "{err}"
+        );
+        let mut vs = VarStore::new(tch::Device::Cpu);
+        let _ = vs.root().zeros("w", &[2]);
+        let mut opt = Optimizer::new(&tch::nn::Sgd::default(), &vs, 0.1).unwrap();
+        let err = unreadable
+            .load_state(&mut vs, &mut opt)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("listing the checkpoints in"), "{err}");
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -64,7 +64,7 @@ fn main() -> anyhow::Result<()> {
     }
     // ANCHOR_END: loop
     if ctx.is_main_process() {
-        let steps: Vec<u64> = checkpoints.list().iter().map(|(s, _)| *s).collect();
+        let steps: Vec<u64> = checkpoints.list()?.iter().map(|(s, _)| *s).collect();
         println!("trained to step {step}; checkpoints at steps {steps:?}");
     }
     Ok(())
