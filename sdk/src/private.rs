@@ -117,8 +117,9 @@ fn self_launch_ranks(options: &Options) -> usize {
 /// `TCH_DISTRIBUTED_MIXED_PRECISION` and `TCH_DISTRIBUTED_GRAD_ACCUM` win over the
 /// attribute's `backend`, `timeout`, `mixed_precision` and `grad_accum`
 /// (`TCH_DISTRIBUTED_NPROC` over `nproc_per_node`: [`self_launch_ranks`]). A variable
-/// set to the empty string counts as unset.
-fn with_environment(mut options: Options) -> Options {
+/// set to the empty string counts as unset. Also returns one line for each value
+/// written in the attribute that a variable replaced, for rank 0 to print.
+fn with_environment(mut options: Options) -> (Options, Vec<String>) {
     use crate::config::{BACKEND_ENV, GRAD_ACCUM_ENV, MIXED_PRECISIONS, MIXED_PRECISION_ENV};
     let var = |name: &str| {
         std::env::var(name)
@@ -126,17 +127,42 @@ fn with_environment(mut options: Options) -> Options {
             .map(|v| v.trim().to_ascii_lowercase())
             .filter(|v| !v.is_empty())
     };
+    let mut overridden = Vec::new();
+    let mut note = |name: &str, value: &str, option: &str, written: String| {
+        overridden.push(format!(
+            "{name}={value} overrides the attribute's {option} = {written} (set by tchrun's \
+             flag or configuration file, or in the environment)"
+        ));
+    };
     // Joining reads these two itself, and names a bad value, when the attribute
     // gives none.
-    if var(BACKEND_ENV).is_some() {
-        options.backend = None;
+    if let Some(b) = var(BACKEND_ENV) {
+        if let Some(written) = options.backend.take() {
+            note(BACKEND_ENV, &b, "backend", format!("{written:?}"));
+        }
     }
-    if var("TCH_DISTRIBUTED_TIMEOUT").is_some() {
-        options.timeout_secs = None;
+    if let Some(t) = var("TCH_DISTRIBUTED_TIMEOUT") {
+        if let Some(written) = options.timeout_secs.take() {
+            note(
+                "TCH_DISTRIBUTED_TIMEOUT",
+                &t,
+                "timeout",
+                written.to_string(),
+            );
+        }
     }
     if let Some(mp) = var(MIXED_PRECISION_ENV) {
         match MIXED_PRECISIONS.iter().find(|m| **m == mp) {
-            Some(m) => options.mixed_precision = Some(m),
+            Some(m) => {
+                if let Some(written) = options.mixed_precision.replace(m) {
+                    note(
+                        MIXED_PRECISION_ENV,
+                        m,
+                        "mixed_precision",
+                        format!("{written:?}"),
+                    );
+                }
+            }
             None => fail(
                 MIXED_PRECISION_ENV,
                 format!("{mp:?} is not a mixed precision: use no, bf16, fp16 or auto, or unset it"),
@@ -145,7 +171,11 @@ fn with_environment(mut options: Options) -> Options {
     }
     if let Some(k) = var(GRAD_ACCUM_ENV) {
         match k.parse::<usize>() {
-            Ok(k) if k >= 1 => options.grad_accum = Some(k),
+            Ok(k) if k >= 1 => {
+                if let Some(written) = options.grad_accum.replace(k) {
+                    note(GRAD_ACCUM_ENV, &k.to_string(), "grad_accum", written.to_string());
+                }
+            }
             _ => fail(
                 GRAD_ACCUM_ENV,
                 format!(
@@ -154,7 +184,7 @@ fn with_environment(mut options: Options) -> Options {
             ),
         }
     }
-    options
+    (options, overridden)
 }
 
 /// Function entry: joins the job (or, with no launcher and more than one rank
@@ -169,7 +199,7 @@ pub fn enter(options: Options) -> Session {
             finished: Cell::new(false),
         };
     }
-    let options = with_environment(options);
+    let (options, overridden) = with_environment(options);
     let env = LaunchEnv::from_env().unwrap_or_else(|e| fail("reading the launch environment", e));
     if env.is_none() {
         let ranks = self_launch_ranks(&options);
@@ -201,6 +231,9 @@ pub fn enter(options: Options) -> Session {
         }
     }
     if ctx.is_main_process() {
+        for line in overridden {
+            crate::log::warn(line);
+        }
         println!("{}", banner(&ctx, &options, precision, &why));
     }
     OPTIONS.with(|o| *o.borrow_mut() = options);

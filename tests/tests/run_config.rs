@@ -399,17 +399,51 @@ fn without_a_launcher_the_environment_wins_over_the_attribute() {
     let (banner, _) = banner_and_steps(&run);
     assert_banner(
         &banner,
-        &["backend gloo, world size 3,", "mixed precision bf16"],
+        &[
+            "backend gloo, world size 3,",
+            "timeout 600 s",
+            "mixed precision bf16",
+        ],
     );
+    // Rank 0 says which of the attribute's values the environment replaced.
+    let says = |run: &Run, line: &str| {
+        assert_eq!(
+            run.stderr.matches(line).count(),
+            1,
+            "once: {line:?}\n{}",
+            run.stderr
+        );
+    };
+    says(
+        &run,
+        "tch-distributed: TCH_DISTRIBUTED_BACKEND=gloo overrides the attribute's backend = \"nccl\"",
+    );
+    assert!(!run.stderr.contains("overrides the attribute's timeout"));
     let env = [
         backend,
         ("TCH_DISTRIBUTED_NPROC", "2"),
+        ("TCH_DISTRIBUTED_TIMEOUT", "3"),
         ("TCH_DISTRIBUTED_GRAD_ACCUM", "3"),
     ];
     let run = run_with(command(WORKER, &dir, &env), &dir, TIMEOUT, |_, _| {});
     let (banner, steps) = banner_and_steps(&run);
-    assert_banner(&banner, &["world size 2,", "gradient accumulation 3 steps"]);
+    assert_banner(
+        &banner,
+        &[
+            "world size 2,",
+            "timeout 3 s",
+            "gradient accumulation 3 steps",
+        ],
+    );
     assert_eq!(steps, "synced 4 local 8");
+    says(
+        &run,
+        "TCH_DISTRIBUTED_TIMEOUT=3 overrides the attribute's timeout = 600 ",
+    );
+    says(
+        &run,
+        "TCH_DISTRIBUTED_GRAD_ACCUM=3 overrides the attribute's grad_accum = 2 ",
+    );
     // A bad value stops the program before it starts anything.
     let run = run_with(
         command(

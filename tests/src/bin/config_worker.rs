@@ -1,7 +1,8 @@
 //! Worker for the run configuration's precedence (`tests/run_config.rs`): a
 //! `#[distributed]` function whose attribute sets `backend`, `nproc_per_node`,
-//! `mixed_precision` and `grad_accum`, each to a value that the tests tell apart from
-//! those they give by flag, environment variable and configuration file. It runs 12
+//! `timeout`, `mixed_precision` and `grad_accum`, each to a value that the tests tell
+//! apart from those they give by flag, environment variable and configuration file.
+//! It runs 12
 //! backward steps of a one-layer model and prints (rank 0) how many of them
 //! all-reduced: 12 / K with K micro-batches per optimizer step.
 
@@ -11,6 +12,7 @@ use tch::{Device, Kind, Tensor};
 #[tch_distributed::distributed(
     backend = "nccl",
     nproc_per_node = 3,
+    timeout = 600,
     mixed_precision = "bf16",
     grad_accum = 2
 )]
