@@ -98,6 +98,18 @@ fn receiver_ident(expr: &Expr) -> Option<&syn::Ident> {
     }
 }
 
+/// Whether `expr` names a place without running anything: `opt`, `self.opt`,
+/// `(*opt)`.
+fn is_place(expr: &Expr) -> bool {
+    match expr {
+        Expr::Path(_) => true,
+        Expr::Field(f) => is_place(&f.base),
+        Expr::Paren(p) => is_place(&p.expr),
+        Expr::Unary(u) => matches!(u.op, syn::UnOp::Deref(_)) && is_place(&u.expr),
+        _ => false,
+    }
+}
+
 fn path_ends_with(expr: &Expr, segments: &[&str]) -> bool {
     let Expr::Path(p) = expr else { return false };
     let names: Vec<String> = p
@@ -145,15 +157,27 @@ impl VisitMut for Rewrite {
                     (name, _) if on_optimizer && RESULT_METHODS.contains(&name) => {
                         Some(parse_quote!(#k::__private::or_fail(#m, #name)))
                     }
+                    // `opt.step()` on an optimizer the function did not build (a
+                    // field, an argument): the gradients are averaged first when its
+                    // type is an optimizer's; anything else's `step` runs as written.
+                    // Only on a place (`opt`, `self.opt`), which evaluating twice
+                    // cannot change.
+                    ("step", []) if is_place(recv) => Some(parse_quote!({
+                        (&#k::__private::Probe::new(&#recv)).__tchd_before_step();
+                        #m
+                    })),
+                    // By method syntax, so that the receiver is borrowed as the
+                    // user's call borrows it (an owned optimizer, a `&mut` argument,
+                    // a field); `Steps` decides by its type.
                     ("backward_step", [loss]) => {
-                        Some(parse_quote!(#k::__private::backward_step(&mut #recv, #loss)))
+                        Some(parse_quote!(#recv.__tchd_backward_step(#loss)))
                     }
-                    ("backward_step_clip", [loss, max]) => Some(
-                        parse_quote!(#k::__private::backward_step_clip(&mut #recv, #loss, #max)),
-                    ),
-                    ("backward_step_clip_norm", [loss, max]) => Some(
-                        parse_quote!(#k::__private::backward_step_clip_norm(&mut #recv, #loss, #max)),
-                    ),
+                    ("backward_step_clip", [loss, max]) => {
+                        Some(parse_quote!(#recv.__tchd_backward_step_clip(#loss, #max)))
+                    }
+                    ("backward_step_clip_norm", [loss, max]) => {
+                        Some(parse_quote!(#recv.__tchd_backward_step_clip_norm(#loss, #max)))
+                    }
                     ("backward", []) => match self.optimizers.as_slice() {
                         [] => None,
                         [opt] => Some(parse_quote!(#k::__private::backward(&mut #opt, &#recv))),
@@ -336,8 +360,8 @@ pub fn expand(options: Options, mut func: ItemFn) -> syn::Result<TokenStream> {
         #[allow(unused_imports)]
         use #krate::__private::{
             ExitKnown as _, ExitOther as _, ShardKnown as _, ShardOther as _,
-            VarStoreMutKnown as _, VarStoreMutOther as _, VarStoreRefKnown as _,
-            VarStoreRefOther as _,
+            StepKnown as _, StepOther as _, Steps as _, VarStoreMutKnown as _,
+            VarStoreMutOther as _, VarStoreRefKnown as _, VarStoreRefOther as _,
         };
         let __tchd_session = #krate::__private::enter(#krate::__private::Options {
             backend: #backend,

@@ -417,56 +417,207 @@ pub fn or_fail<T>(r: crate::Result<T>, what: &str) -> T {
 
 /// The backward steps of tch's optimizer and of the SDK's (the one `build` gives),
 /// with tch's signatures.
+///
+/// Called with method syntax (`opt.__tchd_backward_step(&loss)`), so that the receiver
+/// is borrowed as the user's `opt.backward_step(&loss)` borrows it: an owned optimizer,
+/// a `&mut` argument, a field, or through a `Box`.
 pub trait Steps {
-    fn backward_step(&mut self, loss: &Tensor);
-    fn backward_step_clip(&mut self, loss: &Tensor, max: f64);
-    fn backward_step_clip_norm(&mut self, loss: &Tensor, max: f64);
+    fn __tchd_backward_step(&mut self, loss: &Tensor);
+    fn __tchd_backward_step_clip(&mut self, loss: &Tensor, max: f64);
+    fn __tchd_backward_step_clip_norm(&mut self, loss: &Tensor, max: f64);
 }
 
-/// An optimizer the function did not build (passed in): as tch runs it.
+/// An optimizer the function did not build (a struct field, a `&mut` argument, one a
+/// helper returns): tch's steps with the gradients averaged over the ranks before the
+/// update (and before clipping), and rank 0's parameters adopted at its first step
+/// ([`sync_before_step`]).
 impl Steps for tch::nn::Optimizer {
-    fn backward_step(&mut self, loss: &Tensor) {
-        tch::nn::Optimizer::backward_step(self, loss)
+    fn __tchd_backward_step(&mut self, loss: &Tensor) {
+        self.zero_grad();
+        loss.backward();
+        self.sync_before_step();
+        self.step();
     }
-    fn backward_step_clip(&mut self, loss: &Tensor, max: f64) {
-        tch::nn::Optimizer::backward_step_clip(self, loss, max)
+    fn __tchd_backward_step_clip(&mut self, loss: &Tensor, max: f64) {
+        self.zero_grad();
+        loss.backward();
+        self.sync_before_step();
+        self.clip_grad_value(max);
+        self.step();
     }
-    fn backward_step_clip_norm(&mut self, loss: &Tensor, max: f64) {
-        tch::nn::Optimizer::backward_step_clip_norm(self, loss, max)
+    fn __tchd_backward_step_clip_norm(&mut self, loss: &Tensor, max: f64) {
+        self.zero_grad();
+        loss.backward();
+        self.sync_before_step();
+        self.clip_grad_norm(max);
+        self.step();
     }
 }
 
 impl Steps for Optimizer {
-    fn backward_step(&mut self, loss: &Tensor) {
-        or_fail(Optimizer::backward_step(self, loss), "backward_step");
+    fn __tchd_backward_step(&mut self, loss: &Tensor) {
+        self.attribute_backward_step(loss, |_| Ok(()), "backward_step");
     }
-    fn backward_step_clip(&mut self, loss: &Tensor, max: f64) {
-        or_fail(
-            Optimizer::backward_step_clip(self, loss, max),
-            "backward_step_clip",
-        );
+    fn __tchd_backward_step_clip(&mut self, loss: &Tensor, max: f64) {
+        self.attribute_backward_step(loss, |o| o.clip_grad_value(max), "backward_step_clip");
     }
-    fn backward_step_clip_norm(&mut self, loss: &Tensor, max: f64) {
-        or_fail(
-            Optimizer::backward_step_clip_norm(self, loss, max),
+    fn __tchd_backward_step_clip_norm(&mut self, loss: &Tensor, max: f64) {
+        self.attribute_backward_step(
+            loss,
+            |o| o.clip_grad_norm(max).map(drop),
             "backward_step_clip_norm",
         );
     }
 }
 
-/// `opt.backward_step(&loss)`.
-pub fn backward_step(opt: &mut impl Steps, loss: &Tensor) {
-    opt.backward_step(loss)
+impl Optimizer {
+    /// The SDK optimizer's backward step under the attribute: as
+    /// [`Optimizer::backward_step`], and, when it steps through no DDP (built outside
+    /// the function), with the gradients averaged before `before_step`.
+    fn attribute_backward_step(
+        &mut self,
+        loss: &Tensor,
+        before_step: impl FnOnce(&mut Optimizer) -> crate::Result<()>,
+        what: &str,
+    ) {
+        or_fail(self.zero_grad(), what);
+        if or_fail(Optimizer::backward(self, loss), what) {
+            self.sync_before_step();
+            or_fail(before_step(self), what);
+            or_fail(self.step(), what);
+        }
+    }
 }
 
-/// `opt.backward_step_clip(&loss, max)`.
-pub fn backward_step_clip(opt: &mut impl Steps, loss: &Tensor, max: f64) {
-    opt.backward_step_clip(loss, max)
+/// An optimizer whose gradients the function must average itself before it steps:
+/// tch's, and the SDK's when it steps through no DDP. Behind references and boxes
+/// too, so that `opt.step()` is found whatever holds the optimizer.
+pub trait SyncBeforeStep {
+    /// On several ranks: adopts rank 0's parameters the first time (as DDP does when
+    /// it is built), then averages the gradients over the ranks. Nothing in a world of
+    /// one, or for an SDK optimizer with a DDP (which averaged them during backward).
+    fn sync_before_step(&self);
 }
 
-/// `opt.backward_step_clip_norm(&loss, max)`.
-pub fn backward_step_clip_norm(opt: &mut impl Steps, loss: &Tensor, max: f64) {
-    opt.backward_step_clip_norm(loss, max)
+impl SyncBeforeStep for tch::nn::Optimizer {
+    fn sync_before_step(&self) {
+        average_gradients(&self.trainable_variables());
+    }
+}
+
+impl SyncBeforeStep for Optimizer {
+    fn sync_before_step(&self) {
+        if self.ddp().is_none() {
+            average_gradients(&self.trainable_variables());
+        }
+    }
+}
+
+impl<T: SyncBeforeStep + ?Sized> SyncBeforeStep for &T {
+    fn sync_before_step(&self) {
+        (**self).sync_before_step()
+    }
+}
+
+impl<T: SyncBeforeStep + ?Sized> SyncBeforeStep for &mut T {
+    fn sync_before_step(&self) {
+        (**self).sync_before_step()
+    }
+}
+
+impl<T: SyncBeforeStep + ?Sized> SyncBeforeStep for Box<T> {
+    fn sync_before_step(&self) {
+        (**self).sync_before_step()
+    }
+}
+
+/// `opt.step()` in the function: averages the gradients first when `opt` is an
+/// optimizer that [`SyncBeforeStep`] knows, does nothing for anything else (an LR
+/// scheduler's `step`, a progress counter's).
+pub trait StepKnown {
+    fn __tchd_before_step(&self);
+}
+pub trait StepOther {
+    fn __tchd_before_step(&self);
+}
+impl<T: SyncBeforeStep + ?Sized> StepKnown for Probe<&T> {
+    fn __tchd_before_step(&self) {
+        self.take().sync_before_step()
+    }
+}
+impl<T> StepOther for &Probe<T> {
+    fn __tchd_before_step(&self) {}
+}
+
+thread_local! {
+    /// The optimizers (by their first variable's storage) whose parameters were made
+    /// rank 0's already.
+    static ADOPTED: RefCell<std::collections::HashSet<usize>> = RefCell::default();
+}
+
+/// Averages the gradients of `variables` over the ranks (one all-reduce per device and
+/// dtype, of the gradients flattened into one buffer); the first time for these
+/// variables, first broadcasts rank 0's values of them. Ends the program with an
+/// `Error:` line naming the fix when the ranks do not have gradients for the same
+/// variables (a layer that some ranks did not use), or when a collective fails.
+fn average_gradients(variables: &[Tensor]) {
+    let Some(ctx) = init::current().filter(|c| c.world_size() > 1) else {
+        return;
+    };
+    let what = "averaging the gradients of an optimizer the function did not build";
+    let pg = ctx.process_group();
+    let key = variables.first().map_or(0, |v| v.data_ptr() as usize);
+    if ADOPTED.with(|a| a.borrow_mut().insert(key)) {
+        or_fail(pg.broadcast_coalesced(variables, 1 << 20, 0), what);
+        crate::record::optimizer_stepped(variables);
+    }
+    let defined: Vec<i64> = variables
+        .iter()
+        .map(|v| v.grad().defined() as i64)
+        .collect();
+    let mut agreed = Tensor::from_slice(&defined);
+    let mut all = agreed.copy();
+    or_fail(pg.all_reduce(&mut agreed, crate::ReduceOp::Min), what);
+    or_fail(pg.all_reduce(&mut all, crate::ReduceOp::Max), what);
+    if !agreed.equal(&all) {
+        let i = Vec::<i64>::try_from(&(all - &agreed))
+            .unwrap_or_default()
+            .iter()
+            .position(|d| *d != 0)
+            .unwrap_or(0);
+        fail(
+            what,
+            format!(
+                "variable {i} of the optimizer has a gradient on some ranks and none on \
+                 others (a layer not used on every rank): use every layer in every \
+                 step, or build the optimizer inside the function, whose DDP handles it \
+                 (find_unused_parameters = true)"
+            ),
+        );
+    }
+    tch::no_grad(|| {
+        let mut groups: Vec<Vec<Tensor>> = Vec::new();
+        for g in variables.iter().map(Tensor::grad).filter(Tensor::defined) {
+            match groups
+                .iter_mut()
+                .find(|group| group[0].device() == g.device() && group[0].kind() == g.kind())
+            {
+                Some(group) => group.push(g),
+                None => groups.push(vec![g]),
+            }
+        }
+        for grads in groups {
+            let flat: Vec<Tensor> = grads.iter().map(|g| g.reshape([-1])).collect();
+            let mut buffer = Tensor::cat(&flat, 0);
+            or_fail(pg.all_reduce(&mut buffer, crate::ReduceOp::Avg), what);
+            let mut offset = 0;
+            for mut g in grads {
+                let n = g.numel() as i64;
+                g.copy_(&buffer.narrow(0, offset, n).view_as(&g));
+                offset += n;
+            }
+        }
+    });
 }
 
 /// `loss.backward()` in a function that built one optimizer: through it, so that the

@@ -11,8 +11,9 @@
 //!   padding.
 //! - `rank-R-model-I.safetensors`: when the `#[distributed]` function returns, the
 //!   variables (parameters and buffers, by their `VarStore` names) of the `I`-th model
-//!   it built an optimizer for. Every rank's file is the same, bit for bit, when the
-//!   ranks stayed in step.
+//!   it built an optimizer for, or the variables (`variable-{i}`, in the optimizer's
+//!   order) of an optimizer it did not build but stepped. Every rank's file is the
+//!   same, bit for bit, when the ranks stayed in step.
 
 use std::cell::RefCell;
 use std::io::Write as _;
@@ -119,15 +120,33 @@ impl<T> Recording<T> {
     }
 }
 
+/// A model whose end state is recorded.
+enum Model {
+    /// One `#[distributed]` built an optimizer for: its `VarStore`'s variables.
+    Built(Arc<Mutex<Variables>>),
+    /// The variables of an optimizer it did not build but stepped (named
+    /// `variable-{i}`, in the optimizer's order).
+    Stepped(Vec<Tensor>),
+}
+
 thread_local! {
-    /// The models `#[distributed]` built an optimizer for, in order.
-    static MODELS: RefCell<Vec<Arc<Mutex<Variables>>>> = const { RefCell::new(Vec::new()) };
+    /// The models `#[distributed]` built or stepped an optimizer for, in order.
+    static MODELS: RefCell<Vec<Model>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Notes a model that `#[distributed]` built an optimizer for.
 pub(crate) fn model_built(vs: &VarStore) {
     if dir().is_some() {
-        MODELS.with(|m| m.borrow_mut().push(vs.variables_.clone()));
+        MODELS.with(|m| m.borrow_mut().push(Model::Built(vs.variables_.clone())));
+    }
+}
+
+/// Notes the variables of an optimizer that `#[distributed]` steps without having
+/// built it (once per optimizer).
+pub(crate) fn optimizer_stepped(variables: &[Tensor]) {
+    if dir().is_some() {
+        let variables = variables.iter().map(Tensor::shallow_clone).collect();
+        MODELS.with(|m| m.borrow_mut().push(Model::Stepped(variables)));
     }
 }
 
@@ -137,18 +156,28 @@ pub(crate) fn write_models() -> Result<()> {
     let (rank, _) = init::rank_and_world_size();
     std::fs::create_dir_all(&dir)
         .map_err(|e| Error::Config(format!("{RECORD_ENV}: creating {}: {e}", dir.display())))?;
-    let models = MODELS.with(|m| m.borrow().clone());
-    for (i, variables) in models.iter().enumerate() {
-        let named: Vec<(String, Tensor)> = {
-            let v = variables.lock().expect("variable store lock");
-            v.named_variables
-                .iter()
-                .map(|(name, t)| (name.clone(), t.detach().to_device(Device::Cpu)))
-                .collect()
-        };
-        let path = dir.join(format!("rank-{rank}-model-{i}.safetensors"));
-        Tensor::write_safetensors(&named, &path)
-            .map_err(|e| Error::Torch(format!("{RECORD_ENV}: writing {}: {e}", path.display())))?;
-    }
-    Ok(())
+    let on_cpu = |t: &Tensor| t.detach().to_device(Device::Cpu);
+    MODELS.with(|models| -> Result<()> {
+        for (i, model) in models.borrow().iter().enumerate() {
+            let named: Vec<(String, Tensor)> = match model {
+                Model::Built(variables) => {
+                    let v = variables.lock().expect("variable store lock");
+                    v.named_variables
+                        .iter()
+                        .map(|(name, t)| (name.clone(), on_cpu(t)))
+                        .collect()
+                }
+                Model::Stepped(variables) => variables
+                    .iter()
+                    .enumerate()
+                    .map(|(i, t)| (format!("variable-{i}"), on_cpu(t)))
+                    .collect(),
+            };
+            let path = dir.join(format!("rank-{rank}-model-{i}.safetensors"));
+            Tensor::write_safetensors(&named, &path).map_err(|e| {
+                Error::Torch(format!("{RECORD_ENV}: writing {}: {e}", path.display()))
+            })?;
+        }
+        Ok(())
+    })
 }

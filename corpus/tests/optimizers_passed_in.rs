@@ -1,0 +1,88 @@
+//! Optimizers the `#[distributed]` function did not build: a trainer struct's field
+//! stepped with the training step spelled out (`src/bin/trainer.rs`), and a
+//! `&mut nn::Optimizer` argument stepped with `backward_step_clip_norm`
+//! (`src/bin/train_fn.rs`). On 2 ranks the gradients must be averaged all the same:
+//! every rank ends with the same parameters, equal to one process of the plain
+//! program on the global batch (2 × 8 samples a step), and each epoch's 8 batches
+//! become 4 a rank.
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+
+use common::*;
+use tch::{Device, Kind, Tensor};
+
+/// The programs draw their data from libtorch's generator after `manual_seed`; this
+/// test draws the same to know every sample, one test at a time (the generator is the
+/// process's).
+static GENERATOR: Mutex<()> = Mutex::new(());
+
+/// The fingerprints of the 64 samples that a program seeded with `seed` trains on.
+fn universe(seed: i64) -> HashSet<u64> {
+    let _one = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
+    tch::manual_seed(seed);
+    fingerprints(&Tensor::randn([64, 8], (Kind::Float, Device::Cpu)))
+}
+
+/// Runs `program` on 2 ranks (batch 8 a rank) and `plain` alone (batch 16), 3 epochs.
+fn check(name: &str, program: &str, plain: &str, seed: i64) {
+    let dir = scratch_dir(&format!("corpus-{name}"));
+    let out = dir.join("model.safetensors");
+    let run = run_ranks(program, &[out.to_str().unwrap(), "8"], 2, &dir);
+    assert_printed(&run.stdout, "epoch:", 3);
+    assert_printed(&run.stdout, "tch-distributed: backend", 1);
+    assert!(
+        run.stdout.contains("batches: 4 "),
+        "8 batches an epoch, 4 a rank:\n{}",
+        run.stdout
+    );
+    assert_eq!(assert_ranks_agree(&dir, 2), 1, "one optimizer stepped");
+    let runs = assert_shards_partition(&dir, 2, 8, 64, &universe(seed));
+    assert_eq!(runs, 3, "one sharded loop run per epoch");
+
+    let alone = dir.join("alone");
+    std::fs::create_dir_all(&alone).unwrap();
+    let reference = alone.join("model.safetensors");
+    run_alone(plain, &[reference.to_str().unwrap(), "16"], &alone);
+    let ours = read_tensors(&out);
+    let theirs = read_tensors(&reference);
+    let list = |m: &std::collections::BTreeMap<String, Tensor>| -> Vec<(String, Tensor)> {
+        m.iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect()
+    };
+    let diff = compare::named(&list(&ours), &list(&theirs));
+    eprintln!("{name}: 2 ranks against one process: {diff:?}");
+    diff.assert_within(
+        1e-5,
+        &format!("{name}: 2 ranks × 8 against one process × 16"),
+    );
+    let init = read_tensors(&dir.join("record").join("rank-0-model-0.safetensors"));
+    assert_eq!(
+        init.len(),
+        ours.len(),
+        "the recorded model is the saved one"
+    );
+}
+
+#[test]
+fn a_trainer_structs_optimizer_field_is_averaged_over_2_ranks() {
+    check(
+        "trainer",
+        env!("CARGO_BIN_EXE_trainer"),
+        env!("CARGO_BIN_EXE_trainer_plain"),
+        7,
+    );
+}
+
+#[test]
+fn an_optimizer_passed_by_mut_reference_is_averaged_over_2_ranks() {
+    check(
+        "train-fn",
+        env!("CARGO_BIN_EXE_train_fn"),
+        env!("CARGO_BIN_EXE_train_fn_plain"),
+        11,
+    );
+}
