@@ -499,6 +499,9 @@ impl<D: Dataset> Drop for Batches<'_, D> {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashSet;
+    use std::sync::{Arc, Mutex};
+
     use super::*;
     use crate::data::TensorDataset;
     use tch::Kind;
@@ -550,9 +553,57 @@ mod tests {
         assert_eq!(all, (0..10).collect::<Vec<_>>());
         assert_eq!(l.epoch(), 1);
         assert_ne!(first, epoch(&l), "the next loop reshuffles");
-        let dropped = loader(10, 4).drop_last(true);
-        assert_eq!(dropped.len(), 2);
-        assert_eq!(epoch(&dropped).len(), 2);
+        // drop_last: floor(13 / 4) = 3 full batches; 12 samples make 3 full batches, the
+        // last one kept; fewer samples than a batch make an empty epoch.
+        for (n, steps) in [(10, 2), (13, 3), (12, 3), (3, 0)] {
+            let dropped = loader(n, 4).drop_last(true);
+            assert_eq!(dropped.len(), steps, "{n} samples, drop_last");
+            assert_eq!(dropped.is_empty(), steps == 0, "{n} samples, drop_last");
+            let batches = epoch(&dropped);
+            assert_eq!(batches.len(), steps, "{n} samples, drop_last");
+            assert!(batches.iter().all(|b| b.len() == 4), "{n}: {batches:?}");
+        }
+        assert!(
+            !loader(3, 4).is_empty(),
+            "one short batch without drop_last"
+        );
+    }
+
+    /// A dataset that notes which threads read it.
+    #[derive(Clone)]
+    struct Threads(TensorDataset, Arc<Mutex<HashSet<std::thread::ThreadId>>>);
+
+    impl Dataset for Threads {
+        type Item = (Tensor, Tensor);
+        fn len(&self) -> usize {
+            self.0.len()
+        }
+        fn get(&self, index: usize) -> Result<Self::Item> {
+            self.1.lock().unwrap().insert(std::thread::current().id());
+            self.0.get(index)
+        }
+        fn get_batch(&self, indices: &[usize]) -> Result<Self::Item> {
+            self.1.lock().unwrap().insert(std::thread::current().id());
+            self.0.get_batch(indices)
+        }
+    }
+
+    #[test]
+    fn workers_read_in_threads_of_their_own_and_none_reads_inline() {
+        for workers in [0, 2] {
+            let xs = Tensor::arange(40, (Kind::Int64, Device::Cpu)).view([40, 1]);
+            let seen = Arc::new(Mutex::new(HashSet::new()));
+            let data = Threads(TensorDataset::new(&xs, &xs).unwrap(), seen.clone());
+            let l = DataLoader::new(data, 4).unwrap().num_workers(workers);
+            assert_eq!(l.iter().count(), 10);
+            let seen = seen.lock().unwrap();
+            let here = seen.contains(&std::thread::current().id());
+            if workers == 0 {
+                assert_eq!(*seen, HashSet::from([std::thread::current().id()]));
+            } else {
+                assert!(!here && !seen.is_empty(), "{workers} workers: {seen:?}");
+            }
+        }
     }
 
     #[test]
