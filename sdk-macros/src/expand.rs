@@ -98,6 +98,49 @@ fn receiver_ident(expr: &Expr) -> Option<&syn::Ident> {
     }
 }
 
+/// The iterator adaptors that a loop's data source may sit behind: `Iterator`'s
+/// methods that keep, drop or pair its items (not `rev`, `cycle`: a sharded source
+/// cannot).
+const ADAPTORS: &[&str] = &[
+    "enumerate",
+    "take",
+    "skip",
+    "zip",
+    "map",
+    "filter",
+    "filter_map",
+    "take_while",
+    "skip_while",
+    "map_while",
+    "step_by",
+    "inspect",
+    "peekable",
+    "fuse",
+    "chain",
+];
+
+/// The data source of a loop's iterator expression: the receiver under its chain of
+/// [`ADAPTORS`] (`Iter2::new(…).shuffle()` in `Iter2::new(…).shuffle().enumerate()`),
+/// or the expression itself.
+fn source_of(expr: &mut Expr) -> &mut Expr {
+    let is_adaptor = |e: &Expr| matches!(e, Expr::MethodCall(m) if ADAPTORS.contains(&m.method.to_string().as_str()));
+    let mut depth = 0;
+    let mut e = &*expr;
+    while is_adaptor(e) {
+        let Expr::MethodCall(m) = e else { break };
+        e = &m.receiver;
+        depth += 1;
+    }
+    let mut source = expr;
+    for _ in 0..depth {
+        let Expr::MethodCall(m) = source else {
+            unreachable!("counted above")
+        };
+        source = &mut m.receiver;
+    }
+    source
+}
+
 /// Whether `expr` names a place without running anything: `opt`, `self.opt`,
 /// `(*opt)`.
 fn is_place(expr: &Expr) -> bool {
@@ -221,7 +264,10 @@ impl VisitMut for Rewrite {
             }
             // A range is never data: the loop stays as written.
             Expr::ForLoop(f) if !matches!(&*f.expr, Expr::Range(_)) => {
-                let iter = &f.expr;
+                // The data source is sharded before any adaptor (`.enumerate()`,
+                // `.take(n)`, …), as an Accelerate-prepared DataLoader is: the adaptors
+                // then apply to this rank's batches (`.take(n)`: n batches a rank).
+                let iter = source_of(&mut f.expr);
                 self.loop_site = self.loop_site.wrapping_mul(0x0100_0000_01b3) ^ 1;
                 let site = self.loop_site;
                 // The head (agreed seed) is made before the iterator expression runs:
@@ -237,7 +283,7 @@ impl VisitMut for Rewrite {
                     #iter,
                 )))
                 .__tchd_iter());
-                *f.expr = new_iter;
+                *iter = new_iter;
                 None
             }
             Expr::Macro(m) if is_print(&m.mac) => Some(print_on_main(k, &m.mac)),

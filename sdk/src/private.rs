@@ -726,7 +726,7 @@ impl<'a> ShardKnown for Probe<(LoopHead, &'a mut tch::data::Iter2)> {
         head.shard(iter)
     }
 }
-impl<T: IntoIterator> ShardOther for &Probe<(LoopHead, T)> {
+impl<T> ShardOther for &Probe<(LoopHead, T)> {
     type Iter = T;
     fn __tchd_iter(&self) -> T {
         self.take().1

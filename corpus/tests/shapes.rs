@@ -1,10 +1,15 @@
-//! Optimizers the `#[distributed]` function did not build: a trainer struct's field
-//! stepped with the training step spelled out (`src/bin/trainer.rs`), and a
-//! `&mut nn::Optimizer` argument stepped with `backward_step_clip_norm`
-//! (`src/bin/train_fn.rs`). On 2 ranks the gradients must be averaged all the same:
-//! every rank ends with the same parameters, equal to one process of the plain
-//! program on the global batch (2 × 8 samples a step), and each epoch's 8 batches
-//! become 4 a rank.
+//! Shapes of training code that the attribute must see through:
+//!
+//! - optimizers the `#[distributed]` function did not build: a trainer struct's field
+//!   stepped with the training step spelled out (`src/bin/trainer.rs`), and a
+//!   `&mut nn::Optimizer` argument stepped with `backward_step_clip_norm`
+//!   (`src/bin/train_fn.rs`): their gradients must be averaged all the same;
+//! - a batch loop behind `.enumerate()` (`src/bin/enumerate_loop.rs`): it must be
+//!   sharded under the adaptor.
+//!
+//! On 2 ranks every rank ends with the same parameters, equal to one process of the
+//! plain program on the global batch (2 × 8 samples a step), and each epoch's 8
+//! batches become 4 a rank.
 
 mod common;
 
@@ -34,7 +39,7 @@ fn check(name: &str, program: &str, plain: &str, seed: i64) {
     assert_printed(&run.stdout, "epoch:", 3);
     assert_printed(&run.stdout, "tch-distributed: backend", 1);
     assert!(
-        run.stdout.contains("batches: 4 "),
+        run.stdout.contains("batches: 4 ") || run.stdout.contains("done after 4 steps"),
         "8 batches an epoch, 4 a rank:\n{}",
         run.stdout
     );
@@ -84,5 +89,15 @@ fn an_optimizer_passed_by_mut_reference_is_averaged_over_2_ranks() {
         env!("CARGO_BIN_EXE_train_fn"),
         env!("CARGO_BIN_EXE_train_fn_plain"),
         11,
+    );
+}
+
+#[test]
+fn a_loop_behind_enumerate_is_sharded_on_2_ranks() {
+    check(
+        "enumerate-loop",
+        env!("CARGO_BIN_EXE_enumerate_loop"),
+        env!("CARGO_BIN_EXE_enumerate_loop_plain"),
+        5,
     );
 }
