@@ -8,7 +8,10 @@
 //!   sharded under the adaptor;
 //! - a logging helper that all-reduces, called in `println!`'s arguments
 //!   (`src/bin/logging_helper.rs`): every rank must run it, rank 0 alone print, and
-//!   the printed epoch loss must be one process's.
+//!   the printed epoch loss must be one process's;
+//! - a hand-written evaluation loop after the training loop (`src/bin/evaluate.rs`):
+//!   it trains nothing, so it runs whole on every rank and rank 0 prints one process's
+//!   metric.
 //!
 //! On 2 ranks every rank ends with the same parameters, equal to one process of the
 //! plain program on the global batch (2 × 8 samples a step), and each epoch's 8
@@ -135,5 +138,33 @@ fn a_collective_in_printlns_arguments_runs_on_every_rank() {
             (a - b).abs() <= 2e-6,
             "epoch loss {a} on 2 ranks, {b} alone"
         );
+    }
+}
+
+#[test]
+fn a_hand_written_evaluation_loop_sees_the_whole_set_on_2_ranks() {
+    let (ranks, alone) = check(
+        "evaluate",
+        env!("CARGO_BIN_EXE_evaluate"),
+        env!("CARGO_BIN_EXE_evaluate_plain"),
+        9,
+    );
+    let metrics = |stdout: &str| -> Vec<(f64, String)> {
+        stdout
+            .lines()
+            .filter_map(|l| l.split_once(" test mse: "))
+            .map(|(_, rest)| {
+                let (mse, count) = rest.split_once(" over ").unwrap();
+                (mse.parse().unwrap(), count.to_string())
+            })
+            .collect()
+    };
+    let (ours, theirs) = (metrics(&ranks.stdout), metrics(&alone.stdout));
+    assert_eq!(ours.len(), 3, "{}", ranks.stdout);
+    assert_eq!(theirs.len(), 3, "{}", alone.stdout);
+    for ((a, n), (b, m)) in ours.iter().zip(&theirs) {
+        assert_eq!(n, "64 samples", "rank 0 evaluated the whole held-out set");
+        assert_eq!(m, "64 samples");
+        assert!((a - b).abs() <= 2e-6, "test mse {a} on 2 ranks, {b} alone");
     }
 }
