@@ -85,6 +85,12 @@ fn every_world_size_covers_the_dataset_plus_exactly_the_padding() {
                 (value - exact).abs() < 1e-6,
                 "world {world}: {value} != {exact}"
             );
+            let resumed = fs::read_to_string(dir.join(format!("resumed{rank}.txt"))).unwrap();
+            assert_eq!(
+                resumed.parse::<usize>().unwrap(),
+                n.saturating_sub(2 * batch * world),
+                "world {world}: resumed mid-epoch, the rest without the padding"
+            );
         }
     }
 }

@@ -588,6 +588,48 @@ mod tests {
         }
     }
 
+    /// A dataset whose batch reads fail from sample `fail_from` on, counting them.
+    #[derive(Clone)]
+    struct Failing(TensorDataset, usize, Arc<Mutex<usize>>);
+
+    impl Dataset for Failing {
+        type Item = (Tensor, Tensor);
+        fn len(&self) -> usize {
+            self.0.len()
+        }
+        fn get(&self, index: usize) -> Result<Self::Item> {
+            self.get_batch(&[index])
+        }
+        fn get_batch(&self, indices: &[usize]) -> Result<Self::Item> {
+            *self.2.lock().unwrap() += 1;
+            if indices.iter().any(|&i| i >= self.1) {
+                return Err(Error::Config(format!("sample {indices:?} is unreadable")));
+            }
+            self.0.get_batch(indices)
+        }
+    }
+
+    #[test]
+    fn a_worker_stops_reading_at_its_first_error() {
+        let xs = Tensor::arange(40, (Kind::Int64, Device::Cpu)).view([40, 1]);
+        let reads = Arc::new(Mutex::new(0));
+        let data = Failing(TensorDataset::new(&xs, &xs).unwrap(), 8, reads.clone());
+        let l = DataLoader::new(data, 4)
+            .unwrap()
+            .shuffle(false)
+            .num_workers(1)
+            .prefetch_factor(1);
+        let mut batches = l.iter();
+        assert!(batches.next().unwrap().is_ok());
+        assert!(batches.next().unwrap().is_ok());
+        let err = batches.next().unwrap().unwrap_err().to_string();
+        assert!(err.contains("unreadable"), "{err}");
+        // The worker had room to read on; it must not, though the loop still holds
+        // the iterator.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        assert_eq!(*reads.lock().unwrap(), 3, "batches read: 2 good, 1 failed");
+    }
+
     #[test]
     fn workers_read_in_threads_of_their_own_and_none_reads_inline() {
         for workers in [0, 2] {

@@ -4,7 +4,8 @@
 //!   `BATCH`, 2 epochs). Each rank writes the sample ids of each epoch to
 //!   `OUT/seen{rank}.txt`, and the accuracy of a fixed "prediction" over the whole
 //!   dataset, gathered batch by batch with `gather_for_metrics`, to
-//!   `OUT/metric{rank}.txt`.
+//!   `OUT/metric{rank}.txt`; then the rows that `gather_for_metrics` keeps over the
+//!   rest of epoch 0 after resuming at its third step, to `OUT/resumed{rank}.txt`.
 //! - `data_worker uneven`: rank r builds a loader over `10 + r` samples (must fail).
 //!
 //! With `TCHD_TEST_DEVICE=cuda`, `loader` moves its batches to the rank's CUDA device
@@ -62,6 +63,21 @@ fn main() -> anyhow::Result<()> {
                 all.mean(Kind::Float).double_value(&[])
             );
             std::fs::write(format!("{out}/metric{rank}.txt"), metric)?;
+
+            // Resumed after 2 steps of epoch 0 (as from a checkpoint): the rest of the
+            // epoch, gathered batch by batch, is the dataset's rows past the first
+            // 2 × batch × world size of the epoch's order, without the padding.
+            let resumed = DataLoader::new(TensorDataset::new(&ids, &ids)?, batch)?;
+            resumed.resume(tch_distributed::LoaderPosition {
+                epoch: 0,
+                samples_in_epoch: (2 * batch * ctx.world_size()) as u64,
+            });
+            let mut rows = 0;
+            for b in &resumed {
+                let (x, _) = b?;
+                rows += resumed.gather_for_metrics(&correct(&x))?.size()[0];
+            }
+            std::fs::write(format!("{out}/resumed{rank}.txt"), rows.to_string())?;
         }
         "uneven" => {
             let n = 10 + rank as i64;
