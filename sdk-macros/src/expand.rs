@@ -1,24 +1,20 @@
 //! Validating the function and rewriting its body.
 
 use proc_macro2::TokenStream;
-use quote::{quote, quote_spanned, ToTokens};
+use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
-use syn::visit::{self, Visit};
 use syn::visit_mut::{self, VisitMut};
 use syn::{parse_quote, Expr, ItemFn};
 
+use crate::analysis::{calls, receiver_ident, Analysis};
 use crate::attr::Options;
 
 /// The rewrites of DESIGN.md's table.
 struct Rewrite {
     krate: TokenStream,
-    /// Locals bound to an optimizer that `.build(&vs, lr)` made (the SDK's
-    /// `Optimizer`).
-    optimizers: Vec<syn::Ident>,
-    /// The function's parameters whose declared type names an optimizer
-    /// (`opt: &mut nn::Optimizer`), and its closures that train (`let mut train_step
-    /// = |x, y| { …; opt.backward_step(&loss) };`): a loop calling one trains.
-    optimizer_params: Vec<syn::Ident>,
+    /// What the function's names are: the optimizers it built, the loops that
+    /// train.
+    analysis: Analysis,
     /// Whether `let`s that run a forward pass go under autocast.
     autocast: bool,
     /// Identifies the function's `for` loops, the same in every rank's binary: a hash
@@ -45,185 +41,6 @@ const RESULT_METHODS: &[&str] = &[
 
 /// Method calls that run a model's forward pass.
 const FORWARD_METHODS: &[&str] = &["forward", "forward_t", "apply", "apply_t"];
-
-/// Finds the method calls named in `names`, or `.build(a, b)` calls.
-struct Finds<'a> {
-    names: &'a [&'a str],
-    args: Option<usize>,
-    found: bool,
-}
-
-impl<'ast> Visit<'ast> for Finds<'_> {
-    fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
-        if self.names.iter().any(|n| m.method == n) && self.args.is_none_or(|a| a == m.args.len()) {
-            self.found = true;
-        }
-        visit::visit_expr_method_call(self, m);
-    }
-    fn visit_expr_closure(&mut self, _: &'ast syn::ExprClosure) {}
-    fn visit_item(&mut self, _: &'ast syn::Item) {}
-}
-
-fn calls(expr: &Expr, names: &[&str], args: Option<usize>) -> bool {
-    let mut f = Finds {
-        names,
-        args,
-        found: false,
-    };
-    f.visit_expr(expr);
-    f.found
-}
-
-/// The names bound by `let NAME = … .build(&vs, lr) …;` anywhere in the body.
-struct OptimizerLocals(Vec<syn::Ident>);
-
-impl<'ast> Visit<'ast> for OptimizerLocals {
-    fn visit_local(&mut self, local: &'ast syn::Local) {
-        let mut pat = &local.pat;
-        if let syn::Pat::Type(t) = pat {
-            pat = &t.pat;
-        }
-        if let (syn::Pat::Ident(id), Some(init)) = (pat, &local.init) {
-            if calls(&init.expr, &["build"], Some(2)) && !self.0.contains(&id.ident) {
-                self.0.push(id.ident.clone());
-            }
-        }
-        visit::visit_local(self, local);
-    }
-    fn visit_expr_closure(&mut self, _: &'ast syn::ExprClosure) {}
-    fn visit_item(&mut self, _: &'ast syn::Item) {}
-}
-
-fn receiver_ident(expr: &Expr) -> Option<&syn::Ident> {
-    match expr {
-        Expr::Path(p) if p.qself.is_none() => p.path.get_ident(),
-        Expr::Paren(p) => receiver_ident(&p.expr),
-        _ => None,
-    }
-}
-
-/// The calls that make a loop a training loop: a backward pass, an optimizer step
-/// (also as the rewrites above spell them: `__private::backward(…)`,
-/// `opt.__tchd_backward_step(…)`).
-const TRAINING_CALLS: &[&str] = &[
-    "backward",
-    "backward_step",
-    "backward_step_clip",
-    "backward_step_clip_norm",
-    "__tchd_backward_step",
-    "__tchd_backward_step_clip",
-    "__tchd_backward_step_clip_norm",
-    "step",
-    "zero_grad",
-];
-
-/// Whether a loop body trains: it runs a backward pass or an optimizer step
-/// ([`TRAINING_CALLS`]), passes an optimizer (one the function built, or a parameter
-/// whose type names one) to a call, or calls a method on `self` (which may hold the
-/// optimizer and step it). Closures and nested loops count; items do not.
-fn trains(body: &syn::Block, optimizers: &[syn::Ident], params: &[syn::Ident]) -> bool {
-    struct Trains<'a> {
-        optimizers: &'a [syn::Ident],
-        params: &'a [syn::Ident],
-        found: bool,
-    }
-    impl Trains<'_> {
-        fn is_optimizer(&self, arg: &Expr) -> bool {
-            match arg {
-                Expr::Reference(r) => self.is_optimizer(&r.expr),
-                Expr::Paren(p) => self.is_optimizer(&p.expr),
-                _ => receiver_ident(arg)
-                    .is_some_and(|id| self.optimizers.contains(id) || self.params.contains(id)),
-            }
-        }
-    }
-    impl<'ast> Visit<'ast> for Trains<'_> {
-        fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
-            let on_self = matches!(&*m.receiver, Expr::Path(p) if p.path.is_ident("self"));
-            if on_self
-                || TRAINING_CALLS.contains(&m.method.to_string().as_str())
-                || m.args.iter().any(|a| self.is_optimizer(a))
-            {
-                self.found = true;
-            }
-            visit::visit_expr_method_call(self, m);
-        }
-        fn visit_expr_call(&mut self, c: &'ast syn::ExprCall) {
-            let named = matches!(&*c.func, Expr::Path(p)
-                if p.path.segments.last().is_some_and(|s| TRAINING_CALLS.contains(&s.ident.to_string().as_str())))
-                || receiver_ident(&c.func).is_some_and(|id| self.params.contains(id));
-            if named || c.args.iter().any(|a| self.is_optimizer(a)) {
-                self.found = true;
-            }
-            visit::visit_expr_call(self, c);
-        }
-        fn visit_item(&mut self, _: &'ast syn::Item) {}
-    }
-    let mut t = Trains {
-        optimizers,
-        params,
-        found: false,
-    };
-    t.visit_block(body);
-    t.found
-}
-
-/// The closures bound by `let NAME = |…| …` in `block` (not inside items) whose body
-/// [`trains`], given the optimizers and training closures known so far (so one that
-/// calls another counts too).
-fn training_closures(block: &syn::Block, known: &[syn::Ident]) -> Vec<syn::Ident> {
-    struct Closures<'a> {
-        known: Vec<syn::Ident>,
-        base: &'a [syn::Ident],
-    }
-    impl<'ast> Visit<'ast> for Closures<'_> {
-        fn visit_local(&mut self, local: &'ast syn::Local) {
-            let mut pat = &local.pat;
-            if let syn::Pat::Type(t) = pat {
-                pat = &t.pat;
-            }
-            if let (syn::Pat::Ident(id), Some(init)) = (pat, &local.init) {
-                if let Expr::Closure(c) = &*init.expr {
-                    let body: syn::Block = parse_quote!({ #c });
-                    let mut all = self.base.to_vec();
-                    all.extend(self.known.iter().cloned());
-                    if trains(&body, &all, &[]) && !self.known.contains(&id.ident) {
-                        self.known.push(id.ident.clone());
-                    }
-                }
-            }
-            visit::visit_local(self, local);
-        }
-        fn visit_item(&mut self, _: &'ast syn::Item) {}
-    }
-    let mut c = Closures {
-        known: Vec::new(),
-        base: known,
-    };
-    c.visit_block(block);
-    c.known
-}
-
-/// The function's parameters whose declared type names an optimizer: a path segment
-/// `Optimizer` (`&mut nn::Optimizer`, `&mut tch_distributed::Optimizer`, `Box<…>`).
-fn optimizer_params(sig: &syn::Signature) -> Vec<syn::Ident> {
-    sig.inputs
-        .iter()
-        .filter_map(|input| match input {
-            syn::FnArg::Typed(t) => Some(t),
-            syn::FnArg::Receiver(_) => None,
-        })
-        .filter(|t| {
-            t.ty.to_token_stream()
-                .into_iter()
-                .any(|tt| matches!(tt, proc_macro2::TokenTree::Ident(i) if i == "Optimizer"))
-        })
-        .filter_map(|t| match &*t.pat {
-            syn::Pat::Ident(id) => Some(id.ident.clone()),
-            _ => None,
-        })
-        .collect()
-}
 
 /// The iterator adaptors that a loop's data source may sit behind: `Iterator`'s
 /// methods that keep, drop or pair its items (not `rev`, `cycle`: a sharded source
@@ -316,7 +133,7 @@ impl VisitMut for Rewrite {
                 let args: Vec<&Expr> = m.args.iter().collect();
                 let method = m.method.to_string();
                 let on_optimizer =
-                    receiver_ident(recv).is_some_and(|id| self.optimizers.contains(id));
+                    receiver_ident(recv).is_some_and(|id| self.analysis.optimizers.contains(id));
                 match (method.as_str(), args.as_slice()) {
                     // The original call is type-checked, never run, so that the
                     // `OptimizerConfig` import it needs stays used.
@@ -348,7 +165,7 @@ impl VisitMut for Rewrite {
                     ("backward_step_clip_norm", [loss, max]) => {
                         Some(parse_quote!(#recv.__tchd_backward_step_clip_norm(#loss, #max)))
                     }
-                    ("backward", []) => match self.optimizers.as_slice() {
+                    ("backward", []) => match self.analysis.optimizers.as_slice() {
                         [] => None,
                         [opt] => Some(parse_quote!(#k::__private::backward(&mut #opt, &#recv))),
                         several => {
@@ -393,10 +210,7 @@ impl VisitMut for Rewrite {
             // A loop that trains nothing (an evaluation loop) runs whole on every
             // rank: whatever it sums or counts is then the one-process number on
             // every rank, with no gather to write.
-            Expr::ForLoop(f)
-                if !matches!(&*f.expr, Expr::Range(_))
-                    && trains(&f.body, &self.optimizers, &self.optimizer_params) =>
-            {
+            Expr::ForLoop(f) if self.analysis.sharded_loop(&f.expr, &f.body) => {
                 // The data source is sharded before any adaptor (`.enumerate()`,
                 // `.take(n)`, …), as an Accelerate-prepared DataLoader is: the adaptors
                 // then apply to this rank's batches (`.take(n)`: n batches a rank).
@@ -483,7 +297,7 @@ fn print_on_main(k: &TokenStream, mac: &syn::Macro) -> Expr {
 }
 
 /// The function with its body rewritten and the entry prepended.
-pub fn expand(options: Options, mut func: ItemFn) -> syn::Result<TokenStream> {
+pub fn expand(options: Options, analysis: Analysis, mut func: ItemFn) -> syn::Result<TokenStream> {
     let krate = match &options.krate {
         Some(path) => quote!(#path),
         None => quote!(::tch_distributed),
@@ -503,18 +317,9 @@ pub fn expand(options: Options, mut func: ItemFn) -> syn::Result<TokenStream> {
     let precision = opt(options.mixed_precision.as_ref().map(|p| quote!(#p)));
     let grad_accum = opt(options.grad_accum.map(|n| quote!(#n)));
 
-    let mut optimizers = OptimizerLocals(Vec::new());
-    optimizers.visit_block(&func.block);
     let mut rewrite = Rewrite {
         krate: krate.clone(),
-        optimizers: optimizers.0.clone(),
-        optimizer_params: {
-            let mut known = optimizer_params(&func.sig);
-            known.extend(optimizers.0.iter().cloned());
-            let closures = training_closures(&func.block, &known);
-            known.extend(closures);
-            known
-        },
+        analysis,
         loop_site: func
             .sig
             .ident

@@ -3,6 +3,7 @@
 
 use proc_macro::TokenStream;
 
+mod analysis;
 mod attr;
 mod expand;
 mod validate;
@@ -37,13 +38,14 @@ fn entry(
         errors.push(e);
         attr::Options::default()
     });
-    if let Err(e) = validate::validate(&func) {
+    let analysis = analysis::Analysis::of(&func);
+    if let Err(e) = validate::validate(&func, &analysis) {
         errors.push(e);
     }
     let (tokens, expand_error) = if func.sig.constness.is_some() || func.sig.asyncness.is_some() {
         (item, None)
     } else {
-        match expand::expand(options, func) {
+        match expand::expand(options, analysis, func) {
             Ok(tokens) => (tokens, None),
             Err(e) => (item, Some(e)),
         }

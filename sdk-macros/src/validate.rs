@@ -1,23 +1,12 @@
 //! Rejecting, at compile time, what the attribute cannot serve or what would hang.
 
-use std::collections::BTreeSet;
-
 use proc_macro2::TokenStream;
 use quote::ToTokens;
 use syn::spanned::Spanned;
 use syn::visit::{self, Visit};
 use syn::{Expr, ItemFn};
 
-/// Names whose value differs between ranks: a branch on them is taken by some ranks
-/// only.
-const RANK_NAMES: &[&str] = &[
-    "rank",
-    "local_rank",
-    "node_rank",
-    "global_rank",
-    "is_main_process",
-    "is_local_main_process",
-];
+use crate::analysis::{receiver_ident, Analysis};
 
 /// Calls that every rank must make together: `#[distributed]` turns them into (or
 /// they are) collectives, so a rank that skips one leaves the others waiting until
@@ -40,6 +29,7 @@ fn collective(method: &str, args: usize) -> Option<&'static str> {
         | ("backward_step_clip_norm", 2) => {
             "the backward pass all-reduces the gradients with every rank"
         }
+        ("step", 0) => "the optimizer's step averages the gradients over the ranks first",
         ("barrier", 0) => "a barrier waits for every rank",
         ("all_reduce" | "broadcast" | "all_gather" | "reduce_scatter", _)
         | ("broadcast_coalesced", _) => "a collective waits for every rank",
@@ -49,7 +39,7 @@ fn collective(method: &str, args: usize) -> Option<&'static str> {
 
 /// Rejects function shapes the attribute cannot serve, and collectives inside
 /// branches that only some ranks take. All errors are reported together.
-pub fn validate(func: &ItemFn) -> syn::Result<()> {
+pub fn validate(func: &ItemFn, analysis: &Analysis) -> syn::Result<()> {
     let mut errors = Vec::new();
     let sig = &func.sig;
     if let Some(t) = &sig.asyncness {
@@ -71,14 +61,21 @@ pub fn validate(func: &ItemFn) -> syn::Result<()> {
             "#[distributed] cannot be used on an `extern` function: remove the ABI and call the training function from your `extern` wrapper",
         ));
     }
-    let mut branches = RankBranches {
-        rank_names: rank_dependent_locals(func),
+    let mut walk = Walk {
+        analysis,
         depth: 0,
         condition: String::new(),
         what: "",
+        loops: Vec::new(),
+        loops_at_branch: 0,
+        next_loop: 0,
+        order: 0,
+        collectives: Vec::new(),
+        exits: Vec::new(),
         errors: &mut errors,
     };
-    branches.visit_block(&func.block);
+    walk.visit_block(&func.block);
+    walk.check_exits();
     let mut errors = errors.into_iter();
     match errors.next() {
         None => Ok(()),
@@ -89,79 +86,73 @@ pub fn validate(func: &ItemFn) -> syn::Result<()> {
     }
 }
 
-/// Whether `tokens` mention one of `names` as an identifier.
-fn mentions(tokens: TokenStream, names: &BTreeSet<String>) -> bool {
-    tokens.into_iter().any(|t| match t {
-        proc_macro2::TokenTree::Ident(i) => names.contains(&i.to_string()),
-        proc_macro2::TokenTree::Group(g) => mentions(g.stream(), names),
-        _ => false,
-    })
-}
-
-/// `RANK_NAMES` plus the locals bound from them (`let main = ctx.rank() == 0;`),
-/// followed through chains of `let`s.
-fn rank_dependent_locals(func: &ItemFn) -> BTreeSet<String> {
-    struct Lets(Vec<(Vec<String>, TokenStream)>);
-    impl<'ast> Visit<'ast> for Lets {
-        fn visit_local(&mut self, local: &'ast syn::Local) {
-            if let Some(init) = &local.init {
-                let mut names = Vec::new();
-                collect_idents(&local.pat, &mut names);
-                self.0.push((names, init.expr.to_token_stream()));
-            }
-            visit::visit_local(self, local);
-        }
-    }
-    fn collect_idents(pat: &syn::Pat, out: &mut Vec<String>) {
-        match pat {
-            syn::Pat::Ident(p) => out.push(p.ident.to_string()),
-            syn::Pat::Type(p) => collect_idents(&p.pat, out),
-            syn::Pat::Tuple(p) => p.elems.iter().for_each(|p| collect_idents(p, out)),
-            syn::Pat::Reference(p) => collect_idents(&p.pat, out),
-            _ => {}
-        }
-    }
-    let mut lets = Lets(Vec::new());
-    lets.visit_block(&func.block);
-    let mut names: BTreeSet<String> = RANK_NAMES.iter().map(|s| s.to_string()).collect();
-    loop {
-        let before = names.len();
-        for (bound, init) in &lets.0 {
-            if mentions(init.clone(), &names) {
-                names.extend(bound.iter().cloned());
-            }
-        }
-        if names.len() == before {
-            return names;
-        }
-    }
-}
-
 const BRANCH: &str = "a branch that only some ranks take";
 const LOOP: &str = "a loop that runs a different number of times on each rank";
 
-/// Finds collectives inside `if`/`match`/`while` whose condition depends on the rank.
-struct RankBranches<'e> {
-    rank_names: BTreeSet<String>,
+/// A call that every rank must make together, where the walk met it.
+struct Collective {
+    /// Its place in the function, in source order.
+    order: usize,
+    /// The loops around it, outermost first.
+    loops: Vec<usize>,
+    /// How the messages name it: "`.backward()` (the backward pass all-reduces …)".
+    name: String,
+}
+
+/// A `return`, `break` or `continue` inside a rank-dependent branch.
+struct Exit {
+    order: usize,
+    /// The loops around it; for `break` and `continue`, the innermost is the one it
+    /// leaves or restarts.
+    loops: Vec<usize>,
+    keyword: &'static str,
+    /// The `return …`, `break` or `continue` as written, for the error's span.
+    tokens: TokenStream,
+    condition: String,
+    what: &'static str,
+}
+
+/// Walks the function once, in source order: rejects collectives inside `if`,
+/// `match`, `while` and `for` whose condition depends on the rank, and records them
+/// and the rank-dependent exits for [`Walk::check_exits`].
+struct Walk<'e> {
+    analysis: &'e Analysis,
     /// How many rank-dependent branches enclose the current node.
     depth: usize,
     /// The innermost rank-dependent condition, and what it governs, for the message.
     condition: String,
     what: &'static str,
+    /// The loops around the current node, and how many of them were entered before
+    /// the outermost rank-dependent branch.
+    loops: Vec<usize>,
+    loops_at_branch: usize,
+    next_loop: usize,
+    order: usize,
+    collectives: Vec<Collective>,
+    exits: Vec<Exit>,
     errors: &'e mut Vec<syn::Error>,
 }
 
-impl RankBranches<'_> {
+/// An expression as the messages quote it: `ctx.rank() > 0`.
+fn quoted(e: &impl ToTokens) -> String {
+    e.to_token_stream()
+        .to_string()
+        .replace(" . ", ".")
+        .replace(" (", "(")
+        .replace(" .. ", "..")
+        .replace("! ", "!")
+        .replace("& ", "&")
+        .replace("&&", "&& ")
+}
+
+impl Walk<'_> {
     fn branch(&mut self, condition: &Expr, what: &'static str, body: impl FnOnce(&mut Self)) {
-        if mentions(condition.to_token_stream(), &self.rank_names) {
-            let text = condition.to_token_stream().to_string();
-            let text = text
-                .replace(" . ", ".")
-                .replace(" (", "(")
-                .replace(" .. ", "..")
-                .replace("! ", "!");
-            let outer = std::mem::replace(&mut self.condition, text);
+        if self.analysis.depends_on_rank(condition) {
+            let outer = std::mem::replace(&mut self.condition, quoted(condition));
             let outer_what = std::mem::replace(&mut self.what, what);
+            if self.depth == 0 {
+                self.loops_at_branch = self.loops.len();
+            }
             self.depth += 1;
             body(self);
             self.depth -= 1;
@@ -171,9 +162,118 @@ impl RankBranches<'_> {
             body(self);
         }
     }
+
+    fn in_loop(&mut self, body: impl FnOnce(&mut Self)) {
+        self.next_loop += 1;
+        self.loops.push(self.next_loop);
+        body(self);
+        self.loops.pop();
+    }
+
+    /// Records a call every rank must make; inside a rank-dependent branch, rejects it
+    /// with the error spanning `at`. `call` names it as written, `why` says why it is
+    /// collective, `fix` how to write it instead.
+    fn collective(&mut self, at: &dyn ToTokens, call: String, why: &str, fix: &str) {
+        self.order += 1;
+        self.collectives.push(Collective {
+            order: self.order,
+            loops: self.loops.clone(),
+            name: format!("{call} ({why})"),
+        });
+        if self.depth > 0 {
+            self.errors.push(syn::Error::new_spanned(
+                at,
+                format!(
+                    "{call} inside {} (`{}`) would hang: {why}, and the ranks that skip \
+                     it never join. {fix}",
+                    self.what, self.condition
+                ),
+            ));
+        }
+    }
+
+    fn exit(&mut self, keyword: &'static str, at: &dyn ToTokens) {
+        if self.depth == 0 {
+            return;
+        }
+        // A `break` or `continue` of a loop that runs inside the branch stays inside
+        // it.
+        if keyword != "return" && self.loops.len() > self.loops_at_branch {
+            return;
+        }
+        self.order += 1;
+        self.exits.push(Exit {
+            order: self.order,
+            loops: self.loops.clone(),
+            keyword,
+            tokens: at.to_token_stream(),
+            condition: self.condition.clone(),
+            what: self.what,
+        });
+    }
+
+    /// Rejects each rank-dependent exit that skips a collective the other ranks still
+    /// run: for `return`, any that comes later or belongs to a loop it leaves; for
+    /// `break`, any of the loop it leaves; for `continue`, any later in the loop it
+    /// restarts.
+    fn check_exits(&mut self) {
+        for exit in &self.exits {
+            let skipped = self.collectives.iter().find(|c| match exit.keyword {
+                "return" => c.order > exit.order || exit.loops.iter().any(|l| c.loops.contains(l)),
+                "break" => exit.loops.last().is_some_and(|l| c.loops.contains(l)),
+                _ => c.order > exit.order && exit.loops.last().is_some_and(|l| c.loops.contains(l)),
+            });
+            let Some(skipped) = skipped else { continue };
+            let keyword = exit.keyword;
+            self.errors.push(syn::Error::new_spanned(
+                &exit.tokens,
+                format!(
+                    "`{keyword}` inside {} (`{}`) would hang: the ranks that take it skip \
+                     {} while the others wait for them there. Decide on every rank alike \
+                     (e.g. all-reduce the condition, or test a value every rank shares), \
+                     or leave after the last collective",
+                    exit.what, exit.condition, skipped.name
+                ),
+            ));
+        }
+    }
+
+    /// A call given the context or the process group (`log(&ctx, …)`), or a training
+    /// closure called: what it runs is unknown here, and may be a collective.
+    fn hands_on(&mut self, at: &dyn ToTokens, call: String, func: Option<&Expr>, args: &[&Expr]) {
+        if let Some(closure) = func
+            .and_then(receiver_ident)
+            .filter(|id| self.analysis.trainers.contains(id))
+        {
+            let why = format!(
+                "`{closure}` trains (a backward pass or an optimizer step, which average \
+                 the gradients over the ranks)"
+            );
+            self.collective(at, call, &why, "Move it out so that every rank calls it");
+            return;
+        }
+        let given = args
+            .iter()
+            .find_map(|a| self.analysis.handed_on(a))
+            .filter(|id| self.analysis.groups.contains(id))
+            .cloned();
+        if let Some(group) = given {
+            let why = format!(
+                "it is given `{group}`, the job's context or process group, and may run a \
+                 collective with it (a barrier, an all-reduce, a checkpoint)"
+            );
+            self.collective(
+                at,
+                call,
+                &why,
+                "Call it on every rank (it can test the rank itself), or pass it only what \
+                 it needs (e.g. `ctx.rank()`)",
+            );
+        }
+    }
 }
 
-impl<'ast> Visit<'ast> for RankBranches<'_> {
+impl<'ast> Visit<'ast> for Walk<'_> {
     fn visit_expr_if(&mut self, e: &'ast syn::ExprIf) {
         self.visit_expr(&e.cond);
         self.branch(&e.cond, BRANCH, |v| {
@@ -193,60 +293,93 @@ impl<'ast> Visit<'ast> for RankBranches<'_> {
 
     fn visit_expr_while(&mut self, e: &'ast syn::ExprWhile) {
         self.visit_expr(&e.cond);
-        self.branch(&e.cond, LOOP, |v| v.visit_block(&e.body));
+        self.in_loop(|v| v.branch(&e.cond, LOOP, |v| v.visit_block(&e.body)));
+    }
+
+    fn visit_expr_loop(&mut self, e: &'ast syn::ExprLoop) {
+        self.in_loop(|v| v.visit_block(&e.body));
     }
 
     fn visit_expr_for_loop(&mut self, e: &'ast syn::ExprForLoop) {
         self.visit_expr(&e.expr);
-        self.branch(&e.expr, LOOP, |v| v.visit_block(&e.body));
+        if self.analysis.sharded_loop(&e.expr, &e.body) {
+            // The rewrite shards it: its start agrees on the shuffle and the first
+            // batch with every rank.
+            self.collective(
+                &e.expr,
+                format!("the training loop over `{}`", quoted(&e.expr)),
+                "#[distributed] shards it, and the ranks agree on its shuffle and first batch when it starts",
+                "Move it out so that every rank runs it",
+            );
+        }
+        self.in_loop(|v| v.branch(&e.expr, LOOP, |v| v.visit_block(&e.body)));
+    }
+
+    fn visit_expr_return(&mut self, e: &'ast syn::ExprReturn) {
+        visit::visit_expr_return(self, e);
+        self.exit("return", e);
+    }
+
+    fn visit_expr_break(&mut self, e: &'ast syn::ExprBreak) {
+        visit::visit_expr_break(self, e);
+        self.exit("break", e);
+    }
+
+    fn visit_expr_continue(&mut self, e: &'ast syn::ExprContinue) {
+        self.exit("continue", e);
     }
 
     /// `main_process_first(…)` and `local_main_process_first(…)`: a barrier inside.
     fn visit_expr_call(&mut self, c: &'ast syn::ExprCall) {
         visit::visit_expr_call(self, c);
-        if self.depth == 0 || c.args.len() != 1 {
-            return;
-        }
-        let Expr::Path(p) = &*c.func else { return };
-        let Some(name) = p.path.segments.last().map(|s| s.ident.to_string()) else {
-            return;
+        let name = match &*c.func {
+            Expr::Path(p) => p.path.segments.last().map(|s| s.ident.to_string()),
+            _ => None,
         };
-        if name == "main_process_first" || name == "local_main_process_first" {
-            self.errors.push(syn::Error::new_spanned(
-                c,
-                format!(
-                    "`{name}(…)` inside {} (`{}`) would hang: the other ranks wait for it \
-                     at a barrier, and the ranks that skip it never join. Move it out so \
-                     that every rank calls it",
-                    self.what, self.condition
-                ),
-            ));
+        let call = format!("`{}(…)`", quoted(&c.func));
+        match name.as_deref() {
+            Some(name @ ("main_process_first" | "local_main_process_first"))
+                if c.args.len() == 1 =>
+            {
+                self.collective(
+                    c,
+                    format!("`{name}(…)`"),
+                    "the other ranks wait for it at a barrier",
+                    "Move it out so that every rank calls it",
+                );
+            }
+            _ => {
+                let args: Vec<&Expr> = c.args.iter().collect();
+                self.hands_on(c, call, Some(&c.func), &args);
+            }
         }
     }
 
     fn visit_expr_method_call(&mut self, m: &'ast syn::ExprMethodCall) {
         visit::visit_expr_method_call(self, m);
-        if self.depth == 0 {
-            return;
-        }
         let method = m.method.to_string();
-        if let Some(why) = collective(&method, m.args.len()) {
-            let call = if m.args.is_empty() { "()" } else { "(…)" };
-            self.errors.push(syn::Error::new_spanned(
-                m,
-                format!(
-                    "`.{method}{call}` inside {} (`{}`) would hang: \
-                     {why}, and the ranks that skip it never join. Move it out \
-                     so that every rank calls it{}",
-                    self.what,
-                    self.condition,
-                    if method == "save" || method == "load" {
-                        "; for a type other than VarStore, call it as `Type::method(&value, path)`, which #[distributed] leaves alone"
-                    } else {
-                        ""
-                    }
-                ),
-            ));
+        let call = format!(
+            "`.{method}{}`",
+            if m.args.is_empty() { "()" } else { "(…)" }
+        );
+        // An optimizer's step: on the optimizers the analysis knows (an LR
+        // scheduler's or a counter's `step` is not a collective).
+        let step_of_other = method == "step"
+            && !receiver_ident(&m.receiver).is_some_and(|id| self.analysis.trainers.contains(id));
+        match collective(&method, m.args.len()) {
+            Some(why) if !step_of_other => {
+                let fix = if method == "save" || method == "load" {
+                    "Move it out so that every rank calls it; for a type other than VarStore, \
+                     call it as `Type::method(&value, path)`, which #[distributed] leaves alone"
+                } else {
+                    "Move it out so that every rank calls it"
+                };
+                self.collective(m, call, why, fix);
+            }
+            _ => {
+                let args: Vec<&Expr> = m.args.iter().collect();
+                self.hands_on(m, call, None, &args);
+            }
         }
     }
 
