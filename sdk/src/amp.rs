@@ -32,21 +32,67 @@ impl fmt::Display for MixedPrecision {
     }
 }
 
+/// What a run asks for (the attribute's `mixed_precision`,
+/// `TCH_DISTRIBUTED_MIXED_PRECISION`): one precision, or `Auto`, which each rank
+/// resolves on its device ([`MixedPrecision::auto`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MixedPrecisionMode {
+    /// This precision on every device.
+    Exactly(MixedPrecision),
+    /// bf16 or fp16 by the GPU's compute capability; none on the CPU.
+    Auto,
+}
+
+/// `no`, `bf16`, `fp16` or `auto`, as the attribute spells them.
+impl fmt::Display for MixedPrecisionMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MixedPrecisionMode::Exactly(p) => p.fmt(f),
+            MixedPrecisionMode::Auto => f.write_str("auto"),
+        }
+    }
+}
+
+impl std::str::FromStr for MixedPrecisionMode {
+    type Err = Error;
+
+    /// `"no"`, `"bf16"`, `"fp16"` or `"auto"`.
+    ///
+    /// Errors with [`Error::Config`] for any other value.
+    fn from_str(value: &str) -> Result<Self> {
+        Ok(match value {
+            "no" => MixedPrecisionMode::Exactly(MixedPrecision::No),
+            "bf16" => MixedPrecisionMode::Exactly(MixedPrecision::Bf16),
+            "fp16" => MixedPrecisionMode::Exactly(MixedPrecision::Fp16),
+            "auto" => MixedPrecisionMode::Auto,
+            other => {
+                return Err(Error::Config(format!(
+                    "mixed precision {other:?}: use \"no\", \"bf16\", \"fp16\" or \"auto\""
+                )))
+            }
+        })
+    }
+}
+
+impl MixedPrecisionMode {
+    /// The precision for `device`, and why, for the banner.
+    ///
+    /// Errors with [`Error::Torch`] when `Auto` cannot read the device's properties.
+    pub fn resolve(self, device: Device) -> Result<(MixedPrecision, String)> {
+        match self {
+            MixedPrecisionMode::Exactly(p) => Ok((p, "asked for".into())),
+            MixedPrecisionMode::Auto => MixedPrecision::auto(device),
+        }
+    }
+}
+
 impl MixedPrecision {
     /// `"no"`, `"bf16"`, `"fp16"` or `"auto"` ([`auto`](Self::auto)) for `device`;
     /// returns the choice and why, for the banner.
     ///
     /// Errors with [`Error::Config`] for any other value.
     pub fn parse(value: &str, device: Device) -> Result<(Self, String)> {
-        match value {
-            "no" => Ok((MixedPrecision::No, "asked for".into())),
-            "bf16" => Ok((MixedPrecision::Bf16, "asked for".into())),
-            "fp16" => Ok((MixedPrecision::Fp16, "asked for".into())),
-            "auto" => Self::auto(device),
-            other => Err(Error::Config(format!(
-                "mixed precision {other:?}: use \"no\", \"bf16\", \"fp16\" or \"auto\""
-            ))),
-        }
+        value.parse::<MixedPrecisionMode>()?.resolve(device)
     }
 
     /// What `"auto"` picks: bf16 on CUDA devices of compute capability 8.0 or more

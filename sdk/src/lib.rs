@@ -15,7 +15,7 @@
 //! `torchrun --nproc-per-node N --no-python PROGRAM`.
 
 #[doc(hidden)]
-#[path = "private.rs"]
+#[path = "runtime/mod.rs"]
 pub mod __private;
 mod amp;
 mod checkpoint;
@@ -38,7 +38,7 @@ pub mod record;
 mod rng;
 mod store;
 
-pub use amp::{autocast, Autocast, GradScaler, MixedPrecision};
+pub use amp::{autocast, Autocast, GradScaler, MixedPrecision, MixedPrecisionMode};
 pub use checkpoint::{
     load_var_store, preempted_exit_code, save_var_store, Checkpointer, Preemption, TrainState,
 };

@@ -423,6 +423,7 @@ fn without_a_launcher_the_environment_wins_over_the_attribute() {
         backend,
         ("TCH_DISTRIBUTED_NPROC", "2"),
         ("TCH_DISTRIBUTED_TIMEOUT", "3"),
+        ("TCH_DISTRIBUTED_MIXED_PRECISION", "no"),
         ("TCH_DISTRIBUTED_GRAD_ACCUM", "3"),
     ];
     let run = run_with(command(WORKER, &dir, &env), &dir, TIMEOUT, |_, _| {});
@@ -432,10 +433,21 @@ fn without_a_launcher_the_environment_wins_over_the_attribute() {
         &[
             "world size 2,",
             "timeout 3 s",
+            "mixed precision no (asked for)",
             "gradient accumulation 3 steps",
         ],
     );
     assert_eq!(steps, "synced 4 local 8");
+    // Every option that a variable can set, each said once when it replaces the
+    // attribute's value.
+    says(
+        &run,
+        "TCH_DISTRIBUTED_NPROC=2 overrides the attribute's nproc_per_node = 3 ",
+    );
+    says(
+        &run,
+        "TCH_DISTRIBUTED_MIXED_PRECISION=no overrides the attribute's mixed_precision = \"bf16\" ",
+    );
     says(
         &run,
         "TCH_DISTRIBUTED_TIMEOUT=3 overrides the attribute's timeout = 600 ",

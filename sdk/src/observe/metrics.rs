@@ -89,12 +89,12 @@ impl Tracker {
         if let Some((options, precision)) = crate::__private::attribute_settings() {
             config.insert("mixed_precision".into(), json!(precision.to_string()));
             let attribute = json!({
-                "backend": options.backend,
+                "backend": options.backend.map(|b| b.to_string()),
                 "nproc_per_node": options.nproc_per_node,
                 "bucket_cap_mb": options.bucket_cap_mb,
                 "find_unused_parameters": options.find_unused_parameters,
                 "timeout_secs": options.timeout_secs,
-                "mixed_precision": options.mixed_precision,
+                "mixed_precision": options.mixed_precision.map(|m| m.to_string()),
                 "grad_accum": options.grad_accum,
             });
             config.insert("attribute".into(), attribute);

@@ -1,0 +1,216 @@
+//! Type-directed dispatch for the rewrites that must leave other types alone
+//! ("autoref specialization"): which loops are sharded, which receivers of
+//! `save`/`load` are `VarStore`s, which `step()` is an optimizer's, whether the
+//! function's value is an `Err`.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use tch::nn::VarStore;
+
+use crate::data::Sharded;
+use crate::rng::AgreedSeed;
+
+use super::fail;
+use super::rewrites::SyncBeforeStep;
+
+/// Type-directed dispatch for the rewrites that must leave other types alone
+/// ("autoref specialization"): `(&Probe::new(x)).method()` resolves to the impl on
+/// `Probe<Known>` when `x: Known`, else to the fallback on `&Probe<T>`.
+pub struct Probe<T>(Cell<Option<T>>);
+
+impl<T> Probe<T> {
+    pub fn new(value: T) -> Self {
+        Probe(Cell::new(Some(value)))
+    }
+    fn take(&self) -> T {
+        self.0.take().expect("probe used once")
+    }
+}
+
+/// Loops over the data iterators tch users write: each rank gets its own batches.
+pub trait ShardKnown {
+    type Iter;
+    fn __tchd_iter(&self) -> Self::Iter;
+}
+/// Loops over anything else: untouched.
+pub trait ShardOther {
+    type Iter;
+    fn __tchd_iter(&self) -> Self::Iter;
+}
+
+/// The head of a `for` loop: its iterator expression is evaluated while this lives,
+/// under an [`AgreedSeed`] made from the loop (`site`, fixed by the macro), how many
+/// times it has started (`runs`, one counter per loop) and the seed libtorch was last
+/// seeded with, so a shuffle drawn there is the same on every rank. Dropped once the
+/// loop's iterator exists; a sharded loop then checks that every rank starts from the
+/// same batch.
+pub struct LoopHead {
+    site: u64,
+    run: u64,
+    _agreed: AgreedSeed,
+}
+
+/// Enters the head of loop `site`; see [`LoopHead`].
+pub fn loop_head(site: u64, runs: &AtomicU64) -> LoopHead {
+    let run = runs.fetch_add(1, Ordering::Relaxed);
+    // The seed libtorch was last seeded with (rank 0's, adopted at entry, or one the
+    // function set alike on every rank since): a program that seeds inside the
+    // function gets the same shuffles run after run. Drawing numbers leaves it alone.
+    let seeded = crate::rng::current_seed(-1)
+        .unwrap_or_else(|e| fail("reading the random generator's seed", e));
+    let agreed = AgreedSeed::seeded(crate::rng::mix(crate::rng::mix(site) ^ run ^ seeded))
+        .unwrap_or_else(|e| fail("agreeing on the loop's shuffle", e));
+    LoopHead {
+        site,
+        run,
+        _agreed: agreed,
+    }
+}
+
+impl LoopHead {
+    fn shard<I: Iterator>(self, iter: I) -> Sharded<I>
+    where
+        I::Item: crate::record::Samples,
+    {
+        Sharded::new(iter)
+            .with_progress(Some(self.run))
+            .recording(crate::record::Recording::start(self.site, self.run))
+            .check_same_start(<I::Item as crate::record::Samples>::samples)
+            .unwrap_or_else(|e| fail("starting a sharded loop", e))
+    }
+}
+
+impl ShardKnown for Probe<(LoopHead, tch::data::TextDataIter)> {
+    type Iter = Sharded<tch::data::TextDataIter>;
+    fn __tchd_iter(&self) -> Self::Iter {
+        let (head, iter) = self.take();
+        head.shard(iter)
+    }
+}
+impl ShardKnown for Probe<(LoopHead, tch::data::Iter2)> {
+    type Iter = Sharded<tch::data::Iter2>;
+    fn __tchd_iter(&self) -> Self::Iter {
+        let (head, iter) = self.take();
+        head.shard(iter)
+    }
+}
+impl<'a> ShardKnown for Probe<(LoopHead, &'a mut tch::data::Iter2)> {
+    type Iter = Sharded<&'a mut tch::data::Iter2>;
+    fn __tchd_iter(&self) -> Self::Iter {
+        let (head, iter) = self.take();
+        head.shard(iter)
+    }
+}
+impl<T> ShardOther for &Probe<(LoopHead, T)> {
+    type Iter = T;
+    fn __tchd_iter(&self) -> T {
+        self.take().1
+    }
+}
+
+/// How the function ended: whether it returned an `Err`, and the error as `main`
+/// prints it (`Debug`) when its type can say it.
+pub struct Ending {
+    pub(crate) failed: bool,
+    pub(crate) message: Option<String>,
+}
+
+/// Whether the function's return value is an `Err`, with its message. The macro
+/// calls `(&Probe::new(&out)).__tchd_failed()`; method lookup tries the receiver
+/// `&Probe<_>` (a `Result` whose error is `Debug`: failed, with the message), then
+/// `&&Probe<_>` (a `Result` with another error type: failed), then `&mut &Probe<_>`
+/// (anything else: not a failure). Where the error type is still to be inferred at
+/// the function's end (its last expression is `Ok(…)`), the first applies, so the
+/// error type must be `Debug`, as `main`'s must; a function whose error type is
+/// not `Debug` names it there (`Ok::<_, E>(…)`) and is reported without the message.
+pub trait ExitKnown {
+    fn __tchd_failed(self) -> Ending;
+}
+pub trait ExitOther {
+    fn __tchd_failed(self) -> Ending;
+}
+impl<T, E: std::fmt::Debug> ExitKnown for &Probe<&Result<T, E>> {
+    fn __tchd_failed(self) -> Ending {
+        let message = self.take().as_ref().err().map(|e| format!("{e:?}"));
+        Ending {
+            failed: message.is_some(),
+            message,
+        }
+    }
+}
+impl<T, E> ExitOther for &&Probe<&Result<T, E>> {
+    fn __tchd_failed(self) -> Ending {
+        Ending {
+            failed: self.take().is_err(),
+            message: None,
+        }
+    }
+}
+impl<T> ExitOther for &mut &Probe<T> {
+    fn __tchd_failed(self) -> Ending {
+        Ending {
+            failed: false,
+            message: None,
+        }
+    }
+}
+
+/// The `VarStore` behind `vs.save(…)`'s receiver, if it is one.
+pub trait VarStoreRefKnown<'a> {
+    fn __tchd_var_store(&self) -> Option<&'a VarStore>;
+}
+pub trait VarStoreRefOther<'a> {
+    fn __tchd_var_store(&self) -> Option<&'a VarStore>;
+}
+impl<'a> VarStoreRefKnown<'a> for Probe<&'a VarStore> {
+    fn __tchd_var_store(&self) -> Option<&'a VarStore> {
+        Some(self.take())
+    }
+}
+impl<'a, 'b: 'a> VarStoreRefKnown<'a> for Probe<&'a &'b VarStore> {
+    fn __tchd_var_store(&self) -> Option<&'a VarStore> {
+        Some(*self.take())
+    }
+}
+impl<'a, T> VarStoreRefOther<'a> for &Probe<T> {
+    fn __tchd_var_store(&self) -> Option<&'a VarStore> {
+        None
+    }
+}
+
+/// The `VarStore` behind `vs.load(…)`'s receiver, if it is one.
+pub trait VarStoreMutKnown<'a> {
+    fn __tchd_var_store_mut(&self) -> Option<&'a mut VarStore>;
+}
+pub trait VarStoreMutOther<'a> {
+    fn __tchd_var_store_mut(&self) -> Option<&'a mut VarStore>;
+}
+impl<'a> VarStoreMutKnown<'a> for Probe<&'a mut VarStore> {
+    fn __tchd_var_store_mut(&self) -> Option<&'a mut VarStore> {
+        Some(self.take())
+    }
+}
+impl<'a, T> VarStoreMutOther<'a> for &Probe<T> {
+    fn __tchd_var_store_mut(&self) -> Option<&'a mut VarStore> {
+        None
+    }
+}
+
+/// `opt.step()` in the function: averages the gradients first when `opt` is an
+/// optimizer that [`SyncBeforeStep`] knows, does nothing for anything else (an LR
+/// scheduler's `step`, a progress counter's).
+pub trait StepKnown {
+    fn __tchd_before_step(&self);
+}
+pub trait StepOther {
+    fn __tchd_before_step(&self);
+}
+impl<T: SyncBeforeStep + ?Sized> StepKnown for Probe<&T> {
+    fn __tchd_before_step(&self) {
+        self.take().sync_before_step()
+    }
+}
+impl<T> StepOther for &Probe<T> {
+    fn __tchd_before_step(&self) {}
+}
