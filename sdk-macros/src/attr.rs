@@ -9,12 +9,15 @@ const VALID: &str = "backend, nproc_per_node, bucket_cap_mb, find_unused_paramet
 /// The options of `#[distributed(…)]`, validated.
 #[derive(Default)]
 pub struct Options {
-    pub backend: Option<String>,
+    /// The variant of `Backend` (`Gloo`, `Nccl`), spanned at the user's literal.
+    pub backend: Option<syn::Ident>,
     pub nproc_per_node: Option<usize>,
     pub bucket_cap_mb: Option<f64>,
     pub find_unused_parameters: bool,
     pub timeout: Option<f64>,
-    pub mixed_precision: Option<String>,
+    /// `Auto`, or the variant of `MixedPrecision` (`No`, `Bf16`, `Fp16`), spanned at
+    /// the user's literal.
+    pub mixed_precision: Option<syn::Ident>,
     pub grad_accum: Option<usize>,
     pub krate: Option<syn::Path>,
 }
@@ -41,19 +44,20 @@ fn number(input: ParseStream, what: &str, example: &str) -> syn::Result<(f64, Sp
     }
 }
 
-/// A string option whose value must be one of `valid`.
+/// A string option whose value must be one of `valid`'s spellings: the variant it
+/// names, spanned at the literal.
 fn one_of(
     input: ParseStream,
     example: &str,
-    valid: &[&str],
+    valid: &[(&str, &str)],
     unknown: impl FnOnce(&str) -> String,
-) -> syn::Result<String> {
+) -> syn::Result<syn::Ident> {
     let lit: LitStr = expect(input, example)?;
     let value = lit.value();
-    if !valid.contains(&value.as_str()) {
-        return Err(syn::Error::new(lit.span(), unknown(&value)));
+    match valid.iter().find(|(spelling, _)| *spelling == value) {
+        Some((_, variant)) => Ok(syn::Ident::new(variant, lit.span())),
+        None => Err(syn::Error::new(lit.span(), unknown(&value))),
     }
-    Ok(value)
 }
 
 /// A count that must be at least 1.
@@ -102,7 +106,7 @@ impl Parse for Options {
                     options.backend = Some(one_of(
                         input,
                         "backend = \"gloo\" or backend = \"nccl\"",
-                        &["gloo", "nccl"],
+                        &[("gloo", "Gloo"), ("nccl", "Nccl")],
                         |value| format!("unknown backend {value:?}: use \"gloo\" or \"nccl\""),
                     )?);
                 }
@@ -138,7 +142,12 @@ impl Parse for Options {
                     options.mixed_precision = Some(one_of(
                         input,
                         "mixed_precision = \"bf16\"",
-                        &["no", "bf16", "fp16", "auto"],
+                        &[
+                            ("no", "No"),
+                            ("bf16", "Bf16"),
+                            ("fp16", "Fp16"),
+                            ("auto", "Auto"),
+                        ],
                         |value| {
                             format!("unknown mixed precision {value:?}: use \"no\", \"bf16\", \"fp16\" or \"auto\" (bf16 on GPUs of compute capability 8.0 or more, fp16 below)")
                         },

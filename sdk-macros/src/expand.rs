@@ -4,7 +4,7 @@ use proc_macro2::TokenStream;
 use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::visit_mut::{self, VisitMut};
-use syn::{parse_quote, Expr, ItemFn};
+use syn::{parse_quote, parse_quote_spanned, Expr, ItemFn};
 
 use crate::analysis::{calls, receiver_ident, Analysis};
 use crate::attr::Options;
@@ -128,46 +128,56 @@ impl VisitMut for Rewrite {
                 let span = call.span();
                 Some(syn::parse2(quote_spanned!(span=> #k::__private::device(#call))).unwrap())
             }
+            // Each rewritten call carries the span of the user's method name, as
+            // rustc points at it: a type error in the call (a loss by value, a
+            // learning rate that is no `f64`) is reported on the user's line.
             Expr::MethodCall(m) => {
                 let recv = &m.receiver;
                 let args: Vec<&Expr> = m.args.iter().collect();
                 let method = m.method.to_string();
+                let span = m.method.span();
+                let k = &respanned(k, span);
                 let on_optimizer =
                     receiver_ident(recv).is_some_and(|id| self.analysis.optimizers.contains(id));
                 match (method.as_str(), args.as_slice()) {
-                    // The original call is type-checked, never run, so that the
+                    // The arguments are checked once, against tch's own signature; the
+                    // original call is type-checked, never run, so that the
                     // `OptimizerConfig` import it needs stays used.
-                    ("build", [vs, lr]) => Some(parse_quote!({
-                        let _ = || #recv.build(#vs, #lr);
-                        #k::__private::build(&#recv, #vs, #lr)
+                    ("build", [vs, lr]) => Some(parse_quote_spanned!(span=> {
+                        let __tchd_vs: &#k::__private::VarStore = #vs;
+                        let __tchd_lr: f64 = #lr;
+                        let _ = || #recv.build(__tchd_vs, __tchd_lr);
+                        #k::__private::build(&#recv, __tchd_vs, __tchd_lr)
                     })),
                     (name, _) if on_optimizer && RESULT_METHODS.contains(&name) => {
-                        Some(parse_quote!(#k::__private::or_fail(#m, #name)))
+                        Some(parse_quote_spanned!(span=> #k::__private::or_fail(#m, #name)))
                     }
                     // `opt.step()` on an optimizer the function did not build (a
                     // field, an argument): the gradients are averaged first when its
                     // type is an optimizer's; anything else's `step` runs as written.
                     // Only on a place (`opt`, `self.opt`), which evaluating twice
                     // cannot change.
-                    ("step", []) if is_place(recv) => Some(parse_quote!({
+                    ("step", []) if is_place(recv) => Some(parse_quote_spanned!(span=> {
                         (&#k::__private::Probe::new(&#recv)).__tchd_before_step();
                         #m
                     })),
                     // By method syntax, so that the receiver is borrowed as the
                     // user's call borrows it (an owned optimizer, a `&mut` argument,
                     // a field); `Steps` decides by its type.
-                    ("backward_step", [loss]) => {
-                        Some(parse_quote!(#recv.__tchd_backward_step(#loss)))
-                    }
-                    ("backward_step_clip", [loss, max]) => {
-                        Some(parse_quote!(#recv.__tchd_backward_step_clip(#loss, #max)))
-                    }
-                    ("backward_step_clip_norm", [loss, max]) => {
-                        Some(parse_quote!(#recv.__tchd_backward_step_clip_norm(#loss, #max)))
-                    }
+                    ("backward_step", [loss]) => Some(parse_quote_spanned!(span=>
+                        #recv.__tchd_backward_step(#loss)
+                    )),
+                    ("backward_step_clip", [loss, max]) => Some(parse_quote_spanned!(span=>
+                        #recv.__tchd_backward_step_clip(#loss, #max)
+                    )),
+                    ("backward_step_clip_norm", [loss, max]) => Some(parse_quote_spanned!(span=>
+                        #recv.__tchd_backward_step_clip_norm(#loss, #max)
+                    )),
                     ("backward", []) => match self.analysis.optimizers.as_slice() {
                         [] => None,
-                        [opt] => Some(parse_quote!(#k::__private::backward(&mut #opt, &#recv))),
+                        [opt] => Some(parse_quote_spanned!(span=>
+                            #k::__private::backward(&mut #opt, &#recv)
+                        )),
                         several => {
                             let names: Vec<String> =
                                 several.iter().map(|i| format!("`{i}`")).collect();
@@ -187,7 +197,7 @@ impl VisitMut for Rewrite {
                     // The receiver is evaluated once, into a `ref` binding: a place
                     // (`vs`) is borrowed, not moved; a temporary (`make_model()`)
                     // lives to the end of the match.
-                    ("save", [path]) => Some(parse_quote!({
+                    ("save", [path]) => Some(parse_quote_spanned!(span=> {
                         match #recv {
                             ref __tchd_recv => match (&#k::__private::Probe::new(__tchd_recv)).__tchd_var_store() {
                                 ::std::option::Option::Some(__tchd_vs) => #k::__private::save(__tchd_vs, #path),
@@ -195,7 +205,7 @@ impl VisitMut for Rewrite {
                             },
                         }
                     })),
-                    ("load", [path]) => Some(parse_quote!({
+                    ("load", [path]) => Some(parse_quote_spanned!(span=> {
                         match #recv {
                             ref mut __tchd_recv => match (&#k::__private::Probe::new(&mut *__tchd_recv)).__tchd_var_store_mut() {
                                 ::std::option::Option::Some(__tchd_vs) => #k::__private::load(__tchd_vs, #path),
@@ -270,6 +280,26 @@ impl VisitMut for Rewrite {
     }
 }
 
+/// `tokens` with every span set to `span`: the crate's path in a rewritten call, so
+/// that the whole callee is the user's (rustc labels a call by its callee's span).
+fn respanned(tokens: &TokenStream, span: proc_macro2::Span) -> TokenStream {
+    tokens
+        .clone()
+        .into_iter()
+        .map(|mut tt| {
+            if let proc_macro2::TokenTree::Group(g) = &tt {
+                let mut group =
+                    proc_macro2::Group::new(g.delimiter(), respanned(&g.stream(), span));
+                group.set_span(span);
+                tt = proc_macro2::TokenTree::Group(group);
+            } else {
+                tt.set_span(span);
+            }
+            tt
+        })
+        .collect()
+}
+
 fn is_print(mac: &syn::Macro) -> bool {
     mac.path
         .get_ident()
@@ -302,10 +332,6 @@ pub fn expand(options: Options, analysis: Analysis, mut func: ItemFn) -> syn::Re
         Some(path) => quote!(#path),
         None => quote!(::tch_distributed),
     };
-    let backend = match &options.backend {
-        Some(b) => quote!(::std::option::Option::Some(#b)),
-        None => quote!(::std::option::Option::None),
-    };
     let opt = |o: Option<TokenStream>| match o {
         Some(t) => quote!(::std::option::Option::Some(#t)),
         None => quote!(::std::option::Option::None),
@@ -314,7 +340,18 @@ pub fn expand(options: Options, analysis: Analysis, mut func: ItemFn) -> syn::Re
     let bucket = opt(options.bucket_cap_mb.map(|n| quote!(#n)));
     let timeout = opt(options.timeout.map(|n| quote!(#n)));
     let find_unused = options.find_unused_parameters;
-    let precision = opt(options.mixed_precision.as_ref().map(|p| quote!(#p)));
+    // Typed values, spanned at the user's literals: nothing is parsed at run time.
+    let backend = opt(options
+        .backend
+        .as_ref()
+        .map(|b| quote!(#krate::__private::Backend::#b)));
+    let precision = opt(options.mixed_precision.as_ref().map(|p| {
+        if p == "Auto" {
+            quote!(#krate::__private::MixedPrecisionMode::#p)
+        } else {
+            quote!(#krate::__private::MixedPrecisionMode::Exactly(#krate::__private::MixedPrecision::#p))
+        }
+    }));
     let grad_accum = opt(options.grad_accum.map(|n| quote!(#n)));
 
     let mut rewrite = Rewrite {
@@ -328,10 +365,7 @@ pub fn expand(options: Options, analysis: Analysis, mut func: ItemFn) -> syn::Re
             .fold(0xcbf2_9ce4_8422_2325, |h, b| {
                 (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
             }),
-        autocast: options
-            .mixed_precision
-            .as_deref()
-            .is_some_and(|p| p != "no"),
+        autocast: options.mixed_precision.as_ref().is_some_and(|p| p != "No"),
         errors: Vec::new(),
     };
     rewrite.visit_block_mut(&mut func.block);

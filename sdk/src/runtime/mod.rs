@@ -20,6 +20,7 @@ mod rewrites;
 pub use crate::amp::{MixedPrecision, MixedPrecisionMode};
 pub use crate::error::Error;
 pub use crate::process_group::Backend;
+pub use tch::nn::VarStore;
 pub(crate) use entry::attribute_settings;
 pub use entry::{enter, Options, Session};
 pub use probes::*;
