@@ -3,7 +3,9 @@
 //! - optimizers the `#[distributed]` function did not build: a trainer struct's field
 //!   stepped with the training step spelled out (`src/bin/trainer.rs`), and a
 //!   `&mut nn::Optimizer` argument stepped with `backward_step_clip_norm`
-//!   (`src/bin/train_fn.rs`): their gradients must be averaged all the same;
+//!   (`src/bin/train_fn.rs`), and an `Option<nn::Optimizer>` field that a helper
+//!   fills, stepped through `self.opt.as_mut().unwrap()` (`src/bin/lazy_optimizer.rs`):
+//!   their gradients must be averaged all the same;
 //! - a batch loop behind `.enumerate()` (`src/bin/enumerate_loop.rs`): it must be
 //!   sharded under the adaptor;
 //! - a logging helper that all-reduces, called in `println!`'s arguments
@@ -107,6 +109,16 @@ fn an_optimizer_passed_by_mut_reference_is_averaged_over_2_ranks() {
         env!("CARGO_BIN_EXE_train_fn"),
         env!("CARGO_BIN_EXE_train_fn_plain"),
         11,
+    );
+}
+
+#[test]
+fn an_optimizer_from_a_helper_in_an_option_is_averaged_over_2_ranks() {
+    let _ = check(
+        "lazy-optimizer",
+        env!("CARGO_BIN_EXE_lazy_optimizer"),
+        env!("CARGO_BIN_EXE_lazy_optimizer_plain"),
+        13,
     );
 }
 

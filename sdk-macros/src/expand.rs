@@ -161,6 +161,17 @@ impl VisitMut for Rewrite {
                         (&#k::__private::Probe::new(&#recv)).__tchd_before_step();
                         #m
                     })),
+                    // Any other receiver (`self.opt.as_mut().unwrap()`, a helper's
+                    // value) is evaluated once, into a `ref mut` binding, as the
+                    // method call would borrow it.
+                    ("step", []) => Some(parse_quote_spanned!(span=> {
+                        match #recv {
+                            ref mut __tchd_recv => {
+                                (&#k::__private::Probe::new(&*__tchd_recv)).__tchd_before_step();
+                                __tchd_recv.step()
+                            }
+                        }
+                    })),
                     // By method syntax, so that the receiver is borrowed as the
                     // user's call borrows it (an owned optimizer, a `&mut` argument,
                     // a field); `Steps` decides by its type.

@@ -221,7 +221,7 @@ pub fn launch_with_env(
         && std::env::var_os("OMP_NUM_THREADS").is_none()
         && !extra_env.iter().any(|(k, _)| k == "OMP_NUM_THREADS");
     if set_omp {
-        eprintln!(
+        crate::eprintln_whole!(
             "{}: warning: setting OMP_NUM_THREADS=1 for each rank to avoid overloading \
              the system; set OMP_NUM_THREADS yourself to tune performance",
             config.launcher.label()
@@ -263,7 +263,7 @@ pub fn launch_with_env(
                     (_, 1) => "this node's rank".to_string(),
                     (_, n) => format!("this node's {n} ranks"),
                 };
-                eprintln!(
+                crate::eprintln_whole!(
                     "{}: restarting {ranks} (restart {} of {})",
                     config.launcher.label(),
                     number + 1,
@@ -272,7 +272,7 @@ pub fn launch_with_env(
             }
             Outcome::Failed => {
                 if config.max_restarts > 0 {
-                    eprintln!(
+                    crate::eprintln_whole!(
                         "{}: no restarts left ({}), giving up",
                         config.launcher.label(),
                         config.launcher.max_restarts(config.max_restarts)

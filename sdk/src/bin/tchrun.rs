@@ -82,7 +82,7 @@ fn main() -> ExitCode {
     let run = match resolve(&args.settings, args.config.clone()) {
         Ok(run) => run,
         Err(err) => {
-            eprintln!("tchrun: {err}");
+            tch_distributed::eprintln_whole!("tchrun: {err}");
             return ExitCode::from(2);
         }
     };
@@ -90,7 +90,9 @@ fn main() -> ExitCode {
     let stop_grace = match Duration::try_from_secs_f64(args.stop_grace_seconds) {
         Ok(grace) => grace,
         Err(_) => {
-            eprintln!("tchrun: --stop-grace-seconds must be a non-negative number of seconds");
+            tch_distributed::eprintln_whole!(
+                "tchrun: --stop-grace-seconds must be a non-negative number of seconds"
+            );
             return ExitCode::from(2);
         }
     };
@@ -111,7 +113,7 @@ fn main() -> ExitCode {
     match launch_with_env(&config, &program, rest, &run.rank_env()) {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
         Err(err) => {
-            eprintln!("tchrun: {err}");
+            tch_distributed::eprintln_whole!("tchrun: {err}");
             ExitCode::from(1)
         }
     }
@@ -218,7 +220,7 @@ fn resolve(settings: &Settings, config: Option<PathBuf>) -> tch_distributed::Res
     let file = match config.or_else(default_path) {
         Some(path) if named || path.exists() => {
             let file = RunConfig::load(&path)?;
-            eprintln!("tchrun: run configuration {}", path.display());
+            tch_distributed::eprintln_whole!("tchrun: run configuration {}", path.display());
             file
         }
         _ => RunConfig::default(),
@@ -230,7 +232,7 @@ fn resolve(settings: &Settings, config: Option<PathBuf>) -> tch_distributed::Res
 /// the file.
 fn write_config(args: ConfigArgs) -> ExitCode {
     let fail = |err: &dyn std::fmt::Display| {
-        eprintln!("tchrun config: {err}");
+        tch_distributed::eprintln_whole!("tchrun config: {err}");
         ExitCode::from(2)
     };
     let Some(path) = args.config.or_else(default_path) else {
@@ -244,7 +246,7 @@ fn write_config(args: ConfigArgs) -> ExitCode {
         let current = match path.exists().then(|| RunConfig::load(&path)) {
             Some(Ok(current)) => current,
             Some(Err(err)) => {
-                eprintln!("tchrun config: {err}; starting afresh");
+                tch_distributed::eprintln_whole!("tchrun config: {err}; starting afresh");
                 RunConfig::default()
             }
             None => RunConfig::default(),

@@ -121,7 +121,7 @@ impl Attempt<'_> {
 
         loop {
             if let Some(signo) = signals.pending().next() {
-                eprintln!(
+                crate::eprintln_whole!(
                     "{}: received {}, forwarding it to all ranks",
                     config.launcher.label(),
                     signal_name(signo)
@@ -136,7 +136,7 @@ impl Attempt<'_> {
                 };
                 if !status.success() {
                     failed.push((r.rank, r.local_rank, r.child.id()));
-                    eprintln!(
+                    crate::eprintln_whole!(
                         "{}: rank {} (local rank {}, pid {}) {}",
                         config.launcher.label(),
                         r.rank,
@@ -317,7 +317,7 @@ impl Ranks {
             }
             if Instant::now() >= deadline {
                 for r in self.0.iter().filter(|r| r.status.is_none()) {
-                    eprintln!(
+                    crate::eprintln_whole!(
                         "{}: rank {} (pid {}) did not exit within {:.1} s, sending SIGKILL",
                         config.launcher.label(),
                         r.rank,

@@ -20,11 +20,11 @@ mod rewrites;
 pub use crate::amp::{MixedPrecision, MixedPrecisionMode};
 pub use crate::error::Error;
 pub use crate::process_group::Backend;
-pub use tch::nn::VarStore;
 pub(crate) use entry::attribute_settings;
 pub use entry::{enter, Options, Session};
 pub use probes::*;
 pub use rewrites::*;
+pub use tch::nn::VarStore;
 
 /// Ends the program as `main` returning an error does: `Error: …` on stderr (the
 /// message names the problem and the fix) and exit code 1, without a panic's
