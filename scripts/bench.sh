@@ -4,6 +4,8 @@
 #   scripts/bench.sh [all] [suite flags]   every benchmark, Rust against PyTorch DDP: tables on stdout
 #   scripts/bench.sh loader [flags]        DataLoader samples/s, one rank
 #   scripts/bench.sh ddp|allreduce [flags] one side-by-side benchmark's Rust side, one process
+#   scripts/bench.sh optim [flags]         the optimizer step alone: tch's, the SDK's implementations
+#                                          (and torch.optim's with --python PYTHON)
 #
 # The suite's flags: --only mlp,cnn,transformer,linear200,allreduce --rounds N --scale X
 # --json FILE (see target/release/suite --help). Builds go to $CARGO_TARGET_DIR when set,

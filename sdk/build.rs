@@ -191,6 +191,7 @@ fn main() {
         .flag("-DGLOG_USE_GLOG_EXPORT")
         .flag("-DUSE_C10D_GLOO")
         .file("csrc/shim.cpp")
+        .file("csrc/optim.cpp")
         .file("csrc/nccl.cpp");
 
     let has_cuda = lib_dir.join("libtorch_cuda.so").exists();
@@ -218,7 +219,13 @@ fn main() {
     // dependents get the directory through the `links` metadata.
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib_dir.display());
     println!("cargo:libtorch_lib={}", lib_dir.display());
-    for f in ["shim.cpp", "shim.h", "internal.hpp", "nccl.cpp"] {
+    for f in [
+        "shim.cpp",
+        "optim.cpp",
+        "shim.h",
+        "internal.hpp",
+        "nccl.cpp",
+    ] {
         println!("cargo:rerun-if-changed=csrc/{f}");
     }
     println!("cargo:rerun-if-changed=csrc/gloo_stubs");

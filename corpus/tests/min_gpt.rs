@@ -140,7 +140,10 @@ fn min_gpt_alone_is_the_plain_program() {
     let (input, _, batches) = data(&dir);
     let input = input.to_str().unwrap().to_string();
     let checkpoints = |out: &str| Path::new(out).parent().unwrap().join("checkpoints");
-    assert_single_process_matches_plain(
+    // The default optimizer (fused AdamW) against tch's: the updates' rounding, carried
+    // through 160 steps of a transformer, which amplifies it (1.2e-3 measured; tch's
+    // arithmetic against torch.optim's foreach, which differ only by lerp, too).
+    assert_single_process_matches_plain_within(
         PROGRAM,
         PLAIN,
         |out| {
@@ -152,11 +155,13 @@ fn min_gpt_alone_is_the_plain_program() {
             ]
         },
         &dir,
+        5e-3,
     );
-    // The periodic checkpoints of both runs: the same files, the same tensors.
+    // The periodic checkpoints of both runs (with tch's arithmetic): the same files,
+    // the same tensors.
     let expected = expected_checkpoints(batches * EPOCHS);
     assert_eq!(expected.len(), 8);
-    let ours = dir.join("distributed/checkpoints");
+    let ours = dir.join("distributed-tch/checkpoints");
     let plain = dir.join("plain/checkpoints");
     assert_eq!(files(&ours), expected, "checkpoints with the attribute");
     assert_eq!(files(&plain), expected, "checkpoints without the attribute");

@@ -4,7 +4,7 @@ use proc_macro2::Span;
 use syn::parse::{Parse, ParseStream};
 use syn::{LitBool, LitFloat, LitInt, LitStr, Token};
 
-const VALID: &str = "backend, nproc_per_node, bucket_cap_mb, find_unused_parameters, timeout, mixed_precision, grad_accum, crate";
+const VALID: &str = "backend, nproc_per_node, bucket_cap_mb, find_unused_parameters, timeout, mixed_precision, grad_accum, optimizer, crate";
 
 /// The options of `#[distributed(…)]`, validated.
 #[derive(Default)]
@@ -19,6 +19,9 @@ pub struct Options {
     /// the user's literal.
     pub mixed_precision: Option<syn::Ident>,
     pub grad_accum: Option<usize>,
+    /// The variant of `Implementation` (`Fused`, `Foreach`, `Tch`), spanned at the
+    /// user's literal.
+    pub optimizer: Option<syn::Ident>,
     pub krate: Option<syn::Path>,
 }
 
@@ -158,6 +161,16 @@ impl Parse for Options {
                         input,
                         "grad_accum = 4",
                         "`grad_accum` is the number of micro-batches per optimizer step: at least 1",
+                    )?);
+                }
+                "optimizer" => {
+                    options.optimizer = Some(one_of(
+                        input,
+                        "optimizer = \"fused\"",
+                        &[("fused", "Fused"), ("foreach", "Foreach"), ("tch", "Tch")],
+                        |value| {
+                            format!("unknown optimizer implementation {value:?}: use \"fused\" (ATen's fused kernels, as torch.optim's fused=True), \"foreach\" (torch.optim's foreach=True) or \"tch\" (tch's own arithmetic, bit for bit)")
+                        },
                     )?);
                 }
                 "crate" => {

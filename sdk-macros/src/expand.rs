@@ -364,6 +364,10 @@ pub fn expand(options: Options, analysis: Analysis, mut func: ItemFn) -> syn::Re
         }
     }));
     let grad_accum = opt(options.grad_accum.map(|n| quote!(#n)));
+    let optimizer = opt(options
+        .optimizer
+        .as_ref()
+        .map(|i| quote!(#krate::__private::Implementation::#i)));
 
     let mut rewrite = Rewrite {
         krate: krate.clone(),
@@ -407,6 +411,7 @@ pub fn expand(options: Options, analysis: Analysis, mut func: ItemFn) -> syn::Re
             timeout_secs: #timeout,
             mixed_precision: #precision,
             grad_accum: #grad_accum,
+            optimizer: #optimizer,
         });
         let __tchd_out = #block;
         #finish

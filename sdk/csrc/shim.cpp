@@ -13,9 +13,6 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Logging.h>
-#include <torch/optim/optimizer.h>
-#include <torch/serialize/input-archive.h>
-#include <torch/serialize/output-archive.h>
 #include <sstream>
 #include <cstdlib>
 #include <cstring>
@@ -416,30 +413,6 @@ int tdc_randperm(int64_t n, uint64_t seed, tdc_tensor out) {
     // global generators are left untouched.
     auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
     tensor(out).copy_(at::randperm(n, gen, at::TensorOptions().dtype(at::kLong)));
-    return 0;
-  })
-}
-
-int tdc_optimizer_save(void* opt, uint8_t** data, size_t* len) {
-  TDC_PROTECT(1, {
-    torch::serialize::OutputArchive archive;
-    static_cast<torch::optim::Optimizer*>(opt)->save(archive);
-    std::ostringstream out;
-    archive.save_to(out);
-    const std::string bytes = out.str();
-    *len = bytes.size();
-    *data = static_cast<uint8_t*>(malloc(bytes.empty() ? 1 : bytes.size()));
-    if (!bytes.empty()) memcpy(*data, bytes.data(), bytes.size());
-    return 0;
-  })
-}
-
-int tdc_optimizer_load(void* opt, const uint8_t* data, size_t len) {
-  TDC_PROTECT(1, {
-    std::istringstream in(std::string(reinterpret_cast<const char*>(data), len));
-    torch::serialize::InputArchive archive;
-    archive.load_from(in);
-    static_cast<torch::optim::Optimizer*>(opt)->load(archive);
     return 0;
   })
 }

@@ -93,8 +93,32 @@ int tdc_randperm(int64_t n, uint64_t seed, tdc_tensor out);
 /* Checkpoints. `opt` is torch-sys's `C_optimizer*`, a `torch::optim::Optimizer*`.
  * The state is libtorch's own optimizer archive (`Optimizer::save`), returned in a
  * malloc'ed buffer that the caller frees. */
-int tdc_optimizer_save(void* opt, uint8_t** data, size_t* len);
-int tdc_optimizer_load(void* opt, const uint8_t* data, size_t len);
+// ---- optimizer updates (optim.cpp) ----
+// Each updates one group of parameters (same device, dtype, options and step count)
+// in place from their gradients; `mode`: 0 libtorch's C++ arithmetic (tch's), 1
+// torch.optim's foreach arithmetic, both in `_foreach_*` ops; 2 ATen's fused kernel. SGD: `bufs` NULL at the group's first step with
+// momentum, when the new buffers are handed out in `new_bufs` (owned by the caller).
+int tdc_sgd_step(
+    tdc_tensor* params, tdc_tensor* bufs, tdc_tensor* new_bufs, int n, double lr,
+    double momentum, double dampening, double weight_decay, int nesterov, int mode);
+// Adam, or AdamW when `decoupled`; `step` is the update's number (1 at the first);
+// `steps` are the fused kernels' float32 step counts, incremented first.
+int tdc_adam_step(
+    tdc_tensor* params, tdc_tensor* exp_avgs, tdc_tensor* exp_avg_sqs,
+    tdc_tensor* max_exp_avg_sqs, tdc_tensor* steps, int n, int64_t step, double lr,
+    double beta1, double beta2, double eps, double weight_decay, int amsgrad,
+    int decoupled, int mode);
+int tdc_rmsprop_step(
+    tdc_tensor* params, tdc_tensor* square_avgs, tdc_tensor* momentum_bufs,
+    tdc_tensor* grad_avgs, int n, double lr, double alpha, double eps,
+    double weight_decay, double momentum, int centered, int mode);
+// Sets the parameters' gradients to none, as `zero_grad(set_to_none=True)`.
+int tdc_zero_grad(tdc_tensor* params, int n);
+// The per-parameter state of a libtorch optimizer archive (what tch-distributed 0.1
+// wrote as optimizer.pt); see optim.cpp.
+int tdc_optimizer_archive_state(
+    int kind, tdc_tensor* params, const int64_t* groups, int n, const uint8_t* data,
+    size_t len, tdc_tensor* out, int64_t* steps);
 /* The default CPU generator's state as a new uint8 tensor in `*out` (a
  * `torch::Tensor*` the caller owns), and setting it back. */
 int tdc_rng_state(int cuda_index, tdc_tensor* out);

@@ -50,6 +50,10 @@ pub const MIXED_PRECISION_ENV: &str = "TCH_DISTRIBUTED_MIXED_PRECISION";
 /// `TCH_DISTRIBUTED_GRAD_ACCUM`: micro-batches per optimizer step; wins over the
 /// attribute's `grad_accum`.
 pub const GRAD_ACCUM_ENV: &str = "TCH_DISTRIBUTED_GRAD_ACCUM";
+/// `TCH_DISTRIBUTED_OPTIMIZER`: `fused`, `foreach` or `tch`, the kernels of the
+/// optimizers a `#[distributed]` function builds; wins over the attribute's
+/// `optimizer`.
+pub const OPTIMIZER_ENV: &str = "TCH_DISTRIBUTED_OPTIMIZER";
 /// `TCH_DISTRIBUTED_GPUS`: the GPU ids the ranks may use (`0,1`).
 pub const GPUS_ENV: &str = "TCH_DISTRIBUTED_GPUS";
 

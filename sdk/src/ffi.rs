@@ -120,8 +120,60 @@ extern "C" {
 
     pub fn tdc_randperm(n: i64, seed: u64, out: Tensor) -> c_int;
 
-    pub fn tdc_optimizer_save(opt: *mut c_void, data: *mut *mut u8, len: *mut usize) -> c_int;
-    pub fn tdc_optimizer_load(opt: *mut c_void, data: *const u8, len: usize) -> c_int;
+    pub fn tdc_sgd_step(
+        params: *const Tensor,
+        bufs: *const Tensor,
+        new_bufs: *mut Tensor,
+        n: c_int,
+        lr: f64,
+        momentum: f64,
+        dampening: f64,
+        weight_decay: f64,
+        nesterov: c_int,
+        mode: c_int,
+    ) -> c_int;
+    pub fn tdc_adam_step(
+        params: *const Tensor,
+        exp_avgs: *const Tensor,
+        exp_avg_sqs: *const Tensor,
+        max_exp_avg_sqs: *const Tensor,
+        steps: *const Tensor,
+        n: c_int,
+        step: i64,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        amsgrad: c_int,
+        decoupled: c_int,
+        mode: c_int,
+    ) -> c_int;
+    pub fn tdc_rmsprop_step(
+        params: *const Tensor,
+        square_avgs: *const Tensor,
+        momentum_bufs: *const Tensor,
+        grad_avgs: *const Tensor,
+        n: c_int,
+        lr: f64,
+        alpha: f64,
+        eps: f64,
+        weight_decay: f64,
+        momentum: f64,
+        centered: c_int,
+        mode: c_int,
+    ) -> c_int;
+    pub fn tdc_zero_grad(params: *const Tensor, n: c_int) -> c_int;
+    pub fn tdc_optimizer_archive_state(
+        kind: c_int,
+        params: *const Tensor,
+        groups: *const i64,
+        n: c_int,
+        data: *const u8,
+        len: usize,
+        out: *mut Tensor,
+        steps: *mut i64,
+    ) -> c_int;
     pub fn tdc_rng_state(cuda_index: c_int, out: *mut Tensor) -> c_int;
     pub fn tdc_set_rng_state(cuda_index: c_int, state: Tensor) -> c_int;
     pub fn tdc_rng_current_seed(cuda_index: c_int, out: *mut u64) -> c_int;

@@ -261,7 +261,11 @@ fn incomplete_and_corrupt_checkpoints_are_skipped_with_a_warning() {
     assert_eq!(run.stderr.matches(&resumed).count(), 1, "{}", run.stderr);
 
     // Nothing usable left: a clear error.
-    fs::write(ckpt.join("step-0000000004/optimizer.pt"), "garbage").unwrap();
+    fs::write(
+        ckpt.join("step-0000000004/optimizer.safetensors"),
+        "garbage",
+    )
+    .unwrap();
     let run = train(&dir, c, "5", "adam", None);
     assert!(!run.status.success());
     assert!(

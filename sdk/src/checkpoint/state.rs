@@ -21,7 +21,10 @@ use crate::rng::{generators, rng_state, set_rng_state};
 /// The manifest that marks a checkpoint complete: every file's size and FNV-1a hash.
 const COMPLETE: &str = "COMPLETE";
 const MODEL: &str = "model.safetensors";
-const OPTIMIZER: &str = "optimizer.pt";
+const OPTIMIZER: &str = "optimizer.safetensors";
+/// Where tch-distributed 0.1 kept the optimizer's state, in libtorch's optimizer
+/// archive: still read (converted on load), never written.
+const LIBTORCH_OPTIMIZER: &str = "optimizer.pt";
 const STATE: &str = "state.json";
 
 /// Where training stands, saved with the model and optimizer.
@@ -68,7 +71,7 @@ impl TrainState {
 /// | file | written by | contents |
 /// |---|---|---|
 /// | `model.safetensors` | rank 0 | parameters and buffers, named as `VarStore::save` names them (loads in 1 rank, N ranks, or PyTorch's `safetensors.torch.load_file`) |
-/// | `optimizer.pt` | rank 0 | the optimizer's state in libtorch's optimizer archive (moments, step counts, learning rates) |
+/// | `optimizer.safetensors` | rank 0 | the optimizer's state in `torch.optim`'s `state_dict` layout (moments, step counts, the groups' options: see [`Optimizer::state`]); loads into PyTorch. Checkpoints of tch-distributed 0.1, with libtorch's `optimizer.pt` instead, still load |
 /// | `state.json` | rank 0 | [`TrainState`]: step, epoch, samples consumed, world size, configuration |
 /// | `rank-R.safetensors` | rank R | that rank's random-generator states: `cpu`, and `cuda` when the model is on a GPU |
 /// | `COMPLETE` | rank 0, last | every file's size and hash |
@@ -121,11 +124,19 @@ fn all_ok(ok: bool) -> Result<bool> {
     Ok(init::all_reduce_scalar(ok as i64, ReduceOp::Min)? == 1)
 }
 
+/// A checkpoint's optimizer state, as read.
+enum OptimizerFile {
+    /// `optimizer.safetensors` ([`Optimizer::state`]).
+    State(Vec<u8>),
+    /// `optimizer.pt`, libtorch's archive, from tch-distributed 0.1.
+    LibtorchArchive(Vec<u8>),
+}
+
 /// A checkpoint read into memory and checked, not yet applied.
 struct Loaded {
     state: TrainState,
     model: Vec<(String, Tensor)>,
-    optimizer: Vec<u8>,
+    optimizer: OptimizerFile,
     /// The rank's generator states by name (`cpu`, `cuda`); empty when the world size
     /// changed.
     rng: Vec<(String, Tensor)>,
@@ -350,7 +361,13 @@ impl Checkpointer {
                 None => return Err(Error::Config(format!("{MODEL}: no variable `{name}`"))),
             }
         }
-        let optimizer = read(OPTIMIZER)?;
+        let optimizer = if manifest.contains_key(OPTIMIZER) {
+            OptimizerFile::State(read(OPTIMIZER)?)
+        } else if manifest.contains_key(LIBTORCH_OPTIMIZER) {
+            OptimizerFile::LibtorchArchive(read(LIBTORCH_OPTIMIZER)?)
+        } else {
+            return Err(Error::Config(format!("{OPTIMIZER} is not in the manifest")));
+        };
         // Per-rank random state applies only to the same rank in the same world size.
         let rng = if state.world_size == world_size {
             let name = rank_file(rank);
@@ -440,7 +457,10 @@ impl Checkpointer {
                 }
                 Ok(())
             })?;
-            opt.load_state(&loaded.optimizer)?;
+            match &loaded.optimizer {
+                OptimizerFile::State(bytes) => opt.load_state(bytes)?,
+                OptimizerFile::LibtorchArchive(bytes) => opt.load_libtorch_archive(bytes)?,
+            }
             for (name, index) in generators(vs.device()) {
                 if let Some((_, state)) = loaded.rng.iter().find(|(n, _)| n == name) {
                     set_rng_state(index, state)?;

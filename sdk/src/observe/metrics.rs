@@ -96,6 +96,7 @@ impl Tracker {
                 "timeout_secs": options.timeout_secs,
                 "mixed_precision": options.mixed_precision.map(|m| m.to_string()),
                 "grad_accum": options.grad_accum,
+                "optimizer": options.optimizer.map(|o| o.to_string()),
             });
             config.insert("attribute".into(), attribute);
         }

@@ -7,6 +7,7 @@ use crate::amp::{MixedPrecision, MixedPrecisionMode};
 use crate::ddp::DdpOptions;
 use crate::env::LaunchEnv;
 use crate::init::{self, Context, InitOptions};
+use crate::optim::Implementation;
 use crate::process_group::Backend;
 
 use super::fail;
@@ -23,6 +24,7 @@ pub struct Options {
     pub timeout_secs: Option<f64>,
     pub mixed_precision: Option<MixedPrecisionMode>,
     pub grad_accum: Option<usize>,
+    pub optimizer: Option<Implementation>,
 }
 
 thread_local! {
@@ -95,13 +97,14 @@ fn self_launch_ranks(options: &Options) -> usize {
 /// The attribute's options with the environment's settings over them, as
 /// `tchrun` passes on its flags, its own environment and the configuration file
 /// (see [`crate::config`]): `TCH_DISTRIBUTED_BACKEND`, `TCH_DISTRIBUTED_TIMEOUT`,
-/// `TCH_DISTRIBUTED_MIXED_PRECISION` and `TCH_DISTRIBUTED_GRAD_ACCUM` win over the
-/// attribute's `backend`, `timeout`, `mixed_precision` and `grad_accum`
+/// `TCH_DISTRIBUTED_MIXED_PRECISION`, `TCH_DISTRIBUTED_GRAD_ACCUM` and
+/// `TCH_DISTRIBUTED_OPTIMIZER` win over the attribute's `backend`, `timeout`,
+/// `mixed_precision`, `grad_accum` and `optimizer`
 /// (`TCH_DISTRIBUTED_NPROC` over `nproc_per_node`: [`self_launch_ranks`]). A variable
 /// set to the empty string counts as unset. Also returns one line for each value
 /// written in the attribute that a variable replaced, for rank 0 to print.
 fn with_environment(mut options: Options) -> (Options, Vec<String>) {
-    use crate::config::{BACKEND_ENV, GRAD_ACCUM_ENV, MIXED_PRECISION_ENV};
+    use crate::config::{BACKEND_ENV, GRAD_ACCUM_ENV, MIXED_PRECISION_ENV, OPTIMIZER_ENV};
     let var = |name: &str| {
         std::env::var(name)
             .ok()
@@ -159,6 +162,19 @@ fn with_environment(mut options: Options) -> (Options, Vec<String>) {
                 format!(
                     "{k:?} is not a number of micro-batches per optimizer step: set it to 1 or more, or unset it"
                 ),
+            ),
+        }
+    }
+    if let Some(o) = var(OPTIMIZER_ENV) {
+        match o.parse::<Implementation>() {
+            Ok(i) => {
+                if let Some(written) = options.optimizer.replace(i) {
+                    note(OPTIMIZER_ENV, &o, "optimizer", format!("\"{written}\""));
+                }
+            }
+            Err(_) => fail(
+                OPTIMIZER_ENV,
+                format!("{o:?} is not an optimizer implementation: use fused, foreach or tch, or unset it"),
             ),
         }
     }

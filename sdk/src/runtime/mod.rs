@@ -19,6 +19,7 @@ mod rewrites;
 
 pub use crate::amp::{MixedPrecision, MixedPrecisionMode};
 pub use crate::error::Error;
+pub use crate::optim::Implementation;
 pub use crate::process_group::Backend;
 pub(crate) use entry::attribute_settings;
 pub use entry::{enter, Options, Session};

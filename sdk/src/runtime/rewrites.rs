@@ -26,9 +26,10 @@ pub fn is_main_process() -> bool {
     init::current().map(|c| c.is_main_process()).unwrap_or(true)
 }
 
-/// `<config>.build(&vs, lr)`: the SDK's [`Optimizer`] (the same libtorch optimizer
-/// as tch's, with its state reachable for checkpoints) over `vs`, stepping through a
-/// DDP of `vs`, with the attribute's accumulation and, for fp16, a loss scaler.
+/// `<config>.build(&vs, lr)`: the SDK's [`Optimizer`] (tch's configuration, its state
+/// held as tensors for checkpoints, its update in the attribute's `optimizer`
+/// implementation) over `vs`, stepping through a DDP of `vs`, with the attribute's
+/// accumulation and, for fp16, a loss scaler.
 pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Optimizer, TchError> {
     let ctx = context();
     let options = entry::options();
@@ -52,6 +53,11 @@ pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Opti
         .map_err(|e| TchError::Torch(format!("tch-distributed: building the optimizer: {e}")))?
         .distributed(ddp)
         .accumulate(options.grad_accum.unwrap_or(1));
+    if let Some(implementation) = options.optimizer {
+        opt = opt
+            .with_implementation(implementation)
+            .unwrap_or_else(|e| fail("the attribute's optimizer", e));
+    }
     if entry::precision() == MixedPrecision::Fp16 {
         opt = opt.grad_scaler(GradScaler::new());
     }

@@ -1,10 +1,11 @@
 // Every public method of tch's `nn::Optimizer`, called with tch's signatures on the
-// optimizer that `.build` returns under the attribute (the SDK's), and on tch's own in
-// a function without it: one process gives bit-identical parameters.
+// optimizer that `.build` returns under the attribute (the SDK's, here with tch's own
+// arithmetic: `optimizer = "tch"`), and on tch's own in a function without it: one
+// process gives bit-identical parameters.
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
-#[tch_distributed::distributed]
+#[tch_distributed::distributed(optimizer = "tch")]
 fn distributed() -> anyhow::Result<Vec<Tensor>> {
     tch::manual_seed(7);
     let vs = nn::VarStore::new(Device::cuda_if_available());

@@ -1,0 +1,466 @@
+//! The update: what each algorithm keeps per parameter, and one call of ATen's
+//! multi-tensor (`_foreach_*`) or fused kernels per group of parameters that share a
+//! device, a dtype, their options and their step count (`csrc/optim.cpp`).
+
+use std::ffi::c_int;
+
+use tch::{Device, Kind, Tensor};
+
+use crate::error::{Error, Result};
+use crate::ffi;
+
+/// An optimizer's update rule and its options, as tch's configurations give them
+/// (`nn::Sgd`, `nn::Adam`, `nn::AdamW`, `nn::RmsProp`), with libtorch's C++ meaning.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Algorithm {
+    /// SGD with momentum (`momentum`, `dampening`), Nesterov momentum and L2 weight
+    /// decay, as `torch.optim.SGD`.
+    Sgd {
+        momentum: f64,
+        dampening: f64,
+        weight_decay: f64,
+        nesterov: bool,
+    },
+    /// Adam (`decoupled: false`, weight decay added to the gradient) or AdamW
+    /// (`decoupled: true`, the parameters decayed by `lr · weight_decay` first), with
+    /// AMSGrad, as `torch.optim.Adam` and `torch.optim.AdamW`.
+    Adam {
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        amsgrad: bool,
+        decoupled: bool,
+    },
+    /// RMSprop with momentum and the centered variant, as `torch.optim.RMSprop`.
+    RmsProp {
+        alpha: f64,
+        eps: f64,
+        weight_decay: f64,
+        momentum: f64,
+        centered: bool,
+    },
+}
+
+/// Which kernels and arithmetic run the update. Each runs one ATen kernel per
+/// operation, or one for the whole update (fused), over all the parameters of a group
+/// that share a device and dtype; none is a loop of per-parameter kernels. An optimizer
+/// starts with [`Implementation::preferred`]: fused where libtorch has a fused kernel
+/// (SGD, Adam, AdamW), else foreach (RMSprop).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Implementation {
+    /// ATen's fused kernels (`_fused_sgd_`, `_fused_adam_`, `_fused_adamw_`), as
+    /// `torch.optim.{SGD,Adam,AdamW}(fused=True)`, bit for bit: one kernel for the
+    /// whole update of a group. RMSprop has none.
+    Fused,
+    /// `torch.optim`'s `foreach=True` arithmetic (its `_multi_tensor_*` functions), bit
+    /// for bit: one `_foreach_*` kernel per operation.
+    Foreach,
+    /// libtorch's C++ `torch::optim` arithmetic, what tch's `nn::Optimizer` runs, in
+    /// `_foreach_*` kernels: a program's results are the plain tch program's to the bit
+    /// on the CPU. It differs from `foreach` only where Python takes a running average
+    /// with `lerp_` (Adam's and AdamW's first moment, centered RMSprop's gradient
+    /// average) and C++ with `mul_` then `add_`: equal in exact arithmetic, rounded
+    /// differently in float32.
+    Tch,
+}
+
+impl std::str::FromStr for Implementation {
+    type Err = Error;
+
+    /// `fused`, `foreach` or `tch`.
+    ///
+    /// Errors with [`Error::Config`] for any other value.
+    fn from_str(value: &str) -> Result<Self> {
+        match value {
+            "fused" => Ok(Implementation::Fused),
+            "foreach" => Ok(Implementation::Foreach),
+            "tch" => Ok(Implementation::Tch),
+            other => Err(Error::Config(format!(
+                "optimizer implementation {other:?}: use \"fused\", \"foreach\" or \"tch\""
+            ))),
+        }
+    }
+}
+
+/// `fused`, `foreach` or `tch`.
+impl std::fmt::Display for Implementation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Implementation::Fused => "fused",
+            Implementation::Foreach => "foreach",
+            Implementation::Tch => "tch",
+        })
+    }
+}
+
+impl Implementation {
+    /// Fused where libtorch has a fused kernel for `algorithm` (SGD, Adam, AdamW),
+    /// else foreach (RMSprop): the fastest update, and `torch.optim`'s own with the
+    /// same option.
+    pub fn preferred(algorithm: &Algorithm) -> Implementation {
+        match algorithm {
+            Algorithm::RmsProp { .. } => Implementation::Foreach,
+            _ => Implementation::Fused,
+        }
+    }
+
+    /// The shim's `mode`.
+    fn mode(self) -> c_int {
+        match self {
+            Implementation::Tch => 0,
+            Implementation::Foreach => 1,
+            Implementation::Fused => 2,
+        }
+    }
+}
+
+impl Algorithm {
+    /// The name of the `torch.optim` class: `SGD`, `Adam`, `AdamW`, `RMSprop`.
+    pub fn torch_name(&self) -> &'static str {
+        match self {
+            Algorithm::Sgd { .. } => "SGD",
+            Algorithm::Adam {
+                decoupled: false, ..
+            } => "Adam",
+            Algorithm::Adam {
+                decoupled: true, ..
+            } => "AdamW",
+            Algorithm::RmsProp { .. } => "RMSprop",
+        }
+    }
+
+    /// The per-parameter state tensors, named as `torch.optim`'s `state_dict` names
+    /// them, in the order [`ParamState::tensors`] holds them.
+    pub(crate) fn state_names(&self) -> &'static [&'static str] {
+        match self {
+            Algorithm::Sgd { .. } => &["momentum_buffer"],
+            Algorithm::Adam { .. } => &["exp_avg", "exp_avg_sq", "max_exp_avg_sq"],
+            Algorithm::RmsProp { .. } => &["square_avg", "momentum_buffer", "grad_avg"],
+        }
+    }
+
+    /// Whether `torch.optim` keeps a `step` tensor per parameter (not SGD).
+    pub(crate) fn has_step(&self) -> bool {
+        !matches!(self, Algorithm::Sgd { .. })
+    }
+
+    /// Checks the options as libtorch's C++ optimizers do, with their messages.
+    ///
+    /// Errors with [`Error::Torch`] naming the first invalid option.
+    pub(crate) fn check(&self, lr: f64) -> Result<()> {
+        let invalid =
+            |what: &str, value: f64| Err(Error::Torch(format!("Invalid {what}: {value}")));
+        if lr.is_nan() || lr < 0.0 {
+            return invalid("learning rate", lr);
+        }
+        match *self {
+            Algorithm::Sgd {
+                momentum,
+                dampening,
+                weight_decay,
+                nesterov,
+            } => {
+                if momentum < 0.0 {
+                    return invalid("momentum value", momentum);
+                }
+                if weight_decay < 0.0 {
+                    return invalid("weight_decay value", weight_decay);
+                }
+                if nesterov && (momentum <= 0.0 || dampening != 0.0) {
+                    return Err(Error::Torch(
+                        "Nesterov momentum requires a momentum and zero dampening".into(),
+                    ));
+                }
+            }
+            Algorithm::Adam {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                ..
+            } => {
+                if eps < 0.0 {
+                    return invalid("epsilon value", eps);
+                }
+                if !(0.0..1.0).contains(&beta1) {
+                    return invalid("beta parameter at index 0", beta1);
+                }
+                if !(0.0..1.0).contains(&beta2) {
+                    return invalid("beta parameter at index 1", beta2);
+                }
+                if weight_decay < 0.0 {
+                    return invalid("weight_decay value", weight_decay);
+                }
+            }
+            Algorithm::RmsProp {
+                alpha,
+                eps,
+                weight_decay,
+                momentum,
+                ..
+            } => {
+                for (what, value) in [
+                    ("epsilon value", eps),
+                    ("momentum value", momentum),
+                    ("weight_decay value", weight_decay),
+                    ("alpha value", alpha),
+                ] {
+                    if value < 0.0 {
+                        return invalid(what, value);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sets the momentum, as tch's `set_momentum`: SGD's and RMSprop's momentum,
+    /// Adam's first beta.
+    pub(crate) fn set_momentum(&mut self, value: f64) {
+        match self {
+            Algorithm::Sgd { momentum, .. } | Algorithm::RmsProp { momentum, .. } => {
+                *momentum = value
+            }
+            Algorithm::Adam { beta1, .. } => *beta1 = value,
+        }
+    }
+
+    /// Sets the weight decay.
+    pub(crate) fn set_weight_decay(&mut self, value: f64) {
+        match self {
+            Algorithm::Sgd { weight_decay, .. }
+            | Algorithm::Adam { weight_decay, .. }
+            | Algorithm::RmsProp { weight_decay, .. } => *weight_decay = value,
+        }
+    }
+}
+
+/// A parameter group's options: its learning rate and update rule.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Group {
+    pub lr: f64,
+    pub algorithm: Algorithm,
+}
+
+/// What the optimizer keeps for one parameter, created at its first update.
+pub(crate) struct ParamState {
+    /// Updates taken (`torch.optim`'s `step`).
+    pub step: u64,
+    /// The algorithm's tensors, by [`Algorithm::state_names`] (`None`: not kept,
+    /// e.g. `max_exp_avg_sq` without AMSGrad).
+    pub tensors: [Option<Tensor>; 3],
+    /// The fused kernels' copy of `step`, a float32 scalar on the parameter's device
+    /// (made at the first fused update; only those update it).
+    pub step_tensor: Option<Tensor>,
+}
+
+impl ParamState {
+    /// The bytes its tensors take.
+    pub fn bytes(&self) -> usize {
+        self.tensors
+            .iter()
+            .chain(std::iter::once(&self.step_tensor))
+            .flatten()
+            .map(|t| t.numel() * t.kind().elt_size_in_bytes())
+            .sum()
+    }
+}
+
+/// The state a parameter starts with: zeros for running averages (as libtorch's
+/// `zeros_like`); SGD's momentum buffer is the first gradient, made by the update.
+fn initial_state(algorithm: &Algorithm, p: &Tensor) -> ParamState {
+    let zeros = |keep: bool| keep.then(|| p.zeros_like());
+    let tensors = match *algorithm {
+        Algorithm::Sgd { .. } => [None, None, None],
+        Algorithm::Adam { amsgrad, .. } => [zeros(true), zeros(true), zeros(amsgrad)],
+        Algorithm::RmsProp {
+            momentum, centered, ..
+        } => [zeros(true), zeros(momentum > 0.0), zeros(centered)],
+    };
+    ParamState {
+        step: 0,
+        tensors,
+        step_tensor: None,
+    }
+}
+
+/// A group of parameters updated by one call: same options, device, dtype, step
+/// count, and for SGD whether their momentum buffers exist yet.
+#[derive(PartialEq)]
+struct Key {
+    group: usize,
+    device: Device,
+    kind: Kind,
+    step: u64,
+    first: bool,
+}
+
+/// One update of every parameter that has a gradient (`params[i]` in group
+/// `groups_of[i]`), creating state at a parameter's first update, with one shim call
+/// per [`Key`].
+///
+/// Errors with [`Error::Torch`] when a kernel refuses the tensors (e.g. a fused kernel
+/// on a dtype or device it does not serve).
+pub(crate) fn update(
+    params: &[Tensor],
+    groups_of: &[usize],
+    groups: &[Group],
+    state: &mut [Option<ParamState>],
+    implementation: Implementation,
+) -> Result<()> {
+    let fused = implementation == Implementation::Fused;
+    let mode = implementation.mode();
+    let mut batches: Vec<(Key, Vec<usize>)> = Vec::new();
+    for (i, p) in params.iter().enumerate() {
+        if !p.grad().defined() {
+            continue;
+        }
+        let group = groups_of[i];
+        let algorithm = &groups[group].algorithm;
+        let s = state[i].get_or_insert_with(|| initial_state(algorithm, p));
+        // Momentum set after RMSprop started without it: its buffers start now, at
+        // zero (libtorch's C++ RMSprop fails there, having made none).
+        if let Algorithm::RmsProp { momentum, .. } = *algorithm {
+            if momentum > 0.0 && s.tensors[1].is_none() {
+                s.tensors[1] = Some(p.zeros_like());
+            }
+        }
+        if fused && s.step_tensor.is_none() {
+            s.step_tensor = Some(Tensor::full([], s.step as f64, (Kind::Float, p.device())));
+        }
+        let key = Key {
+            group,
+            device: p.device(),
+            kind: p.kind(),
+            step: s.step,
+            first: matches!(algorithm, Algorithm::Sgd { momentum, .. } if *momentum != 0.0)
+                && s.tensors[0].is_none(),
+        };
+        match batches.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, members)) => members.push(i),
+            None => batches.push((key, vec![i])),
+        }
+    }
+    for (key, members) in batches {
+        let Group { lr, algorithm } = groups[key.group];
+        let n = members.len() as c_int;
+        let ptrs: Vec<ffi::Tensor> = members.iter().map(|&i| ffi::tensor(&params[i])).collect();
+        let slot = |k: usize, state: &[Option<ParamState>]| -> Vec<ffi::Tensor> {
+            members
+                .iter()
+                .map(|&i| {
+                    let s = state[i].as_ref().expect("state made above");
+                    s.tensors[k]
+                        .as_ref()
+                        .map_or(std::ptr::null_mut(), ffi::tensor)
+                })
+                .collect()
+        };
+        let status = match algorithm {
+            Algorithm::Sgd {
+                momentum,
+                dampening,
+                weight_decay,
+                nesterov,
+            } => {
+                let bufs = slot(0, state);
+                let mut made = vec![std::ptr::null_mut(); members.len()];
+                let status = unsafe {
+                    ffi::tdc_sgd_step(
+                        ptrs.as_ptr(),
+                        if key.first {
+                            std::ptr::null()
+                        } else {
+                            bufs.as_ptr()
+                        },
+                        made.as_mut_ptr(),
+                        n,
+                        lr,
+                        momentum,
+                        dampening,
+                        weight_decay,
+                        nesterov as c_int,
+                        mode,
+                    )
+                };
+                if status == 0 && key.first {
+                    for (&i, ptr) in members.iter().zip(made) {
+                        let s = state[i].as_mut().expect("state made above");
+                        s.tensors[0] =
+                            Some(unsafe { Tensor::from_ptr(ptr as *mut torch_sys::C_tensor) });
+                    }
+                }
+                status
+            }
+            Algorithm::Adam {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                amsgrad,
+                decoupled,
+            } => {
+                let steps: Vec<ffi::Tensor> = members
+                    .iter()
+                    .map(|&i| {
+                        let s = state[i].as_ref().expect("state made above");
+                        s.step_tensor
+                            .as_ref()
+                            .map_or(std::ptr::null_mut(), ffi::tensor)
+                    })
+                    .collect();
+                let (m, v, vmax) = (slot(0, state), slot(1, state), slot(2, state));
+                unsafe {
+                    ffi::tdc_adam_step(
+                        ptrs.as_ptr(),
+                        m.as_ptr(),
+                        v.as_ptr(),
+                        vmax.as_ptr(),
+                        steps.as_ptr(),
+                        n,
+                        key.step as i64 + 1,
+                        lr,
+                        beta1,
+                        beta2,
+                        eps,
+                        weight_decay,
+                        amsgrad as c_int,
+                        decoupled as c_int,
+                        mode,
+                    )
+                }
+            }
+            Algorithm::RmsProp {
+                alpha,
+                eps,
+                weight_decay,
+                momentum,
+                centered,
+            } => {
+                let (sq, buf, avg) = (slot(0, state), slot(1, state), slot(2, state));
+                unsafe {
+                    ffi::tdc_rmsprop_step(
+                        ptrs.as_ptr(),
+                        sq.as_ptr(),
+                        buf.as_ptr(),
+                        avg.as_ptr(),
+                        n,
+                        lr,
+                        alpha,
+                        eps,
+                        weight_decay,
+                        momentum,
+                        centered as c_int,
+                        mode,
+                    )
+                }
+            }
+        };
+        ffi::check_text(status).map_err(|t| Error::Torch(t.message()))?;
+        for &i in &members {
+            state[i].as_mut().expect("state made above").step += 1;
+        }
+    }
+    Ok(())
+}

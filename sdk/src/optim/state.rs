@@ -1,0 +1,398 @@
+//! The optimizer's state on disk, in `torch.optim`'s `state_dict` layout, as
+//! safetensors: `state.{j}.{name}` tensors and the `param_groups` as JSON in the
+//! file's metadata, `j` numbering the parameters group after group as `torch.optim`
+//! numbers them.
+
+use std::collections::HashMap;
+
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use serde_json::{json, Value};
+use tch::{Device, Tensor};
+
+use super::kernels::{Algorithm, Group, Implementation, ParamState};
+use super::Optimizer;
+use crate::error::{Error, Result};
+use crate::ffi;
+
+/// The metadata keys: `torch.optim`'s `param_groups`, and the class they belong to.
+const PARAM_GROUPS: &str = "param_groups";
+const OPTIMIZER: &str = "optimizer";
+
+/// `torch.optim`'s numbering of the optimizer's parameters: for each group, its
+/// parameters' places in the optimizer (the store's order).
+fn torch_order(opt: &Optimizer) -> Vec<Vec<usize>> {
+    let mut groups = vec![Vec::new(); opt.groups.len()];
+    for (i, &g) in opt.groups_of.iter().enumerate() {
+        groups[g].push(i);
+    }
+    groups
+}
+
+/// The optimizer's parameters' names in the `VarStore` (`l1.weight`), in its order.
+fn param_names(opt: &Optimizer) -> Vec<String> {
+    let v = opt.variables.lock().expect("variable store lock");
+    let by_data: HashMap<usize, &String> = v
+        .named_variables
+        .iter()
+        .map(|(name, t)| (t.data_ptr() as usize, name))
+        .collect();
+    opt.params
+        .iter()
+        .map(|p| {
+            by_data
+                .get(&(p.data_ptr() as usize))
+                .map_or_else(String::new, |n| n.to_string())
+        })
+        .collect()
+}
+
+/// One group's options as `torch.optim` writes them, with its parameters' numbers and
+/// names (`param_names`, as `torch.optim` keeps them when given named parameters).
+fn group_json(
+    group: &Group,
+    params: &[usize],
+    names: &[&str],
+    implementation: Implementation,
+) -> Value {
+    // tch's arithmetic is closest to torch.optim's foreach.
+    let fused = implementation == Implementation::Fused;
+    let (foreach, fused) = if fused {
+        (Value::Null, Value::Bool(true))
+    } else {
+        (Value::Bool(true), Value::Null)
+    };
+    let lr = group.lr;
+    match group.algorithm {
+        Algorithm::Sgd {
+            momentum,
+            dampening,
+            weight_decay,
+            nesterov,
+        } => json!({
+            "lr": lr, "momentum": momentum, "dampening": dampening,
+            "weight_decay": weight_decay, "nesterov": nesterov, "maximize": false,
+            "foreach": foreach, "differentiable": false, "fused": fused, "params": params,
+            "param_names": names,
+        }),
+        Algorithm::Adam {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            amsgrad,
+            decoupled,
+        } => json!({
+            "lr": lr, "betas": [beta1, beta2], "eps": eps, "weight_decay": weight_decay,
+            "amsgrad": amsgrad, "maximize": false, "foreach": foreach, "capturable": false,
+            "differentiable": false, "fused": fused, "decoupled_weight_decay": decoupled,
+            "params": params, "param_names": names,
+        }),
+        Algorithm::RmsProp {
+            alpha,
+            eps,
+            weight_decay,
+            momentum,
+            centered,
+        } => json!({
+            "lr": lr, "momentum": momentum, "alpha": alpha, "eps": eps, "centered": centered,
+            "weight_decay": weight_decay, "capturable": false, "foreach": foreach,
+            "maximize": false, "differentiable": false, "params": params,
+            "param_names": names,
+        }),
+    }
+}
+
+/// A group's options read back: `saved`'s values over `group`'s (same algorithm).
+fn group_from_json(group: &Group, saved: &Value) -> Result<Group> {
+    let number = |key: &str, current: f64| -> Result<f64> {
+        match saved.get(key) {
+            None => Ok(current),
+            Some(v) => v.as_f64().ok_or_else(|| {
+                Error::Config(format!("optimizer state: `{key}` is not a number: {v}"))
+            }),
+        }
+    };
+    let flag =
+        |key: &str, current: bool| saved.get(key).and_then(Value::as_bool).unwrap_or(current);
+    let algorithm = match group.algorithm {
+        Algorithm::Sgd {
+            momentum,
+            dampening,
+            weight_decay,
+            nesterov,
+        } => Algorithm::Sgd {
+            momentum: number("momentum", momentum)?,
+            dampening: number("dampening", dampening)?,
+            weight_decay: number("weight_decay", weight_decay)?,
+            nesterov: flag("nesterov", nesterov),
+        },
+        Algorithm::Adam {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            amsgrad,
+            decoupled,
+        } => {
+            let betas = saved.get("betas").and_then(Value::as_array);
+            let beta = |k: usize, current: f64| {
+                betas
+                    .and_then(|b| b.get(k))
+                    .and_then(Value::as_f64)
+                    .unwrap_or(current)
+            };
+            Algorithm::Adam {
+                beta1: beta(0, beta1),
+                beta2: beta(1, beta2),
+                eps: number("eps", eps)?,
+                weight_decay: number("weight_decay", weight_decay)?,
+                amsgrad: flag("amsgrad", amsgrad),
+                decoupled,
+            }
+        }
+        Algorithm::RmsProp {
+            alpha,
+            eps,
+            weight_decay,
+            momentum,
+            centered,
+        } => Algorithm::RmsProp {
+            alpha: number("alpha", alpha)?,
+            eps: number("eps", eps)?,
+            weight_decay: number("weight_decay", weight_decay)?,
+            momentum: number("momentum", momentum)?,
+            centered: flag("centered", centered),
+        },
+    };
+    Ok(Group {
+        lr: number("lr", group.lr)?,
+        algorithm,
+    })
+}
+
+/// A tensor's bytes on the CPU, for safetensors.
+struct Owned {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+impl Owned {
+    fn new(name: String, t: &Tensor) -> Result<Owned> {
+        let t = t.to_device(Device::Cpu).contiguous();
+        let dtype = Dtype::try_from(t.kind())?;
+        let numel = t.numel();
+        let mut data = vec![0u8; numel * t.kind().elt_size_in_bytes()];
+        t.f_copy_data_u8(&mut data, numel)?;
+        Ok(Owned {
+            name,
+            dtype,
+            shape: t.size().iter().map(|&d| d as usize).collect(),
+            data,
+        })
+    }
+}
+
+/// See [`Optimizer::state`].
+pub(super) fn to_safetensors(opt: &Optimizer) -> Result<Vec<u8>> {
+    let algorithm = opt.defaults.algorithm;
+    let names = algorithm.state_names();
+    let order = torch_order(opt);
+    let mut owned = Vec::new();
+    for (j, &i) in order.iter().flatten().enumerate() {
+        let Some(state) = &opt.state[i] else { continue };
+        for (name, t) in names.iter().zip(&state.tensors) {
+            if let Some(t) = t {
+                owned.push(Owned::new(format!("state.{j}.{name}"), t)?);
+            }
+        }
+        if algorithm.has_step() {
+            let step = Tensor::from(state.step as f32);
+            owned.push(Owned::new(format!("state.{j}.step"), &step)?);
+        }
+    }
+    let names = param_names(opt);
+    let mut next = 0;
+    let groups: Vec<Value> = opt
+        .groups
+        .iter()
+        .zip(&order)
+        .map(|(group, members)| {
+            let numbers: Vec<usize> = (next..next + members.len()).collect();
+            let member_names: Vec<&str> = members.iter().map(|&i| names[i].as_str()).collect();
+            next += members.len();
+            group_json(group, &numbers, &member_names, opt.implementation)
+        })
+        .collect();
+    let metadata = HashMap::from([
+        (PARAM_GROUPS.to_string(), Value::Array(groups).to_string()),
+        (OPTIMIZER.to_string(), algorithm.torch_name().to_string()),
+    ]);
+    if owned.is_empty() {
+        // safetensors 0.3 writes `{},"__metadata__":…}` for no tensors, which it then
+        // cannot read: the header alone, as the format lays it out (its length as a
+        // little-endian u64, then the JSON, padded with spaces to 8 bytes).
+        let mut header = json!({ "__metadata__": metadata }).to_string().into_bytes();
+        header.resize(header.len().next_multiple_of(8), b' ');
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(header);
+        return Ok(bytes);
+    }
+    let views = owned
+        .iter()
+        .map(|o| {
+            TensorView::new(o.dtype, o.shape.clone(), &o.data)
+                .map(|v| (o.name.as_str(), v))
+                .map_err(|e| Error::Config(format!("optimizer state `{}`: {e}", o.name)))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    safetensors::tensor::serialize(views, &Some(metadata))
+        .map_err(|e| Error::Config(format!("optimizer state: {e}")))
+}
+
+/// See [`Optimizer::load_state`].
+pub(super) fn from_safetensors(opt: &mut Optimizer, bytes: &[u8]) -> Result<()> {
+    let bad = |why: String| Error::Config(format!("optimizer state: {why}"));
+    let file = SafeTensors::deserialize(bytes).map_err(|e| bad(e.to_string()))?;
+    let (_, metadata) = SafeTensors::read_metadata(bytes).map_err(|e| bad(e.to_string()))?;
+    let metadata = metadata.metadata().clone().unwrap_or_default();
+    let ours = opt.defaults.algorithm.torch_name();
+    match metadata.get(OPTIMIZER) {
+        Some(theirs) if theirs == ours => {}
+        Some(theirs) => {
+            return Err(bad(format!(
+                "it is the state of {theirs}, and this optimizer is {ours}: build the \
+                 optimizer the checkpoint was saved with"
+            )))
+        }
+        None => {
+            return Err(bad(
+                "no `optimizer` in its metadata: not a state that Optimizer::state wrote".into(),
+            ))
+        }
+    }
+    let saved_groups: Vec<Value> = metadata
+        .get(PARAM_GROUPS)
+        .and_then(|g| serde_json::from_str(g).ok())
+        .ok_or_else(|| bad("no readable `param_groups` in its metadata".into()))?;
+    let order = torch_order(opt);
+    let counts: Vec<usize> = saved_groups
+        .iter()
+        .map(|g| {
+            g.get("params")
+                .and_then(Value::as_array)
+                .map_or(0, Vec::len)
+        })
+        .collect();
+    let ours_counts: Vec<usize> = order.iter().map(Vec::len).collect();
+    if counts != ours_counts {
+        return Err(bad(format!(
+            "its parameter groups hold {counts:?} parameters, this optimizer's \
+             {ours_counts:?}: load it into an optimizer over the same model"
+        )));
+    }
+    let groups = opt
+        .groups
+        .iter()
+        .zip(&saved_groups)
+        .map(|(g, saved)| group_from_json(g, saved))
+        .collect::<Result<Vec<_>>>()?;
+    let names = opt.defaults.algorithm.state_names();
+    let mut state: Vec<Option<ParamState>> = (0..opt.params.len()).map(|_| None).collect();
+    for (j, &i) in order.iter().flatten().enumerate() {
+        let p = &opt.params[i];
+        let mut found = false;
+        let mut tensors: [Option<Tensor>; 3] = [None, None, None];
+        for (k, name) in names.iter().enumerate() {
+            let key = format!("state.{j}.{name}");
+            let Ok(view) = file.tensor(&key) else {
+                continue;
+            };
+            let t = Tensor::try_from(view)?;
+            if t.size() != p.size() {
+                return Err(bad(format!(
+                    "`{key}` has shape {:?}, parameter {j} {:?}: load it into an \
+                     optimizer over the same model",
+                    t.size(),
+                    p.size()
+                )));
+            }
+            tensors[k] = Some(t.to_device(p.device()));
+            found = true;
+        }
+        let step = match file.tensor(&format!("state.{j}.step")) {
+            Ok(view) => {
+                found = true;
+                Tensor::try_from(view)?.double_value(&[]) as u64
+            }
+            Err(_) => 0,
+        };
+        if found {
+            state[i] = Some(ParamState {
+                step,
+                tensors,
+                step_tensor: None,
+            });
+        }
+    }
+    opt.groups = groups;
+    opt.state = state;
+    Ok(())
+}
+
+/// See [`Optimizer::load_libtorch_archive`].
+pub(super) fn from_libtorch_archive(opt: &mut Optimizer, bytes: &[u8]) -> Result<()> {
+    let kind = match opt.defaults.algorithm {
+        Algorithm::Sgd { .. } => 0,
+        Algorithm::Adam {
+            decoupled: false, ..
+        } => 1,
+        Algorithm::Adam {
+            decoupled: true, ..
+        } => 2,
+        Algorithm::RmsProp { .. } => 3,
+    };
+    let n = opt.params.len();
+    let ptrs = ffi::tensors(&opt.params);
+    let groups: Vec<i64> = opt.groups_of.iter().map(|&g| g as i64).collect();
+    let mut out = vec![std::ptr::null_mut(); n * 4];
+    let mut steps = vec![-1i64; n];
+    ffi::check_text(unsafe {
+        ffi::tdc_optimizer_archive_state(
+            kind,
+            ptrs.as_ptr(),
+            groups.as_ptr(),
+            n as i32,
+            bytes.as_ptr(),
+            bytes.len(),
+            out.as_mut_ptr(),
+            steps.as_mut_ptr(),
+        )
+    })
+    .map_err(|t| {
+        Error::Config(format!(
+            "optimizer.pt (libtorch's optimizer archive): {}",
+            t.message()
+        ))
+    })?;
+    let mut taken = out.into_iter().map(|p| {
+        (!p.is_null()).then(|| unsafe { Tensor::from_ptr(p as *mut torch_sys::C_tensor) })
+    });
+    opt.state = steps
+        .iter()
+        .map(|&step| {
+            let mut tensors: [Option<Tensor>; 3] = [None, None, None];
+            for t in tensors.iter_mut() {
+                *t = taken.next().flatten();
+            }
+            let _unused = taken.next();
+            (step >= 0).then_some(ParamState {
+                step: step as u64,
+                tensors,
+                step_tensor: None,
+            })
+        })
+        .collect();
+    Ok(())
+}

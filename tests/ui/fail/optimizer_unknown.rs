@@ -1,0 +1,4 @@
+#[tch_distributed::distributed(optimizer = "apex")]
+fn train() {}
+
+fn main() {}
