@@ -6,6 +6,7 @@
 #   scripts/bench.sh ddp|allreduce [flags] one side-by-side benchmark's Rust side, one process
 #   scripts/bench.sh optim [flags]         the optimizer step alone: tch's, the SDK's implementations
 #                                          (and torch.optim's with --python PYTHON)
+#   scripts/bench.sh zero                  ZeRO stage 1's memory: Adam on 52.5 M parameters, 1/2/4 ranks
 #
 # The suite's flags: --only mlp,cnn,transformer,linear200,allreduce --rounds N --scale X
 # --json FILE (see target/release/suite --help). Builds go to $CARGO_TARGET_DIR when set,
@@ -26,6 +27,11 @@ case "$bench" in
     cargo build --release --quiet -p tch-distributed-bench --bins
     PYTHON="${BENCH_PYTHON:-${VIRTUAL_ENV:+$VIRTUAL_ENV/bin/python}}"
     exec "$TARGET/release/suite" --python "${PYTHON:-python3}" --data "$DATA" "$@"
+    ;;
+  zero)
+    cargo build --release --quiet -p tch-distributed --bin tchrun
+    cargo build --release --quiet -p tch-distributed-bench --bin zero
+    exec "$TARGET/release/zero" "$@"
     ;;
   *)
     cargo build --release --quiet -p tch-distributed-bench --bin "$bench"

@@ -4,7 +4,7 @@ use proc_macro2::Span;
 use syn::parse::{Parse, ParseStream};
 use syn::{LitBool, LitFloat, LitInt, LitStr, Token};
 
-const VALID: &str = "backend, nproc_per_node, bucket_cap_mb, find_unused_parameters, timeout, mixed_precision, grad_accum, optimizer, crate";
+const VALID: &str = "backend, nproc_per_node, bucket_cap_mb, find_unused_parameters, timeout, mixed_precision, grad_accum, optimizer, zero, crate";
 
 /// The options of `#[distributed(…)]`, validated.
 #[derive(Default)]
@@ -22,6 +22,8 @@ pub struct Options {
     /// The variant of `Implementation` (`Fused`, `Foreach`, `Tch`), spanned at the
     /// user's literal.
     pub optimizer: Option<syn::Ident>,
+    /// The ZeRO stage (1).
+    pub zero: Option<u8>,
     pub krate: Option<syn::Path>,
 }
 
@@ -172,6 +174,17 @@ impl Parse for Options {
                             format!("unknown optimizer implementation {value:?}: use \"fused\" (ATen's fused kernels, as torch.optim's fused=True), \"foreach\" (torch.optim's foreach=True) or \"tch\" (tch's own arithmetic, bit for bit)")
                         },
                     )?);
+                }
+                "zero" => {
+                    let lit: LitInt = expect(input, "zero = 1")?;
+                    let stage: u8 = lit.base10_parse()?;
+                    if stage != 1 {
+                        return Err(syn::Error::new(
+                            lit.span(),
+                            format!("ZeRO stage {stage}: only stage 1 (optimizer-state sharding, as PyTorch's ZeroRedundancyOptimizer) is implemented; write `zero = 1`"),
+                        ));
+                    }
+                    options.zero = Some(stage);
                 }
                 "crate" => {
                     let lit: LitStr = expect(input, "crate = \"path::to::tch_distributed\"")?;

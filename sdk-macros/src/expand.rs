@@ -364,6 +364,7 @@ pub fn expand(options: Options, analysis: Analysis, mut func: ItemFn) -> syn::Re
         }
     }));
     let grad_accum = opt(options.grad_accum.map(|n| quote!(#n)));
+    let zero = opt(options.zero.map(|z| quote!(#z)));
     let optimizer = opt(options
         .optimizer
         .as_ref()
@@ -412,6 +413,7 @@ pub fn expand(options: Options, analysis: Analysis, mut func: ItemFn) -> syn::Re
             mixed_precision: #precision,
             grad_accum: #grad_accum,
             optimizer: #optimizer,
+            zero: #zero,
         });
         let __tchd_out = #block;
         #finish

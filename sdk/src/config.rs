@@ -54,6 +54,9 @@ pub const GRAD_ACCUM_ENV: &str = "TCH_DISTRIBUTED_GRAD_ACCUM";
 /// optimizers a `#[distributed]` function builds; wins over the attribute's
 /// `optimizer`.
 pub const OPTIMIZER_ENV: &str = "TCH_DISTRIBUTED_OPTIMIZER";
+/// `TCH_DISTRIBUTED_ZERO`: `1` shards the optimizers' state over the ranks (ZeRO stage
+/// 1), `0` turns it off; wins over the attribute's `zero`.
+pub const ZERO_ENV: &str = "TCH_DISTRIBUTED_ZERO";
 /// `TCH_DISTRIBUTED_GPUS`: the GPU ids the ranks may use (`0,1`).
 pub const GPUS_ENV: &str = "TCH_DISTRIBUTED_GPUS";
 

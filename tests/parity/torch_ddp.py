@@ -13,6 +13,10 @@ order, rank r taking batches r, r + 2, r + 4, r + 6 of each epoch (what #[distri
 gives each rank of tch's Iter2). After steps 1, 10 and 100 rank 0 writes the
 parameters to DIR/torch-{sgd,adam,adamw,rmsprop}-{step}.safetensors.
 
+With a second argument `zero`, each optimizer is wrapped in
+torch.distributed.optim.ZeroRedundancyOptimizer (ZeRO stage 1) and the files are
+DIR/torch-zero-{kind}-{step}.safetensors.
+
 The two ranks are forked from this process (one import of torch) and meet through a
 FileStore in DIR (no port to pick).
 """
@@ -27,6 +31,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 import safetensors
 from safetensors.torch import load_file
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 WORLD_SIZE = 2
@@ -56,21 +61,23 @@ def save_file(tensors, path):
     safetensors.serialize_file({n: entry(t) for n, t in tensors.items()}, path)
 
 
-def optimizer(kind, params):
+def optimizer(kind, params, zero):
     """The SDK's default implementations: fused where torch.optim has it, else
-    foreach."""
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9, fused=True)
-    if kind == "adam":
-        return torch.optim.Adam(params, lr=0.01, fused=True)
-    if kind == "adamw":
-        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01, fused=True)
-    return torch.optim.RMSprop(params, lr=0.01, foreach=True)
+    foreach; with `zero`, inside a ZeroRedundancyOptimizer."""
+    cls, kwargs = {
+        "sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, fused=True)),
+        "adam": (torch.optim.Adam, dict(lr=0.01, fused=True)),
+        "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.01, fused=True)),
+        "rmsprop": (torch.optim.RMSprop, dict(lr=0.01, foreach=True)),
+    }[kind]
+    if zero:
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
+    return cls(params, **kwargs)
 
 
-def run(rank, out):
+def run(rank, out, zero):
     torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(out, "torch-store"), WORLD_SIZE)
+    store = dist.FileStore(os.path.join(out, "torch-store-zero" if zero else "torch-store"), WORLD_SIZE)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE)
     data = load_file(os.path.join(out, "data.safetensors"))
     xs, ys = data["x"], data["y"]
@@ -79,7 +86,7 @@ def run(rank, out):
         model = Mlp()
         model.load_state_dict(load_file(os.path.join(out, "init.safetensors")))
         ddp = DistributedDataParallel(model)
-        opt = optimizer(kind, ddp.parameters())
+        opt = optimizer(kind, ddp.parameters(), zero)
         step = 0
         for _epoch in range(EPOCHS):
             for b in range(rank, batches, WORLD_SIZE):
@@ -90,11 +97,13 @@ def run(rank, out):
                 step += 1
                 if step in SAVED_STEPS and rank == 0:
                     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-                    save_file(params, os.path.join(out, f"torch-{kind}-{step}.safetensors"))
+                    prefix = "torch-zero" if zero else "torch"
+                    save_file(params, os.path.join(out, f"{prefix}-{kind}-{step}.safetensors"))
         assert step == 100, step
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    mp.start_processes(run, args=(sys.argv[1],), nprocs=WORLD_SIZE, start_method="fork")
+    zero = sys.argv[2:] == ["zero"]
+    mp.start_processes(run, args=(sys.argv[1], zero), nprocs=WORLD_SIZE, start_method="fork")

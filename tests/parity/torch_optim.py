@@ -75,15 +75,17 @@ def train(model, opt, data, first, last, save):
 
 
 # ANCHOR: state_dict
-def state_dict(path):
-    """The SDK's state file as torch.optim's state_dict: {"state": {j: {name:
-    tensor}}, "param_groups": [...]}, from `state.{j}.{name}` and the metadata."""
+def state_dict(paths):
+    """The SDK's state file (or, under ZeRO, the ranks' shards of it) as torch.optim's
+    state_dict: {"state": {j: {name: tensor}}, "param_groups": [...]}, from
+    `state.{j}.{name}` and the metadata."""
     state = {}
-    with safe_open(path, framework="pt") as f:
-        groups = json.loads(f.metadata()["param_groups"])
-        for key in f.keys():
-            _, j, name = key.split(".", 2)
-            state.setdefault(int(j), {})[name] = f.get_tensor(key)
+    for path in [paths] if isinstance(paths, str) else paths:
+        with safe_open(path, framework="pt") as f:
+            groups = json.loads(f.metadata()["param_groups"])
+            for key in f.keys():
+                _, j, name = key.split(".", 2)
+                state.setdefault(int(j), {})[name] = f.get_tensor(key)
     return {"state": state, "param_groups": groups}
 # ANCHOR_END: state_dict
 

@@ -25,6 +25,16 @@ const OPTIMIZER: &str = "optimizer.safetensors";
 /// Where tch-distributed 0.1 kept the optimizer's state, in libtorch's optimizer
 /// archive: still read (converted on load), never written.
 const LIBTORCH_OPTIMIZER: &str = "optimizer.pt";
+
+/// Under ZeRO, rank `rank`'s shard of the optimizer's state (the parameters it owns).
+fn optimizer_shard(rank: usize) -> String {
+    format!("optimizer-rank-{rank}.safetensors")
+}
+
+/// Whether a checkpoint's file `name` holds (a shard of) the optimizer's state.
+fn is_optimizer_state(name: &str) -> bool {
+    name == OPTIMIZER || (name.starts_with("optimizer-rank-") && name.ends_with(".safetensors"))
+}
 const STATE: &str = "state.json";
 
 /// Where training stands, saved with the model and optimizer.
@@ -72,6 +82,7 @@ impl TrainState {
 /// |---|---|---|
 /// | `model.safetensors` | rank 0 | parameters and buffers, named as `VarStore::save` names them (loads in 1 rank, N ranks, or PyTorch's `safetensors.torch.load_file`) |
 /// | `optimizer.safetensors` | rank 0 | the optimizer's state in `torch.optim`'s `state_dict` layout (moments, step counts, the groups' options: see [`Optimizer::state`]); loads into PyTorch. Checkpoints of tch-distributed 0.1, with libtorch's `optimizer.pt` instead, still load |
+/// | `optimizer-rank-R.safetensors` | rank R, with ZeRO ([`Optimizer::zero`]) instead of the above | the state of the parameters rank R owns, in the same layout and numbering: together the whole state; they load at any world size, with or without ZeRO |
 /// | `state.json` | rank 0 | [`TrainState`]: step, epoch, samples consumed, world size, configuration |
 /// | `rank-R.safetensors` | rank R | that rank's random-generator states: `cpu`, and `cuda` when the model is on a GPU |
 /// | `COMPLETE` | rank 0, last | every file's size and hash |
@@ -126,8 +137,9 @@ fn all_ok(ok: bool) -> Result<bool> {
 
 /// A checkpoint's optimizer state, as read.
 enum OptimizerFile {
-    /// `optimizer.safetensors` ([`Optimizer::state`]).
-    State(Vec<u8>),
+    /// `optimizer.safetensors`, or the ranks' shards under ZeRO
+    /// ([`Optimizer::state`]).
+    State(Vec<Vec<u8>>),
     /// `optimizer.pt`, libtorch's archive, from tch-distributed 0.1.
     LibtorchArchive(Vec<u8>),
 }
@@ -233,9 +245,14 @@ impl Checkpointer {
             Tensor::write_safetensors(&rng, &path)
                 .map_err(|e| Error::Torch(format!("writing {}: {e}", path.display())))?;
             sync_file(&path)?;
+            if opt.zero_stage().is_some() {
+                write_synced(&tmp.join(optimizer_shard(rank)), &opt.state()?)?;
+            }
             if rank == 0 {
                 save_synced(vs, &tmp.join(MODEL))?;
-                write_synced(&tmp.join(OPTIMIZER), &opt.state()?)?;
+                if opt.zero_stage().is_none() {
+                    write_synced(&tmp.join(OPTIMIZER), &opt.state()?)?;
+                }
                 let state = TrainState {
                     world_size,
                     grad_scaler: state
@@ -361,8 +378,9 @@ impl Checkpointer {
                 None => return Err(Error::Config(format!("{MODEL}: no variable `{name}`"))),
             }
         }
-        let optimizer = if manifest.contains_key(OPTIMIZER) {
-            OptimizerFile::State(read(OPTIMIZER)?)
+        let shards: Vec<&String> = manifest.keys().filter(|n| is_optimizer_state(n)).collect();
+        let optimizer = if !shards.is_empty() {
+            OptimizerFile::State(shards.into_iter().map(|n| read(n)).collect::<Result<_>>()?)
         } else if manifest.contains_key(LIBTORCH_OPTIMIZER) {
             OptimizerFile::LibtorchArchive(read(LIBTORCH_OPTIMIZER)?)
         } else {
@@ -458,7 +476,10 @@ impl Checkpointer {
                 Ok(())
             })?;
             match &loaded.optimizer {
-                OptimizerFile::State(bytes) => opt.load_state(bytes)?,
+                OptimizerFile::State(shards) => {
+                    let shards: Vec<&[u8]> = shards.iter().map(Vec::as_slice).collect();
+                    opt.load_state_shards(&shards)?
+                }
                 OptimizerFile::LibtorchArchive(bytes) => opt.load_libtorch_archive(bytes)?,
             }
             for (name, index) in generators(vs.device()) {

@@ -97,6 +97,7 @@ impl Tracker {
                 "mixed_precision": options.mixed_precision.map(|m| m.to_string()),
                 "grad_accum": options.grad_accum,
                 "optimizer": options.optimizer.map(|o| o.to_string()),
+                "zero": options.zero,
             });
             config.insert("attribute".into(), attribute);
         }

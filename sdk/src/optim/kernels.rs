@@ -297,8 +297,8 @@ struct Key {
 }
 
 /// One update of every parameter that has a gradient (`params[i]` in group
-/// `groups_of[i]`), creating state at a parameter's first update, with one shim call
-/// per [`Key`].
+/// `groups_of[i]`) and, with ZeRO, that this rank owns (`owned[i]`), creating state at
+/// a parameter's first update, with one shim call per [`Key`].
 ///
 /// Errors with [`Error::Torch`] when a kernel refuses the tensors (e.g. a fused kernel
 /// on a dtype or device it does not serve).
@@ -308,12 +308,14 @@ pub(crate) fn update(
     groups: &[Group],
     state: &mut [Option<ParamState>],
     implementation: Implementation,
+    owned: Option<&[bool]>,
 ) -> Result<()> {
     let fused = implementation == Implementation::Fused;
     let mode = implementation.mode();
     let mut batches: Vec<(Key, Vec<usize>)> = Vec::new();
     for (i, p) in params.iter().enumerate() {
-        if !p.grad().defined() {
+        // With ZeRO, another rank updates it.
+        if owned.is_some_and(|o| !o[i]) || !p.grad().defined() {
             continue;
         }
         let group = groups_of[i];

@@ -16,6 +16,7 @@ use crate::ffi;
 
 mod kernels;
 mod state;
+mod zero;
 
 pub use kernels::{Algorithm, Implementation};
 use kernels::{Group, ParamState};
@@ -130,6 +131,8 @@ pub struct Optimizer {
     groups_of: Vec<usize>,
     state: Vec<Option<ParamState>>,
     implementation: Implementation,
+    /// ZeRO stage 1: which rank owns each parameter ([`zero`](Self::zero)).
+    zero: Option<zero::Zero>,
     ddp: Option<DistributedDataParallel>,
     /// Micro-batches per optimizer step, and how many of the current cycle are done.
     accumulation_steps: usize,
@@ -165,6 +168,7 @@ impl Optimizer {
             groups_of: Vec::new(),
             state: Vec::new(),
             implementation: Implementation::preferred(&algorithm),
+            zero: None,
             ddp: None,
             accumulation_steps: 1,
             micro_step: 0,
@@ -196,6 +200,54 @@ impl Optimizer {
         }
         self.implementation = implementation;
         Ok(self)
+    }
+
+    /// ZeRO stage 1 (`stage` = 1), as PyTorch's `ZeroRedundancyOptimizer`: in a job of
+    /// several ranks, each rank keeps the state of, and updates, only its share of the
+    /// parameters (partitioned by size, largest first, each to the rank with the fewest
+    /// elements so far, as `ZeroRedundancyOptimizer` does), then every rank receives
+    /// the updated parameters from their owners (one `broadcast_coalesced` per rank).
+    /// DDP's gradient averaging is unchanged: every rank still has every gradient. The
+    /// state per rank is about 1/N of the whole ([`state_bytes`](Self::state_bytes));
+    /// the parameters are the same, bit for bit, as without it. In a world of one it
+    /// changes nothing. Checkpoints hold one shard per rank and load at any world size,
+    /// with or without ZeRO.
+    ///
+    /// Errors with [`Error::Config`] for another stage (2 and 3 shard the gradients and
+    /// the parameters too, which this SDK does not do).
+    pub fn zero(mut self, stage: u8) -> Result<Self> {
+        if stage != 1 {
+            return Err(Error::Config(format!(
+                "ZeRO stage {stage}: only stage 1 (optimizer-state sharding) is implemented; \
+                 use zero = 1"
+            )));
+        }
+        if let Some(ctx) = crate::init::current().filter(|c| c.world_size() > 1) {
+            self.zero = Some(zero::Zero::new(ctx));
+            self.repartition();
+        }
+        Ok(self)
+    }
+
+    /// The ZeRO stage, when the state is sharded over several ranks.
+    pub fn zero_stage(&self) -> Option<u8> {
+        self.zero.as_ref().map(|_| 1)
+    }
+
+    /// With ZeRO, partitions the parameters again (they changed) and drops the state
+    /// of those this rank does not own.
+    fn repartition(&mut self) {
+        let Some(zero) = &mut self.zero else { return };
+        let mut groups = vec![Vec::new(); self.groups.len()];
+        for (i, &g) in self.groups_of.iter().enumerate() {
+            groups[g].push(i);
+        }
+        zero.partition(&self.params, &groups);
+        for (state, owned) in self.state.iter_mut().zip(zero.owned()) {
+            if !owned {
+                *state = None;
+            }
+        }
     }
 
     /// Which kernels run the updates.
@@ -275,14 +327,21 @@ impl Optimizer {
     /// Variables created after the optimizer join it, as in tch: in the store's order,
     /// each in its group (new groups start from the defaults).
     fn add_missing_variables(&mut self) {
-        let v = self.variables.lock().expect("variable store lock");
-        for var in v.trainable_variables.iter().skip(self.params.len()) {
-            while self.groups.len() <= var.group {
-                self.groups.push(self.defaults);
+        let added = {
+            let v = self.variables.lock().expect("variable store lock");
+            let before = self.params.len();
+            for var in v.trainable_variables.iter().skip(before) {
+                while self.groups.len() <= var.group {
+                    self.groups.push(self.defaults);
+                }
+                self.params.push(var.tensor.shallow_clone());
+                self.groups_of.push(var.group);
+                self.state.push(None);
             }
-            self.params.push(var.tensor.shallow_clone());
-            self.groups_of.push(var.group);
-            self.state.push(None);
+            self.params.len() > before
+        };
+        if added {
+            self.repartition();
         }
     }
 
@@ -302,13 +361,19 @@ impl Optimizer {
     /// are left alone, as in tch).
     fn update(&mut self) -> Result<()> {
         self.add_missing_variables();
+        let owned = self.zero.as_ref().map(zero::Zero::owned);
         kernels::update(
             &self.params,
             &self.groups_of,
             &self.groups,
             &mut self.state,
             self.implementation,
-        )
+            owned.as_deref(),
+        )?;
+        match &self.zero {
+            Some(zero) => zero.share(&self.params),
+            None => Ok(()),
+        }
     }
 
     /// One optimizer step on the current gradients, once the last
@@ -571,8 +636,21 @@ impl Optimizer {
     /// another algorithm's (an SGD state into Adam), or when its parameters' count or
     /// shapes differ from this optimizer's, naming the first that differs.
     pub fn load_state(&mut self, bytes: &[u8]) -> Result<()> {
+        self.load_state_shards(&[bytes])
+    }
+
+    /// Restores a state saved in shards, as the ranks of a ZeRO run save it (each
+    /// rank's [`state`](Self::state) holds the parameters it owned, numbered as in the
+    /// whole): together they give every parameter's state. This optimizer keeps what
+    /// it holds: every parameter's state, or with [`zero`](Self::zero) its own share,
+    /// whatever the world size that saved them.
+    ///
+    /// Errors as [`load_state`](Self::load_state).
+    pub fn load_state_shards(&mut self, shards: &[&[u8]]) -> Result<()> {
         self.add_missing_variables();
-        state::from_safetensors(self, bytes)
+        state::from_safetensors(self, shards)?;
+        self.repartition();
+        Ok(())
     }
 
     /// Restores a state that tch-distributed 0.1 saved in libtorch's optimizer archive

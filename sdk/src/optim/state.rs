@@ -251,8 +251,26 @@ pub(super) fn to_safetensors(opt: &Optimizer) -> Result<Vec<u8>> {
         .map_err(|e| Error::Config(format!("optimizer state: {e}")))
 }
 
-/// See [`Optimizer::load_state`].
-pub(super) fn from_safetensors(opt: &mut Optimizer, bytes: &[u8]) -> Result<()> {
+/// See [`Optimizer::load_state_shards`]: the shards' groups must agree; the last
+/// shard's options win.
+pub(super) fn from_safetensors(opt: &mut Optimizer, shards: &[&[u8]]) -> Result<()> {
+    let mut state: Vec<Option<ParamState>> = (0..opt.params.len()).map(|_| None).collect();
+    let mut groups = opt.groups.clone();
+    for bytes in shards {
+        groups = read_shard(opt, bytes, &mut state)?;
+    }
+    opt.groups = groups;
+    opt.state = state;
+    Ok(())
+}
+
+/// Reads one shard's tensors into `state` (leaving what it does not hold); returns
+/// the groups' options it gives.
+fn read_shard(
+    opt: &Optimizer,
+    bytes: &[u8],
+    state: &mut [Option<ParamState>],
+) -> Result<Vec<Group>> {
     let bad = |why: String| Error::Config(format!("optimizer state: {why}"));
     let file = SafeTensors::deserialize(bytes).map_err(|e| bad(e.to_string()))?;
     let (_, metadata) = SafeTensors::read_metadata(bytes).map_err(|e| bad(e.to_string()))?;
@@ -299,7 +317,6 @@ pub(super) fn from_safetensors(opt: &mut Optimizer, bytes: &[u8]) -> Result<()> 
         .map(|(g, saved)| group_from_json(g, saved))
         .collect::<Result<Vec<_>>>()?;
     let names = opt.defaults.algorithm.state_names();
-    let mut state: Vec<Option<ParamState>> = (0..opt.params.len()).map(|_| None).collect();
     for (j, &i) in order.iter().flatten().enumerate() {
         let p = &opt.params[i];
         let mut found = false;
@@ -336,9 +353,7 @@ pub(super) fn from_safetensors(opt: &mut Optimizer, bytes: &[u8]) -> Result<()> 
             });
         }
     }
-    opt.groups = groups;
-    opt.state = state;
-    Ok(())
+    Ok(groups)
 }
 
 /// See [`Optimizer::load_libtorch_archive`].

@@ -25,6 +25,8 @@ pub struct Options {
     pub mixed_precision: Option<MixedPrecisionMode>,
     pub grad_accum: Option<usize>,
     pub optimizer: Option<Implementation>,
+    /// The ZeRO stage (1); `Some(0)` from the environment turns it off.
+    pub zero: Option<u8>,
 }
 
 thread_local! {
@@ -104,7 +106,9 @@ fn self_launch_ranks(options: &Options) -> usize {
 /// set to the empty string counts as unset. Also returns one line for each value
 /// written in the attribute that a variable replaced, for rank 0 to print.
 fn with_environment(mut options: Options) -> (Options, Vec<String>) {
-    use crate::config::{BACKEND_ENV, GRAD_ACCUM_ENV, MIXED_PRECISION_ENV, OPTIMIZER_ENV};
+    use crate::config::{
+        BACKEND_ENV, GRAD_ACCUM_ENV, MIXED_PRECISION_ENV, OPTIMIZER_ENV, ZERO_ENV,
+    };
     let var = |name: &str| {
         std::env::var(name)
             .ok()
@@ -175,6 +179,19 @@ fn with_environment(mut options: Options) -> (Options, Vec<String>) {
             Err(_) => fail(
                 OPTIMIZER_ENV,
                 format!("{o:?} is not an optimizer implementation: use fused, foreach or tch, or unset it"),
+            ),
+        }
+    }
+    if let Some(z) = var(ZERO_ENV) {
+        match z.parse::<u8>() {
+            Ok(stage @ (0 | 1)) => {
+                if let Some(written) = options.zero.replace(stage) {
+                    note(ZERO_ENV, &z, "zero", written.to_string());
+                }
+            }
+            _ => fail(
+                ZERO_ENV,
+                format!("{z:?} is not a ZeRO stage: use 1 (optimizer-state sharding) or 0 (off), or unset it"),
             ),
         }
     }
@@ -250,6 +267,12 @@ fn banner(ctx: &Context, options: &Options, precision: MixedPrecision, why: &str
             MixedPrecision::Fp16 => "fp16 with loss scaling",
         };
         line += &format!(", mixed precision {name} ({why})");
+    }
+    if options.zero == Some(1) && ctx.world_size() > 1 {
+        line += &format!(
+            ", ZeRO stage 1 (optimizer state sharded over {} ranks)",
+            ctx.world_size()
+        );
     }
     if let Some(k) = options.grad_accum.filter(|&k| k > 1) {
         let world = ctx.world_size();

@@ -53,6 +53,11 @@ pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Opti
         .map_err(|e| TchError::Torch(format!("tch-distributed: building the optimizer: {e}")))?
         .distributed(ddp)
         .accumulate(options.grad_accum.unwrap_or(1));
+    if options.zero == Some(1) {
+        opt = opt
+            .zero(1)
+            .unwrap_or_else(|e| fail("the attribute's zero", e));
+    }
     if let Some(implementation) = options.optimizer {
         opt = opt
             .with_implementation(implementation)

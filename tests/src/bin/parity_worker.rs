@@ -21,7 +21,7 @@ const EPOCHS: usize = 25;
 const SAVED_STEPS: [usize; 3] = [1, 10, 100];
 
 #[tch_distributed::distributed]
-fn train(dir: &str) -> anyhow::Result<()> {
+fn train(dir: &str, prefix: &str) -> anyhow::Result<()> {
     let device = Device::cuda_if_available();
     let data: std::collections::HashMap<String, Tensor> =
         Tensor::read_safetensors(format!("{dir}/data.safetensors"))?
@@ -54,7 +54,7 @@ fn train(dir: &str) -> anyhow::Result<()> {
                 opt.backward_step(&loss);
                 step += 1;
                 if SAVED_STEPS.contains(&step) {
-                    vs.save(format!("{dir}/rust-{kind}-{step}.safetensors"))?;
+                    vs.save(format!("{dir}/{prefix}-{kind}-{step}.safetensors"))?;
                 }
             }
         }
@@ -65,6 +65,9 @@ fn train(dir: &str) -> anyhow::Result<()> {
 
 fn main() -> anyhow::Result<()> {
     tch::set_num_threads(1);
-    let dir = std::env::args().nth(1).expect("usage: parity_worker DIR");
-    train(&dir)
+    let dir = std::env::args()
+        .nth(1)
+        .expect("usage: parity_worker DIR [PREFIX]");
+    let prefix = std::env::args().nth(2).unwrap_or_else(|| "rust".into());
+    train(&dir, &prefix)
 }

@@ -1,0 +1,189 @@
+//! ZeRO stage 1 (`zero = 1`, `TCH_DISTRIBUTED_ZERO=1`): the optimizer's state sharded
+//! over the ranks, as PyTorch's `ZeroRedundancyOptimizer`.
+//!
+//! `zero_worker` trains Adam with every rank on the same whole batch, so that the
+//! averaged gradient is the same bits at 1, 2 or 4 ranks (sums of 2 or 4 equal values
+//! and their halving or quartering are exact): the parameters must then be the same
+//! bits whatever the world size, with or without ZeRO, and across a checkpoint that
+//! changes both. The reference is one process without ZeRO (no collective at all).
+
+use std::path::Path;
+use std::time::Duration;
+
+use tch::{Device, Kind, Tensor};
+use tch_distributed_tests::compare::files as compare;
+use tch_distributed_tests::{run_with, scratch_dir, tchrun, without_launcher};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_zero_worker");
+const TIMEOUT: Duration = Duration::from_secs(120);
+
+fn write_fixture(dir: &Path) {
+    tch::manual_seed(20251126);
+    let cpu = (Kind::Float, Device::Cpu);
+    let x = Tensor::randn([32, 8], cpu);
+    let y = (x.narrow(1, 0, 4) * x.narrow(1, 4, 4)).sin();
+    let uniform = |shape: &[i64], fan_in: f64| {
+        let bound = 1.0 / fan_in.sqrt();
+        Tensor::rand(shape, cpu) * (2.0 * bound) - bound
+    };
+    let weights = [
+        ("l1.weight", uniform(&[32, 8], 8.0)),
+        ("l1.bias", uniform(&[32], 8.0)),
+        ("l2.weight", uniform(&[4, 32], 32.0)),
+        ("l2.bias", uniform(&[4], 32.0)),
+    ];
+    Tensor::write_safetensors(&[("x", &x), ("y", &y)], dir.join("data.safetensors")).unwrap();
+    Tensor::write_safetensors(&weights, dir.join("init.safetensors")).unwrap();
+}
+
+/// `zero_worker DIR OUT ARGS…` on `ranks` ranks (one process, no launcher, for 1),
+/// with `TCH_DISTRIBUTED_ZERO` set to `zero`.
+fn run(dir: &Path, ranks: usize, zero: bool, out: &str, args: &[&str]) {
+    let d = dir.to_str().unwrap();
+    let zero = if zero { "1" } else { "0" };
+    if ranks == 1 {
+        let mut cmd = std::process::Command::new(WORKER);
+        without_launcher(&mut cmd)
+            .args([d, out])
+            .args(args)
+            .env("TCH_DISTRIBUTED_ZERO", zero);
+        run_with(cmd, dir, TIMEOUT, |_, _| {}).assert_success();
+        return;
+    }
+    let mut cmd = std::process::Command::new(tchrun());
+    cmd.args(["--nproc-per-node", &ranks.to_string(), WORKER, d, out])
+        .args(args)
+        .env("TCH_DISTRIBUTED_ZERO", zero);
+    let run = run_with(cmd, dir, TIMEOUT, |_, _| {});
+    run.assert_success();
+    if ranks > 1 && zero == "1" {
+        assert!(
+            run.stdout.contains(&format!(
+                "ZeRO stage 1 (optimizer state sharded over {ranks} ranks)"
+            )),
+            "the banner says so: {}",
+            run.stdout
+        );
+    }
+}
+
+fn state_bytes(dir: &Path, out: &str, rank: usize) -> usize {
+    std::fs::read_to_string(dir.join(format!("{out}.state-bytes-{rank}")))
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn zero_gives_ddps_parameters_bit_for_bit_with_a_share_of_the_state_on_each_rank() {
+    let dir = scratch_dir("zero");
+    write_fixture(&dir);
+    run(&dir, 1, false, "alone.safetensors", &["10"]);
+    let whole = state_bytes(&dir, "alone.safetensors", 0);
+    // Adam (fused): two float32 tensors per parameter, and a step count per tensor.
+    assert_eq!(whole, 8 * (32 * 8 + 32 + 4 * 32 + 4) + 4 * 4);
+    let moved = compare(
+        &dir.join("init.safetensors"),
+        &dir.join("alone.safetensors"),
+    );
+    assert!(moved.max_abs > 1e-3, "trained: {moved:?}");
+    for ranks in [2, 4] {
+        for zero in [false, true] {
+            let out = format!("ranks{ranks}-zero{zero}.safetensors");
+            run(&dir, ranks, zero, &out, &["10"]);
+            let diff = compare(&dir.join("alone.safetensors"), &dir.join(&out));
+            assert!(diff.is_exact(), "{ranks} ranks, zero {zero}: {diff:?}");
+            let bytes: Vec<usize> = (0..ranks).map(|r| state_bytes(&dir, &out, r)).collect();
+            if zero {
+                // Every parameter's state on exactly one rank: the shares add up to
+                // the whole, and the parameters are spread by size (l1.weight, the
+                // largest, alone on rank 0).
+                assert_eq!(
+                    bytes.iter().sum::<usize>(),
+                    whole,
+                    "{ranks} ranks: {bytes:?}"
+                );
+                assert!(bytes.iter().all(|&b| b > 0), "{ranks} ranks: {bytes:?}");
+                assert_eq!(bytes[0], 8 * 32 * 8 + 4, "{ranks} ranks: {bytes:?}");
+            } else {
+                assert!(bytes.iter().all(|&b| b == whole), "{bytes:?}");
+            }
+        }
+    }
+}
+
+/// A checkpoint of a ZeRO run holds one shard of the optimizer's state per rank; it
+/// resumes on another number of ranks, with ZeRO or without, and in PyTorch (whose
+/// `torch.optim.Adam` loads the shards together), each time to the uninterrupted run's
+/// parameters, bit for bit.
+#[test]
+fn a_zero_checkpoint_resumes_on_other_world_sizes_with_or_without_zero_and_in_pytorch() {
+    let dir = scratch_dir("zero-resume");
+    write_fixture(&dir);
+    run(&dir, 1, false, "uninterrupted.safetensors", &["10"]);
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    // 4 ranks with ZeRO: 5 steps and a checkpoint, then 5 more.
+    run(&dir, 4, true, "zero4.safetensors", &["10", c, "5"]);
+    let step = ckpt.join("step-0000000005");
+    for r in 0..4 {
+        assert!(step
+            .join(format!("optimizer-rank-{r}.safetensors"))
+            .exists());
+    }
+    assert!(!step.join("optimizer.safetensors").exists());
+    let reference = dir.join("uninterrupted.safetensors");
+    let same = |out: &str, what: &str| {
+        let diff = compare(&reference, &dir.join(out));
+        assert!(diff.is_exact(), "{what}: {diff:?}");
+    };
+    same(
+        "zero4.safetensors",
+        "4 ranks with ZeRO, through the checkpoint",
+    );
+    // Step 10 is in the checkpoints too now; resume from step 5 alone.
+    for later in std::fs::read_dir(&ckpt).unwrap() {
+        let later = later.unwrap().path();
+        if later != step {
+            std::fs::remove_dir_all(later).unwrap();
+        }
+    }
+    let keep = dir.join("step-5");
+    copy_dir(&step, &keep);
+    for (ranks, zero, out) in [
+        (2, true, "resumed-2-zero.safetensors"),
+        (1, false, "resumed-1.safetensors"),
+        (2, false, "resumed-2.safetensors"),
+    ] {
+        std::fs::remove_dir_all(&ckpt).unwrap();
+        copy_dir(&keep, &step);
+        run(&dir, ranks, zero, out, &["10", c, "0"]);
+        same(out, &format!("resumed on {ranks} ranks, zero {zero}"));
+    }
+
+    let Some(python) =
+        tch_distributed_tests::python_or_skip("resuming a ZeRO checkpoint in PyTorch")
+    else {
+        return;
+    };
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("parity/torch_resume.py");
+    let mut cmd = std::process::Command::new(python);
+    cmd.arg(script)
+        .arg(&dir)
+        .arg(&keep)
+        .arg("5")
+        .arg("torch-resumed.safetensors");
+    run_with(cmd, &dir, TIMEOUT, |_, _| {}).assert_success();
+    same(
+        "torch-resumed.safetensors",
+        "resumed in PyTorch from the shards",
+    );
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+}

@@ -1,0 +1,4 @@
+#[tch_distributed::distributed(zero = 2)]
+fn train() {}
+
+fn main() {}
