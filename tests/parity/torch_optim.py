@@ -16,40 +16,19 @@ its metadata) go into a fresh model and optimizer of the case's class through
 load_state_dict; 50 more steps; DIR/torch-{name}-resumed-100.safetensors.
 """
 
-import ctypes
 import json
 import os
 import sys
 
-import safetensors
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from torch_ddp import Mlp, save_file
+
 STEPS = 100
 SAVED_STEPS = (1, 10, 100)
-
-
-class Mlp(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l1 = torch.nn.Linear(8, 32)
-        self.l2 = torch.nn.Linear(32, 4)
-
-    def forward(self, x):
-        return self.l2(torch.tanh(self.l1(x)))
-
-
-def save_file(tensors, path):
-    """safetensors.torch.save_file without numpy, which the venv does not have."""
-
-    def entry(t):
-        assert t.dtype == torch.float32 and t.is_contiguous()
-        data = ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
-        return {"dtype": "float32", "shape": list(t.shape), "data": data}
-
-    safetensors.serialize_file({n: entry(t) for n, t in tensors.items()}, path)
 
 
 def optimizer(case, model, names=None):

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.dirname(__file__))
-from torch_optim import Mlp, save_file, state_dict  # noqa: E402
+from torch_ddp import Mlp, save_file  # noqa: E402
+from torch_optim import state_dict  # noqa: E402
 
 
 def main(out, ckpt, steps, name):

@@ -984,3 +984,27 @@ mod tests {
         fs::remove_dir_all(&kept).unwrap();
     }
 }
+
+/// Writes the parity tests' MLP fixture: `DIR/data.safetensors` (`x`: `rows` × 8 from a
+/// normal distribution, `y`: `rows` × 4, `sin(x[:, :4] · x[:, 4:] + 0.5)`) and
+/// `DIR/init.safetensors` (l1: Linear(8, 32) and l2: Linear(32, 4), under the
+/// VarStore's names, drawn as PyTorch's `nn.Linear` draws them: uniform in
+/// ±1/√fan_in), from libtorch's generator seeded with `seed`.
+pub fn write_mlp_fixture(dir: &Path, seed: i64, rows: i64) {
+    tch::manual_seed(seed);
+    let cpu = (tch::Kind::Float, tch::Device::Cpu);
+    let x = tch::Tensor::randn([rows, 8], cpu);
+    let y = (x.narrow(1, 0, 4) * x.narrow(1, 4, 4) + 0.5).sin();
+    let uniform = |shape: &[i64], fan_in: f64| {
+        let bound = 1.0 / fan_in.sqrt();
+        tch::Tensor::rand(shape, cpu) * (2.0 * bound) - bound
+    };
+    let weights = [
+        ("l1.weight", uniform(&[32, 8], 8.0)),
+        ("l1.bias", uniform(&[32], 8.0)),
+        ("l2.weight", uniform(&[4, 32], 32.0)),
+        ("l2.bias", uniform(&[4], 32.0)),
+    ];
+    tch::Tensor::write_safetensors(&[("x", &x), ("y", &y)], dir.join("data.safetensors")).unwrap();
+    tch::Tensor::write_safetensors(&weights, dir.join("init.safetensors")).unwrap();
+}

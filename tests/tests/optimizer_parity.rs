@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use serde_json::json;
 use tch::nn::{self, Module};
-use tch::{Device, Kind, Reduction, Tensor};
+use tch::{Device, Reduction, Tensor};
 use tch_distributed::{Implementation, Optimizer, OptimizerKind};
 use tch_distributed_tests::compare::{files as compare, Difference};
 use tch_distributed_tests::scratch_dir;
@@ -149,27 +149,6 @@ fn cases() -> Vec<Case> {
 /// The learning rates of the two groups (l1, l2).
 const LRS: [f64; 2] = [0.02, 0.01];
 
-/// Writes `DIR/data.safetensors` (`x`: 64 × 8, `y`: 64 × 4) and `DIR/init.safetensors`
-/// (the MLP's weights, as `nn.Linear` draws them).
-fn write_fixture(dir: &Path) {
-    tch::manual_seed(20251125);
-    let cpu = (Kind::Float, Device::Cpu);
-    let x = Tensor::randn([64, 8], cpu);
-    let y = (x.narrow(1, 0, 4) * x.narrow(1, 4, 4) + 0.5).sin();
-    let uniform = |shape: &[i64], fan_in: f64| {
-        let bound = 1.0 / fan_in.sqrt();
-        Tensor::rand(shape, cpu) * (2.0 * bound) - bound
-    };
-    let weights = [
-        ("l1.weight", uniform(&[32, 8], 8.0)),
-        ("l1.bias", uniform(&[32], 8.0)),
-        ("l2.weight", uniform(&[4, 32], 32.0)),
-        ("l2.bias", uniform(&[4], 32.0)),
-    ];
-    Tensor::write_safetensors(&[("x", &x), ("y", &y)], dir.join("data.safetensors")).unwrap();
-    Tensor::write_safetensors(&weights, dir.join("init.safetensors")).unwrap();
-}
-
 /// The Rust run of `case`: 100 full-batch steps, the parameters written after steps 1,
 /// 10, 50 and 100, and the optimizer's state after step 50.
 fn train(case: &Case, dir: &Path) {
@@ -217,7 +196,7 @@ fn train(case: &Case, dir: &Path) {
 #[test]
 fn sgd_adam_adamw_and_rmsprop_match_torch_optim_foreach_and_fused() {
     let dir = scratch_dir("optimizer-parity");
-    write_fixture(&dir);
+    tch_distributed_tests::write_mlp_fixture(&dir, 20251125, 64);
     let cases = cases();
     for case in &cases {
         train(case, &dir);

@@ -35,29 +35,6 @@ use tch_distributed_tests::{run_tchrun, run_with, scratch_dir};
 const WORKER: &str = env!("CARGO_BIN_EXE_parity_worker");
 const BN_WORKER: &str = env!("CARGO_BIN_EXE_parity_bn_worker");
 
-/// Writes `DIR/data.safetensors` (`x`: 64 × 8, `y`: 64 × 4) and
-/// `DIR/init.safetensors` (the MLP's weights, under the VarStore's names, drawn as
-/// PyTorch's `nn.Linear` draws them: uniform in ±1/√fan_in).
-fn write_fixture(dir: &Path) {
-    tch::manual_seed(20240607);
-    let cpu = (Kind::Float, tch::Device::Cpu);
-    let x = Tensor::randn([64, 8], cpu);
-    let y = (x.narrow(1, 0, 4) * x.narrow(1, 4, 4) + 0.5).sin() + Tensor::randn([64, 4], cpu) * 0.1;
-    let uniform = |shape: &[i64], fan_in: f64| {
-        let bound = 1.0 / fan_in.sqrt();
-        Tensor::rand(shape, cpu) * (2.0 * bound) - bound
-    };
-    let weights = [
-        ("l1.weight", uniform(&[32, 8], 8.0)),
-        ("l1.bias", uniform(&[32], 8.0)),
-        ("l2.weight", uniform(&[4, 32], 32.0)),
-        ("l2.bias", uniform(&[4], 32.0)),
-    ];
-    Tensor::write_safetensors(&[("x", &x), ("y", &y)], dir.join("data.safetensors")).unwrap();
-    let weights: Vec<(&str, &Tensor)> = weights.iter().map(|(n, t)| (*n, t)).collect();
-    Tensor::write_safetensors(&weights, dir.join("init.safetensors")).unwrap();
-}
-
 /// Writes the BatchNorm case's `DIR/data.safetensors` (`x`: 80 × 1 × 8 × 8 images,
 /// `y`: 80 class indices in 0..4, the quadrant of largest sum) and `DIR/init.safetensors`
 /// (the convnet's weights, drawn as PyTorch's `nn.Conv2d`/`nn.Linear` draw them, its
@@ -102,7 +79,7 @@ fn write_bn_fixture(dir: &Path) {
 fn sgd_adam_adamw_and_rmsprop_match_pytorch_ddp_on_two_ranks() {
     let dir = scratch_dir("parity");
     let d = dir.to_str().unwrap();
-    write_fixture(&dir);
+    tch_distributed_tests::write_mlp_fixture(&dir, 20240607, 64);
 
     let run = run_tchrun(
         &dir,
@@ -180,7 +157,7 @@ fn sgd_adam_adamw_and_rmsprop_match_pytorch_ddp_on_two_ranks() {
 fn zero_stage_1_matches_ddp_and_pytorchs_zero_redundancy_optimizer() {
     let dir = scratch_dir("parity-zero");
     let d = dir.to_str().unwrap();
-    write_fixture(&dir);
+    tch_distributed_tests::write_mlp_fixture(&dir, 20240607, 64);
     for (zero, prefix) in [("0", "rust"), ("1", "rust-zero")] {
         let mut cmd = Command::new(tch_distributed_tests::tchrun());
         cmd.args(["--nproc-per-node", "2", WORKER, d, prefix])

@@ -10,31 +10,11 @@
 use std::path::Path;
 use std::time::Duration;
 
-use tch::{Device, Kind, Tensor};
 use tch_distributed_tests::compare::files as compare;
 use tch_distributed_tests::{run_with, scratch_dir, tchrun, without_launcher};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_zero_worker");
 const TIMEOUT: Duration = Duration::from_secs(120);
-
-fn write_fixture(dir: &Path) {
-    tch::manual_seed(20251126);
-    let cpu = (Kind::Float, Device::Cpu);
-    let x = Tensor::randn([32, 8], cpu);
-    let y = (x.narrow(1, 0, 4) * x.narrow(1, 4, 4)).sin();
-    let uniform = |shape: &[i64], fan_in: f64| {
-        let bound = 1.0 / fan_in.sqrt();
-        Tensor::rand(shape, cpu) * (2.0 * bound) - bound
-    };
-    let weights = [
-        ("l1.weight", uniform(&[32, 8], 8.0)),
-        ("l1.bias", uniform(&[32], 8.0)),
-        ("l2.weight", uniform(&[4, 32], 32.0)),
-        ("l2.bias", uniform(&[4], 32.0)),
-    ];
-    Tensor::write_safetensors(&[("x", &x), ("y", &y)], dir.join("data.safetensors")).unwrap();
-    Tensor::write_safetensors(&weights, dir.join("init.safetensors")).unwrap();
-}
 
 /// `zero_worker DIR OUT ARGS…` on `ranks` ranks (one process, no launcher, for 1),
 /// with `TCH_DISTRIBUTED_ZERO` set to `zero`.
@@ -77,7 +57,7 @@ fn state_bytes(dir: &Path, out: &str, rank: usize) -> usize {
 #[test]
 fn zero_gives_ddps_parameters_bit_for_bit_with_a_share_of_the_state_on_each_rank() {
     let dir = scratch_dir("zero");
-    write_fixture(&dir);
+    tch_distributed_tests::write_mlp_fixture(&dir, 20251126, 32);
     run(&dir, 1, false, "alone.safetensors", &["10"]);
     let whole = state_bytes(&dir, "alone.safetensors", 0);
     // Adam (fused): two float32 tensors per parameter, and a step count per tensor.
@@ -119,7 +99,7 @@ fn zero_gives_ddps_parameters_bit_for_bit_with_a_share_of_the_state_on_each_rank
 #[test]
 fn a_zero_checkpoint_resumes_on_other_world_sizes_with_or_without_zero_and_in_pytorch() {
     let dir = scratch_dir("zero-resume");
-    write_fixture(&dir);
+    tch_distributed_tests::write_mlp_fixture(&dir, 20251126, 32);
     run(&dir, 1, false, "uninterrupted.safetensors", &["10"]);
     let ckpt = dir.join("ckpt");
     let c = ckpt.to_str().unwrap();
