@@ -29,7 +29,7 @@ fi
 # it. tchrun, which those tests start, is built once unmutated: it only launches.
 declare -A FILE TESTS
 FILE[ddp]=sdk/src/ddp.rs;                  TESTS[ddp]="ddp accumulation parity macro_behaviour error_hints stalled_ranks entry_errors"
-FILE[optim]='sdk/src/optim/*.rs';         TESTS[optim]="ddp parity accumulation amp macro_behaviour optimizer_settings optimizer_parity optimizer_state grad_scaler loader_epochs"
+FILE[optim]='sdk/src/optim/*.rs';         TESTS[optim]="ddp parity accumulation amp macro_behaviour optimizer_settings optimizer_parity optimizer_state zero grad_scaler loader_epochs"
 FILE[amp]=sdk/src/amp.rs;                  TESTS[amp]="amp accumulation grad_scaler"
 FILE[sampler]=sdk/src/data/sampler.rs;     TESTS[sampler]="sampler data shuffles"
 FILE[loader]=sdk/src/data/loader.rs;       TESTS[loader]="data accumulation checkpoint loader_epochs"
