@@ -466,3 +466,49 @@ pub(crate) fn update(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn implementations_are_named_as_the_option_spells_them() {
+        for i in [
+            Implementation::Fused,
+            Implementation::Foreach,
+            Implementation::Tch,
+        ] {
+            assert_eq!(i.to_string().parse::<Implementation>().unwrap(), i);
+        }
+        assert_eq!(Implementation::Fused.to_string(), "fused");
+        assert!("apex".parse::<Implementation>().is_err());
+    }
+
+    #[test]
+    fn fused_where_libtorch_has_a_fused_kernel_else_foreach() {
+        let sgd = Algorithm::Sgd {
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+        };
+        let adam = Algorithm::Adam {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            amsgrad: false,
+            decoupled: true,
+        };
+        let rms = Algorithm::RmsProp {
+            alpha: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            momentum: 0.0,
+            centered: false,
+        };
+        assert_eq!(Implementation::preferred(&sgd), Implementation::Fused);
+        assert_eq!(Implementation::preferred(&adam), Implementation::Fused);
+        assert_eq!(Implementation::preferred(&rms), Implementation::Foreach);
+    }
+}
