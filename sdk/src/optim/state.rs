@@ -411,3 +411,52 @@ pub(super) fn from_libtorch_archive(opt: &mut Optimizer, bytes: &[u8]) -> Result
         .collect();
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::nn::{self, Module};
+    use tch::Kind;
+
+    /// The tensors' names of a state after one step, as `torch.optim`'s `state_dict`
+    /// names them: SGD keeps no `step`, Adam does.
+    #[test]
+    fn the_state_has_torch_optims_keys() {
+        let names = |config: &dyn crate::optim::OptimizerKind| -> Vec<String> {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let net = nn::linear(vs.root(), 2, 1, Default::default());
+            let mut opt = Optimizer::new(&config.algorithm(), &vs, 0.1).unwrap();
+            let x = Tensor::ones([3, 2], (Kind::Float, Device::Cpu));
+            opt.backward_step(&net.forward(&x).sum(Kind::Float))
+                .unwrap();
+            let bytes = opt.state().unwrap();
+            let mut names: Vec<String> = SafeTensors::deserialize(&bytes)
+                .unwrap()
+                .names()
+                .into_iter()
+                .cloned()
+                .collect();
+            names.sort();
+            names
+        };
+        let sgd = nn::Sgd {
+            momentum: 0.9,
+            ..Default::default()
+        };
+        assert_eq!(
+            names(&sgd),
+            ["state.0.momentum_buffer", "state.1.momentum_buffer"]
+        );
+        assert_eq!(
+            names(&nn::Adam::default()),
+            [
+                "state.0.exp_avg",
+                "state.0.exp_avg_sq",
+                "state.0.step",
+                "state.1.exp_avg",
+                "state.1.exp_avg_sq",
+                "state.1.step"
+            ]
+        );
+    }
+}
