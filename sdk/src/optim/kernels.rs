@@ -484,6 +484,97 @@ mod tests {
         assert!("apex".parse::<Implementation>().is_err());
     }
 
+    /// libtorch's bounds, boundaries included: 0 is a valid learning rate, epsilon,
+    /// beta, weight decay, momentum and alpha; below 0 (or a beta of 1) is not.
+    #[test]
+    fn options_are_checked_at_libtorchs_bounds() {
+        let sgd = |momentum, dampening, weight_decay, nesterov| Algorithm::Sgd {
+            momentum,
+            dampening,
+            weight_decay,
+            nesterov,
+        };
+        let adam = |beta1, beta2, eps, weight_decay| Algorithm::Adam {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            amsgrad: false,
+            decoupled: false,
+        };
+        let rms = |alpha, eps, weight_decay, momentum| Algorithm::RmsProp {
+            alpha,
+            eps,
+            weight_decay,
+            momentum,
+            centered: false,
+        };
+        let ok = |a: Algorithm, lr| assert!(a.check(lr).is_ok(), "{a:?} lr {lr}");
+        let err = |a: Algorithm, lr, says: &str| {
+            let e = a.check(lr).unwrap_err().to_string();
+            assert!(e.contains(says), "{a:?} lr {lr}: {e}");
+        };
+        ok(sgd(0.0, 0.0, 0.0, false), 0.0);
+        err(
+            sgd(0.0, 0.0, 0.0, false),
+            -1e-9,
+            "Invalid learning rate: -0.000000001",
+        );
+        err(sgd(0.0, 0.0, 0.0, false), f64::NAN, "Invalid learning rate");
+        err(
+            sgd(-0.1, 0.0, 0.0, false),
+            0.1,
+            "Invalid momentum value: -0.1",
+        );
+        err(
+            sgd(0.0, 0.0, -0.1, false),
+            0.1,
+            "Invalid weight_decay value: -0.1",
+        );
+        ok(sgd(0.9, 0.0, 0.0, true), 0.1);
+        err(sgd(0.0, 0.0, 0.0, true), 0.1, "Nesterov momentum requires");
+        err(sgd(0.9, 0.1, 0.0, true), 0.1, "Nesterov momentum requires");
+        ok(adam(0.0, 0.0, 0.0, 0.0), 0.0);
+        err(
+            adam(0.9, 0.999, -1.0, 0.0),
+            0.1,
+            "Invalid epsilon value: -1",
+        );
+        err(
+            adam(1.0, 0.999, 1e-8, 0.0),
+            0.1,
+            "Invalid beta parameter at index 0: 1",
+        );
+        err(
+            adam(-0.1, 0.999, 1e-8, 0.0),
+            0.1,
+            "Invalid beta parameter at index 0",
+        );
+        err(
+            adam(0.9, 1.0, 1e-8, 0.0),
+            0.1,
+            "Invalid beta parameter at index 1: 1",
+        );
+        err(
+            adam(0.9, 0.999, 1e-8, -0.1),
+            0.1,
+            "Invalid weight_decay value: -0.1",
+        );
+        ok(rms(0.0, 0.0, 0.0, 0.0), 0.0);
+        err(rms(-0.1, 1e-8, 0.0, 0.0), 0.1, "Invalid alpha value: -0.1");
+        err(rms(0.99, -1.0, 0.0, 0.0), 0.1, "Invalid epsilon value: -1");
+        err(
+            rms(0.99, 1e-8, -0.1, 0.0),
+            0.1,
+            "Invalid weight_decay value: -0.1",
+        );
+        err(
+            rms(0.99, 1e-8, 0.0, -0.1),
+            0.1,
+            "Invalid momentum value: -0.1",
+        );
+    }
+
     #[test]
     fn fused_where_libtorch_has_a_fused_kernel_else_foreach() {
         let sgd = Algorithm::Sgd {
