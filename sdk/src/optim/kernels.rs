@@ -268,15 +268,14 @@ impl ParamState {
 }
 
 /// The state a parameter starts with: zeros for running averages (as libtorch's
-/// `zeros_like`); SGD's momentum buffer is the first gradient, made by the update.
+/// `zeros_like`); SGD's momentum buffer is the first gradient, and RMSprop's starts at
+/// zero whenever its momentum is set (both made by [`update`]).
 fn initial_state(algorithm: &Algorithm, p: &Tensor) -> ParamState {
     let zeros = |keep: bool| keep.then(|| p.zeros_like());
     let tensors = match *algorithm {
         Algorithm::Sgd { .. } => [None, None, None],
         Algorithm::Adam { amsgrad, .. } => [zeros(true), zeros(true), zeros(amsgrad)],
-        Algorithm::RmsProp {
-            momentum, centered, ..
-        } => [zeros(true), zeros(momentum > 0.0), zeros(centered)],
+        Algorithm::RmsProp { centered, .. } => [zeros(true), None, zeros(centered)],
     };
     ParamState {
         step: 0,
@@ -321,8 +320,9 @@ pub(crate) fn update(
         let group = groups_of[i];
         let algorithm = &groups[group].algorithm;
         let s = state[i].get_or_insert_with(|| initial_state(algorithm, p));
-        // Momentum set after RMSprop started without it: its buffers start now, at
-        // zero (libtorch's C++ RMSprop fails there, having made none).
+        // RMSprop's momentum buffers start at zero at the first update with momentum:
+        // the first, or one after the momentum was set (where libtorch's C++ RMSprop
+        // fails, having made none).
         if let Algorithm::RmsProp { momentum, .. } = *algorithm {
             if momentum > 0.0 && s.tensors[1].is_none() {
                 s.tensors[1] = Some(p.zeros_like());

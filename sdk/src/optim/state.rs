@@ -448,6 +448,33 @@ mod tests {
             ["state.0.momentum_buffer", "state.1.momentum_buffer"]
         );
         assert_eq!(
+            names(&nn::RmsProp::default()),
+            [
+                "state.0.square_avg",
+                "state.0.step",
+                "state.1.square_avg",
+                "state.1.step"
+            ]
+        );
+        let rms = nn::RmsProp {
+            momentum: 0.9,
+            centered: true,
+            ..Default::default()
+        };
+        assert_eq!(
+            names(&rms),
+            [
+                "state.0.grad_avg",
+                "state.0.momentum_buffer",
+                "state.0.square_avg",
+                "state.0.step",
+                "state.1.grad_avg",
+                "state.1.momentum_buffer",
+                "state.1.square_avg",
+                "state.1.step"
+            ]
+        );
+        assert_eq!(
             names(&nn::Adam::default()),
             [
                 "state.0.exp_avg",
