@@ -31,7 +31,6 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 import safetensors
 from safetensors.torch import load_file
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 WORLD_SIZE = 2
@@ -71,6 +70,11 @@ def optimizer(kind, params, zero):
         "rmsprop": (torch.optim.RMSprop, dict(lr=0.01, foreach=True)),
     }[kind]
     if zero:
+        # Imported here, in the forked rank, never in the parent before the fork
+        # (torch.distributed.optim pulls in more of torch, and threads it starts do not
+        # survive a fork).
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
     return cls(params, **kwargs)
 
