@@ -146,10 +146,10 @@ pub struct RunConfig {
     /// This node's index in `0..nnodes`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub node_rank: Option<usize>,
-    /// Address of node 0, where rank 0 hosts the store.
+    /// Address of node 0, where its launcher hosts the store.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub master_addr: Option<String>,
-    /// Port of rank 0's store.
+    /// Port of node 0's store.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub master_port: Option<u16>,
     /// `gloo` or `nccl`.

@@ -60,8 +60,10 @@ pub fn init() -> Result<Context> {
 /// with the `env://` method.
 ///
 /// - Under `torchrun`/`tchrun` (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, …):
-///   rank 0 hosts a `TCPStore` on `MASTER_ADDR:MASTER_PORT` and the others connect;
-///   under torchrun's agent store every rank connects as a client.
+///   under the launcher's agent store (`TORCHELASTIC_USE_AGENT_STORE=True`, which
+///   both set) every rank connects to its `TCPStore` as a client; without it (SLURM,
+///   MPI, ranks started by hand), rank 0 hosts a `TCPStore` on
+///   `MASTER_ADDR:MASTER_PORT` and the others connect.
 /// - With no launcher variables: a world of one process over an in-process store, with
 ///   no network.
 ///
@@ -375,7 +377,8 @@ impl Context {
                 false,
                 timeout,
             )
-            .map_err(place)?;
+            .map_err(place)?
+            .served_by_launcher();
             (
                 client.with_prefix(prefix)?,
                 Some((env.master_addr.clone(), env.master_port)),

@@ -12,7 +12,6 @@
 //! launcher reports.
 
 use std::ffi::{OsStr, OsString};
-use std::net::TcpListener;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use signal_hook::consts::{SIGINT, SIGTERM};
@@ -142,22 +141,6 @@ impl LaunchConfig {
     pub fn world_size(&self) -> usize {
         self.nnodes * self.nproc_per_node
     }
-}
-
-/// Picks a free TCP port on `addr` (a host name or IP address) by binding
-/// port 0 and reading the port the OS chose; the listener is closed before
-/// returning, so another process could in principle take the port first
-/// (torchrun has the same race).
-///
-/// # Errors
-/// [`Error::Io`] when `addr` does not resolve or nothing can be bound on it.
-pub fn free_port(addr: &str) -> Result<u16> {
-    let io_err = |source| Error::Io {
-        context: format!("cannot bind {addr}:0 to pick a free master port"),
-        source,
-    };
-    let listener = TcpListener::bind((addr, 0)).map_err(io_err)?;
-    Ok(listener.local_addr().map_err(io_err)?.port())
 }
 
 /// Starts the ranks of `program args` and supervises them until all exit,
@@ -330,10 +313,5 @@ mod tests {
             ..ok
         };
         assert!(multi.validate().is_ok());
-    }
-
-    #[test]
-    fn free_port_is_nonzero() {
-        assert_ne!(free_port("127.0.0.1").unwrap(), 0);
     }
 }

@@ -11,6 +11,19 @@ use crate::ffi;
 /// it. Cheap to share: the C++ object is reference counted.
 pub struct Store {
     raw: *mut ffi::Store,
+    host: Host,
+}
+
+/// Which process serves a store: the one to suspect when it stops answering.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Host {
+    /// A TCP store that a rank hosts, rank 0 by convention (a launch without a
+    /// launcher: SLURM, MPI, or ranks started by hand).
+    Rank0,
+    /// A TCP store that the launcher hosts (tchrun's and torchrun's agent store).
+    Launcher,
+    /// An in-process store.
+    Local,
 }
 
 // c10d stores are thread-safe (they serve the process group's own threads).
@@ -45,7 +58,9 @@ impl Store {
                 millis(timeout),
             )
         };
-        ffi::check_ptr(raw).map(|raw| Store { raw }).map_err(|message| {
+        ffi::check_ptr(raw)
+            .map(|raw| Store { raw, host: Host::Rank0 })
+            .map_err(|message| {
             if message.contains("EADDRINUSE") || message.contains("address already in use") {
                 Error::PortInUse { addr: host.to_string(), port }
             } else {
@@ -66,7 +81,10 @@ impl Store {
     pub fn in_process() -> Result<Store> {
         let raw = unsafe { ffi::tdc_hash_store_new() };
         ffi::check_ptr(raw)
-            .map(|raw| Store { raw })
+            .map(|raw| Store {
+                raw,
+                host: Host::Local,
+            })
             .map_err(Error::Torch)
     }
 
@@ -76,7 +94,10 @@ impl Store {
         let cprefix = cstring(prefix, "prefix")?;
         let raw = unsafe { ffi::tdc_prefix_store_new(cprefix.as_ptr(), self.raw) };
         ffi::check_ptr(raw)
-            .map(|raw| Store { raw })
+            .map(|raw| Store {
+                raw,
+                host: self.host,
+            })
             .map_err(Error::Torch)
     }
 
@@ -86,7 +107,10 @@ impl Store {
     pub(crate) fn clone_connection(&self) -> Result<Store> {
         let raw = unsafe { ffi::tdc_store_clone(self.raw) };
         ffi::check_ptr(raw)
-            .map(|raw| Store { raw })
+            .map(|raw| Store {
+                raw,
+                host: self.host,
+            })
             .map_err(Error::Torch)
     }
 
@@ -131,6 +155,17 @@ impl Store {
         ffi::check(unsafe { ffi::tdc_store_add(self.raw, ckey.as_ptr(), delta, &mut result) })
             .map_err(Error::Torch)?;
         Ok(result)
+    }
+
+    /// This store, marked as served by the launcher (the ranks joined its agent store).
+    pub(crate) fn served_by_launcher(mut self) -> Store {
+        self.host = Host::Launcher;
+        self
+    }
+
+    /// Which process serves this store.
+    pub(crate) fn host(&self) -> Host {
+        self.host
     }
 
     pub(crate) fn raw(&self) -> *mut ffi::Store {

@@ -124,9 +124,17 @@ fn port_in_use_is_a_clear_error_within_seconds() {
         "stderr:\n{}",
         run.stderr
     );
+    // tchrun hosts the store (as torchrun's agent does): it fails before any rank starts.
     assert!(
-        run.stderr.contains("rank 0"),
-        "tchrun names the failing rank:\n{}",
+        run.stderr
+            .contains("so tchrun cannot host the job's rendezvous store")
+            && run.stderr.contains("pick another --master-port"),
+        "tchrun says it cannot host the store, and the fix:\n{}",
+        run.stderr
+    );
+    assert!(
+        !run.stderr.contains("rank 0 (local rank 0"),
+        "no rank started:\n{}",
         run.stderr
     );
 }

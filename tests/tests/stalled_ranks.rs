@@ -1,10 +1,11 @@
 //! Timeouts that name the rank: a rank that stalls during training (the others'
 //! gradient all-reduce times out and says which rank did not arrive, found out from
-//! the store), and rank 0 stalled (the store it hosts does not answer either). The
+//! the store), and rank 0 stalled (named by its heartbeat under tchrun, whose store
+//! still answers; when rank 0 hosts the store, the store does not answer either). The
 //! messages are the book's (`book/src/errors/`, see `support/messages.rs`).
 
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tch_distributed_tests::{run_with, scratch_dir, Run};
@@ -69,10 +70,52 @@ fn a_rank_that_stalls_in_training_is_named_by_the_others_timeout() {
 }
 
 #[test]
-fn rank_0_stalled_shows_as_a_store_that_does_not_answer() {
-    // Rank 0 hosts the store: stopped, it answers neither the all-reduce nor the
-    // store, and rank 1 says that rank 0 may be the one stalled.
+fn rank_0_stalled_under_tchrun_is_named_by_its_heartbeat() {
+    // tchrun hosts the store: with rank 0 stopped the store still answers, and rank 1
+    // names rank 0 from its records and heartbeat.
     let run = stall_run("stall-rank-0", &[("STOP_RANK", "0")], |_| {});
+    assert_eq!(run.status.code(), Some(1), "{run:?}");
+    let message = message_block(&run.stderr, "Error: rank 1:");
+    assert_no_raw_text(&run.stderr);
+    for part in [
+        "the gradient all-reduce of backward pass 6 (collective ",
+        "timed out after 3 s: rank 0 did not arrive and has stopped responding",
+        "Check rank 0's own output first",
+    ] {
+        assert!(message.contains(part), "{part:?} not in:\n{message}");
+    }
+}
+
+#[test]
+fn rank_0_stalled_shows_as_a_store_that_does_not_answer_when_rank_0_hosts_it() {
+    // Ranks started without a launcher (as srun or mpirun start them): rank 0 hosts
+    // the store, so stopped, it answers neither the all-reduce nor the store, and
+    // rank 1 says that rank 0 may be the one stalled.
+    let dir = scratch_dir("stall-store");
+    let port = tch_distributed_tests::free_port().to_string();
+    let rank = |r: &str| {
+        let mut cmd = Command::new(STALL);
+        cmd.arg(dir.to_str().unwrap())
+            .envs([
+                ("RANK", r),
+                ("LOCAL_RANK", r),
+                ("WORLD_SIZE", "2"),
+                ("LOCAL_WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", &port),
+                ("STOP_RANK", "0"),
+                ("TCH_DISTRIBUTED_TIMEOUT", "3"),
+                ("OMP_NUM_THREADS", "1"),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        cmd
+    };
+    let mut rank0 = rank("0").spawn().expect("rank 0 starts");
+    let run = run_with(rank("1"), &dir, Duration::from_secs(90), |_, _| {});
+    // Rank 0 stays stopped: kill it, whatever rank 1 did.
+    let _ = rank0.kill();
+    let _ = rank0.wait();
     assert_eq!(run.status.code(), Some(1), "{run:?}");
     let message = message_block(&run.stderr, "Error: rank 1:");
     assert_no_raw_text(&run.stderr);

@@ -12,11 +12,13 @@
 //! `--master-port` is given), so no other process can take it between attempts.
 //! On several nodes, node 0's launcher hosts the store and every node's ranks join it.
 //!
-//! Without restarts nothing changes: rank 0 hosts the store, as before.
+//! The launcher hosts the store with or without restarts, as torchrun's agent does:
+//! a free port is bound by the store itself (port 0), never picked, closed and bound
+//! again, so nothing can take it in between.
 
 use std::time::Duration;
 
-use super::{free_port, LaunchConfig};
+use super::LaunchConfig;
 use crate::error::{Error, Result};
 use crate::store::Store;
 
@@ -33,24 +35,13 @@ pub(super) struct Rendezvous {
 }
 
 impl Rendezvous {
-    /// Without restarts: `config.master_port`, or a free port (rank 0 hosts the store).
-    /// With restarts: the agent store, hosted here on node 0 on `config.master_port`
-    /// (0: a free port), and joined by the other nodes' ranks.
+    /// The agent store, hosted here on node 0 on `config.master_port` (0: a free
+    /// port, bound by the store itself, so no other process can take it first), and
+    /// joined by every node's ranks.
     ///
     /// Errors: [`Error::Io`] when no free port can be picked; [`Error::PortInUse`] or
     /// [`Error::Rendezvous`] when the store cannot be hosted.
     pub(super) fn new(config: &LaunchConfig) -> Result<Rendezvous> {
-        if config.max_restarts == 0 {
-            let port = match config.master_port {
-                0 => free_port(&config.master_addr)?,
-                port => port,
-            };
-            return Ok(Rendezvous {
-                port,
-                agent_store: false,
-                _store: None,
-            });
-        }
         if config.node_rank != 0 {
             return Ok(Rendezvous {
                 port: config.master_port,
@@ -66,10 +57,7 @@ impl Rendezvous {
             STORE_TIMEOUT,
         )
         .map_err(|e| {
-            let needs = format!(
-                "the rendezvous store that {} needs",
-                config.launcher.max_restarts(config.max_restarts)
-            );
+            let needs = "the job's rendezvous store";
             match e {
                 Error::PortInUse { addr, port } => Error::Config(format!(
                     "port {port} on {addr} is already in use, so {} cannot host {needs}: stop \

@@ -14,8 +14,9 @@
 //! - a rank at the same count but in another collective called collectives in
 //!   another order.
 //!
-//! When the store itself does not answer, rank 0, which hosts it, may be the one
-//! stalled.
+//! When the store itself does not answer, its host may be the one stalled: rank 0
+//! when the ranks host the store themselves (SLURM, MPI, ranks started by hand), the
+//! launcher when tchrun or torchrun hosts it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
@@ -23,7 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{seconds, Result};
-use crate::store::Store;
+use crate::store::{Host, Store};
 
 /// How often a rank's heartbeat beats.
 const BEAT: Duration = Duration::from_secs(1);
@@ -147,13 +148,23 @@ impl Progress {
                     let _ = tx.send(Err(e));
                 }
             });
-        let unanswered = |detail: String| Findings {
-            stalled: vec![0],
-            report: format!(
-                "the rendezvous store, which rank 0 hosts, {detail}, so rank 0 may be the one \
-                 stalled (stopped, hung or dead). {}",
-                what_to_check(&[0], timeout)
-            ),
+        let unanswered = |detail: String| match self.view.host() {
+            Host::Launcher => Findings {
+                stalled: vec![],
+                report: format!(
+                    "the rendezvous store, which the launcher (tchrun or torchrun) hosts, \
+                     {detail}, so the launcher may be stopped or gone. Check the launcher's \
+                     own output and whether its process is still running"
+                ),
+            },
+            Host::Rank0 | Host::Local => Findings {
+                stalled: vec![0],
+                report: format!(
+                    "the rendezvous store, which rank 0 hosts, {detail}, so rank 0 may be the \
+                     one stalled (stopped, hung or dead). {}",
+                    what_to_check(&[0], timeout)
+                ),
+            },
         };
         if spawned.is_err() {
             return Findings {
