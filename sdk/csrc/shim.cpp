@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
 #include <ATen/ATen.h>
+#include <sstream>
 #include <ATen/autocast_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Logging.h>
@@ -197,7 +198,7 @@ int tdc_store_add(tdc_store* store, const char* key, int64_t delta, int64_t* res
 
 tdc_pg* tdc_pg_new(
     tdc_store* store, int rank, int size, int64_t timeout_ms, int gloo, int nccl,
-    int cuda_device) {
+    int cuda_device, const char* gloo_interfaces, const char* gloo_address) {
   TDC_PROTECT(nullptr, {
     auto pg = c10::make_intrusive<c10d::ProcessGroup>(store->store, rank, size);
     if (nccl && cuda_device >= 0) {
@@ -207,10 +208,19 @@ tdc_pg* tdc_pg_new(
     // Each backend gets its own key space, as torch.distributed does.
     if (gloo) {
       auto options = c10d::ProcessGroupGloo::Options::create(ms(timeout_ms));
-      const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
-      if (ifname != nullptr && *ifname != '\0') {
+      if (*gloo_interfaces != '\0') {
+        // As PyTorch reads GLOO_SOCKET_IFNAME: one device per named interface.
+        std::stringstream names(gloo_interfaces);
+        std::string name;
+        while (std::getline(names, name, ',')) {
+          if (!name.empty()) {
+            options->devices.push_back(
+                c10d::ProcessGroupGloo::createDeviceForInterface(name));
+          }
+        }
+      } else if (*gloo_address != '\0') {
         options->devices.push_back(
-            c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+            c10d::ProcessGroupGloo::createDeviceForHostname(gloo_address));
       } else {
         options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
       }

@@ -50,9 +50,12 @@ int tdc_store_add(tdc_store* store, const char* key, int64_t delta, int64_t* res
 // Builds a ProcessGroup over `store`: Gloo for CPU tensors when `gloo` is set, NCCL
 // for CUDA tensors on `cuda_device` when `nccl` is set. `default_nccl` picks the
 // backend used for barriers.
+// Gloo's device: `gloo_interfaces` (comma-separated interface names) when not
+// empty, else `gloo_address` (an address of this host) when not empty, else the
+// hostname's address (c10d's default).
 tdc_pg* tdc_pg_new(
     tdc_store* store, int rank, int size, int64_t timeout_ms, int gloo,
-    int nccl, int cuda_device);
+    int nccl, int cuda_device, const char* gloo_interfaces, const char* gloo_address);
 void tdc_pg_free(tdc_pg* pg);
 
 // Collectives. Each blocks until done or until `timeout_ms` has passed.

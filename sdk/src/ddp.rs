@@ -283,7 +283,14 @@ impl DistributedDataParallel {
                 // The Reducer's all-reduce runs inside backward: its timeout is
                 // backward's error.
                 Some((n, what)) if text.is_timeout() => self.group.timed_out(&what, n, text),
-                _ => reducer_error(text.message()),
+                Some((_, what)) => match self.group.peer_lost(&text) {
+                    Some(cause) => Error::Collective {
+                        op: "backward",
+                        message: format!("{what}: {cause}\n{}", text.message()),
+                    },
+                    None => reducer_error(text.message()),
+                },
+                None => reducer_error(text.message()),
             }
         })?;
         // After the backward pass, never between a forward pass and its backward:

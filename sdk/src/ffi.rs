@@ -64,6 +64,8 @@ extern "C" {
         gloo: c_int,
         nccl: c_int,
         cuda_device: c_int,
+        gloo_interfaces: *const c_char,
+        gloo_address: *const c_char,
     ) -> *mut Pg;
     pub fn tdc_pg_free(pg: *mut Pg);
     pub fn tdc_all_reduce(pg: *mut Pg, t: Tensor, op: c_int, timeout_ms: i64) -> c_int;

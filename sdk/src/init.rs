@@ -9,7 +9,7 @@ use tch::Device;
 use crate::devices;
 use crate::env::LaunchEnv;
 use crate::error::{Error, Result};
-use crate::process_group::{Backend, ProcessGroup};
+use crate::process_group::{Backend, GlooAddress, ProcessGroup};
 use crate::rng::RandomState;
 use crate::store::Store;
 
@@ -246,9 +246,15 @@ fn join(
             .find(|(_, size)| *size != mine)
     });
     if let Some((other, size)) = differing {
+        // Under tchrun the world size is --nnodes × --nproc-per-node of each host's.
+        let fix = if std::env::var_os("TCHRUN").is_some() {
+            "start tchrun on every host with the same --nnodes and --nproc-per-node"
+        } else {
+            "start every rank with the same WORLD_SIZE (the number of processes of the whole job)"
+        };
         return Err(rendezvous(format!(
-            "WORLD_SIZE is {world_size} here but {size} on rank {other}: start every rank with \
-             the same WORLD_SIZE (the number of processes of the whole job)"
+            "WORLD_SIZE is {world_size} here but {size} on rank {other}: the hosts disagree on \
+             the job's size; {fix}"
         )));
     }
     let mut words = outcome.split(' ');
@@ -493,15 +499,21 @@ impl Context {
 
     /// The start-up banner printed by rank 0, e.g.
     /// `tch-distributed: backend gloo, world size 2, local world size 2, devices cpu,
-    /// rendezvous 127.0.0.1:29500, timeout 1800 s`.
+    /// rendezvous 127.0.0.1:29500, timeout 1800 s`; across hosts it also says where
+    /// Gloo listens (`gloo on 10.0.0.2 (eth0, the route to the master)`).
     pub fn banner(&self) -> String {
         let device = devices::node_devices(self.local_world_size, self.device, self.gpus);
         let rendezvous = match &self.master {
             Some((addr, port)) => format!("{addr}:{port}"),
             None => "in-process (single process)".to_string(),
         };
+        // Across hosts, where Gloo listens (see `GlooAddress`); on one host, as ever.
+        let gloo = match self.group.gloo_address() {
+            GlooAddress::Hostname => String::new(),
+            chosen => format!(", gloo on {chosen}"),
+        };
         format!(
-            "tch-distributed: backend {}, world size {}, local world size {}, devices {}, rendezvous {}, timeout {} s",
+            "tch-distributed: backend {}, world size {}, local world size {}, devices {}, rendezvous {}{gloo}, timeout {} s",
             self.backend(),
             self.world_size,
             self.local_world_size,

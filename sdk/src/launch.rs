@@ -7,7 +7,8 @@
 //! `max_restarts`, start them all again after a failure (`restart`).
 //!
 //! `supervise`: one attempt (start the ranks, watch them, stop them);
-//! `restart`: the rendezvous that every attempt meets at; `error_file`:
+//! `restart`: the rendezvous that every attempt meets at; `remote`: what the
+//! launchers of several nodes tell each other (a rank that failed); `error_file`:
 //! torchrun's `TORCHELASTIC_ERROR_FILE`, which failing ranks write and the
 //! launcher reports.
 
@@ -20,6 +21,7 @@ use signal_hook::iterator::Signals;
 use crate::error::{Error, Result};
 
 pub(crate) mod error_file;
+pub(crate) mod remote;
 mod restart;
 mod supervise;
 
@@ -232,11 +234,11 @@ pub fn launch_with_env(
             set_omp,
             run_id: &run_id,
             master_port: rendezvous.port(),
-            agent_store: rendezvous.agent_store(),
             number,
             error_files: &error_files,
         };
-        match attempt.run(&mut signals)? {
+        let mut remote = remote::Remote::watch(config, rendezvous.port(), number);
+        match attempt.run(&mut signals, &mut remote)? {
             Outcome::Succeeded => return Ok(0),
             Outcome::Signalled(signo) => return Ok(128 + signo),
             Outcome::Failed if number < config.max_restarts => {

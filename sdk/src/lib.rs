@@ -53,7 +53,7 @@ pub use error::{Error, Result};
 pub use init::{current, init, init_with, Context, InitOptions, DEFAULT_TIMEOUT};
 pub use observe::{Tracker, PROGRESS_ENV};
 pub use optim::{Algorithm, Implementation, Optimizer, OptimizerKind};
-pub use process_group::{Backend, ProcessGroup, ReduceOp};
+pub use process_group::{Backend, GlooAddress, ProcessGroup, ReduceOp};
 pub use rank_helpers::{local_main_process_first, main_process_first};
 pub use rng::AgreedSeed;
 pub use store::Store;

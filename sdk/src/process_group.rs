@@ -1,6 +1,7 @@
 //! Process groups and collectives over libtorch's `c10d::ProcessGroup` (Gloo for CPU
 //! tensors, NCCL for CUDA tensors).
 
+use std::ffi::CString;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -12,7 +13,9 @@ use crate::error::{Error, Result, TorchText};
 use crate::ffi;
 use crate::store::{millis, Store};
 
+pub(crate) mod network;
 mod progress;
+pub use network::GlooAddress;
 use progress::Progress;
 
 /// A communication backend, as `torch.distributed`'s `backend` argument.
@@ -110,6 +113,7 @@ pub struct ProcessGroup {
     world_size: usize,
     backend: Backend,
     timeout: Duration,
+    gloo: GlooAddress,
 }
 
 /// What the clones of a group share.
@@ -177,6 +181,21 @@ impl ProcessGroup {
             None
         };
         let nccl = backend == Backend::Nccl;
+        let gloo = GlooAddress::choose(std::env::var(network::GLOO_IFNAME).ok(), store.endpoint())
+            .map_err(|e| match e {
+                Error::Rendezvous { message, .. } => rendezvous_error(message),
+                other => other,
+            })?;
+        if let (true, Some(name)) = (nccl, gloo.route_interface()) {
+            if std::env::var_os(network::NCCL_IFNAME).is_none() {
+                // Read by NCCL's bootstrap when the backend below starts; nothing else
+                // in this process reads or writes it.
+                std::env::set_var(network::NCCL_IFNAME, name);
+            }
+        }
+        let interfaces = CString::new(gloo.interfaces())
+            .map_err(|_| Error::Config(format!("{} contains a NUL byte", network::GLOO_IFNAME)))?;
+        let address = CString::new(gloo.address()).expect("an address has no NUL byte");
         let raw = unsafe {
             ffi::tdc_pg_new(
                 store.raw(),
@@ -186,9 +205,13 @@ impl ProcessGroup {
                 1,
                 nccl as i32,
                 cuda_device,
+                interfaces.as_ptr(),
+                address.as_ptr(),
             )
         };
-        let raw = ffi::check_ptr(raw).map_err(rendezvous_error)?;
+        let raw = ffi::check_ptr(raw).map_err(|text| {
+            rendezvous_error(network::connect_failure(rank, &text, &gloo, store))
+        })?;
         Ok(ProcessGroup {
             shared: Arc::new(Shared {
                 progress,
@@ -199,7 +222,13 @@ impl ProcessGroup {
             world_size,
             backend,
             timeout,
+            gloo,
         })
+    }
+
+    /// The address this rank's Gloo device listens on, and why (see [`GlooAddress`]).
+    pub fn gloo_address(&self) -> &GlooAddress {
+        &self.gloo
     }
 
     /// This process's rank, in `0..world_size`.
@@ -256,6 +285,47 @@ impl ProcessGroup {
         }
     }
 
+    /// When libtorch's `text` says that a peer closed its connection: who, as its
+    /// launcher reported it to the job's store (tchrun on several nodes; waited for up
+    /// to 3 s), else the peer's address from the text. `None` for other failures.
+    pub(crate) fn peer_lost(&self, text: &TorchText) -> Option<String> {
+        let full = text.full();
+        let lost = [
+            "closed by peer",
+            "reset by peer",
+            "Broken pipe",
+            "Connection closed",
+        ]
+        .iter()
+        .any(|s| full.contains(s));
+        if !lost {
+            return None;
+        }
+        let reported = self
+            .shared
+            .progress
+            .as_ref()
+            .and_then(|p| p.reported_failure(Duration::from_secs(3)));
+        Some(match reported {
+            Some(line) => format!(
+                "{line}, as its launcher reported, so rank {} lost its connection to it",
+                self.rank
+            ),
+            None => {
+                let peer = full
+                    .find('[')
+                    .and_then(|i| full[i + 1..].split_once(']'))
+                    .map(|(addr, _)| format!(" at {addr}"))
+                    .unwrap_or_default();
+                format!(
+                    "a peer{peer} closed its connection to rank {}: a rank there stopped (it \
+                     failed or was killed); its own output, or its launcher's, says why",
+                    self.rank
+                )
+            }
+        })
+    }
+
     /// The store under this group's own prefix, in a group of several ranks.
     pub(crate) fn records(&self) -> Option<&Store> {
         self.shared.progress.as_ref().map(|p| p.view())
@@ -277,7 +347,10 @@ impl ProcessGroup {
             } else {
                 Error::Collective {
                     op,
-                    message: text.message(),
+                    message: match self.peer_lost(&text) {
+                        Some(cause) => format!("{cause}\n{}", text.message()),
+                        None => text.message(),
+                    },
                 }
             }
         })

@@ -12,6 +12,27 @@ use crate::ffi;
 pub struct Store {
     raw: *mut ffi::Store,
     host: Host,
+    /// The address and port of a TCP store (the one its clients connect to).
+    endpoint: Option<(String, u16)>,
+}
+
+/// The message for a store that could not be reached: where, for how long, why (the
+/// system's reason, when libtorch gives one), and what to check; libtorch's text
+/// follows.
+fn unreachable_store(host: &str, port: u16, timeout: Duration, text: &str) -> String {
+    let reason = text
+        .split("errno: ")
+        .nth(1)
+        .and_then(|rest| rest.split_once(" - "))
+        .map(|(_, why)| why.trim_end_matches(|c: char| c == ')' || c == '.' || c.is_whitespace()))
+        .map_or_else(String::new, |why| format!(" ({why})"));
+    let text = crate::error::TorchText::new(text).message();
+    format!(
+        "could not reach the rendezvous store at {host}:{port} within {}{reason}: is node 0's \
+         launcher (tchrun, torchrun) or, without one, rank 0 running there, and do MASTER_ADDR \
+         and MASTER_PORT (--master-addr, --master-port) name it on every host?\n{text}",
+        crate::error::seconds(timeout)
+    )
 }
 
 /// Which process serves a store: the one to suspect when it stops answering.
@@ -59,22 +80,31 @@ impl Store {
             )
         };
         ffi::check_ptr(raw)
-            .map(|raw| Store { raw, host: Host::Rank0 })
+            .map(|raw| Store {
+                raw,
+                host: Host::Rank0,
+                endpoint: Some((host.to_string(), port)),
+            })
             .map_err(|message| {
-            if message.contains("EADDRINUSE") || message.contains("address already in use") {
-                Error::PortInUse { addr: host.to_string(), port }
-            } else {
-                Error::Rendezvous {
-                    addr: host.to_string(),
-                    port,
-                    rank: None,
-                    world_size,
-                    message: format!(
-                        "{message}\n(is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every rank?)"
-                    ),
+                if message.contains("EADDRINUSE") || message.contains("address already in use") {
+                    Error::PortInUse {
+                        addr: host.to_string(),
+                        port,
+                    }
+                } else {
+                    Error::Rendezvous {
+                        addr: host.to_string(),
+                        port,
+                        rank: None,
+                        world_size,
+                        message: if is_server {
+                            message
+                        } else {
+                            unreachable_store(host, port, timeout, &message)
+                        },
+                    }
                 }
-            }
-        })
+            })
     }
 
     /// An in-process `c10d::HashStore`, for a world of one process: no network.
@@ -84,6 +114,7 @@ impl Store {
             .map(|raw| Store {
                 raw,
                 host: Host::Local,
+                endpoint: None,
             })
             .map_err(Error::Torch)
     }
@@ -97,6 +128,7 @@ impl Store {
             .map(|raw| Store {
                 raw,
                 host: self.host,
+                endpoint: self.endpoint.clone(),
             })
             .map_err(Error::Torch)
     }
@@ -110,6 +142,7 @@ impl Store {
             .map(|raw| Store {
                 raw,
                 host: self.host,
+                endpoint: self.endpoint.clone(),
             })
             .map_err(Error::Torch)
     }
@@ -161,6 +194,12 @@ impl Store {
     pub(crate) fn served_by_launcher(mut self) -> Store {
         self.host = Host::Launcher;
         self
+    }
+
+    /// Where a TCP store listens, as its clients were told (`host`, `port`; the port
+    /// as given, 0 included); `None` for other stores.
+    pub(crate) fn endpoint(&self) -> Option<(&str, u16)> {
+        self.endpoint.as_ref().map(|(h, p)| (h.as_str(), *p))
     }
 
     /// Which process serves this store.

@@ -9,6 +9,8 @@
 //!   `scripts/test.sh` lists at its end and which fails the test under `CI=true`.
 //! - Scratch directories are removed when the test passes, kept when it fails
 //!   ([`scratch_dir`]).
+//! - Several hosts on one machine, from network namespaces, for the multi-host tests
+//!   ([`hosts`]).
 
 use std::ffi::OsStr;
 use std::fs;
@@ -22,6 +24,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 pub mod compare;
+pub mod hosts;
 
 /// The `tchrun` binary built next to the test executables (`target/<profile>/tchrun`).
 ///

@@ -28,8 +28,6 @@ const STORE_TIMEOUT: Duration = Duration::from_secs(1800);
 /// Where the ranks of every attempt meet.
 pub(super) struct Rendezvous {
     port: u16,
-    /// Ranks join the launcher's store under a per-attempt prefix.
-    agent_store: bool,
     /// The store this launcher hosts (node 0 with restarts), kept alive while it runs.
     _store: Option<Store>,
 }
@@ -45,7 +43,6 @@ impl Rendezvous {
         if config.node_rank != 0 {
             return Ok(Rendezvous {
                 port: config.master_port,
-                agent_store: true,
                 _store: None,
             });
         }
@@ -73,7 +70,6 @@ impl Rendezvous {
         let port = store.port().unwrap_or(config.master_port);
         Ok(Rendezvous {
             port,
-            agent_store: true,
             _store: Some(store),
         })
     }
@@ -81,10 +77,5 @@ impl Rendezvous {
     /// The port the ranks meet on (`MASTER_PORT`), the same for every attempt.
     pub(super) fn port(&self) -> u16 {
         self.port
-    }
-
-    /// Whether the ranks join the launcher's store under a per-attempt prefix.
-    pub(super) fn agent_store(&self) -> bool {
-        self.agent_store
     }
 }

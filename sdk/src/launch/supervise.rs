@@ -11,11 +11,15 @@ use signal_hook::consts::{SIGKILL, SIGTERM};
 use signal_hook::iterator::Signals;
 
 use super::error_file::{self, ErrorDir, ERROR_FILE_ENV};
+use super::remote::Remote;
 use super::LaunchConfig;
 use crate::error::{Error, Result};
 
 /// How often the supervisor checks its ranks and pending signals.
 const POLL_INTERVAL: Duration = Duration::from_millis(50);
+/// How long this node's ranks get, after another node reported a failure, to fail
+/// by themselves (naming it) before they are stopped.
+const ELSEWHERE_GRACE: Duration = Duration::from_secs(3);
 
 /// What every rank of one attempt is started with.
 pub(super) struct Attempt<'a> {
@@ -28,9 +32,6 @@ pub(super) struct Attempt<'a> {
     pub run_id: &'a str,
     /// The rendezvous port (`MASTER_PORT`).
     pub master_port: u16,
-    /// Ranks join the launcher's store as clients, under `/worker/attempt_{number}`
-    /// (`TORCHELASTIC_USE_AGENT_STORE=True`).
-    pub agent_store: bool,
     /// 0 for the first start, then the restart's number
     /// (`TORCHELASTIC_RESTART_COUNT`).
     pub number: usize,
@@ -70,12 +71,10 @@ impl Attempt<'_> {
             .env("TORCHELASTIC_MAX_RESTARTS", config.max_restarts.to_string())
             .env("TORCHELASTIC_RUN_ID", self.run_id)
             .env(ERROR_FILE_ENV, self.error_files.file(self.number, rank))
-            .env("TCHRUN", "1");
-        if self.agent_store {
-            cmd.env("TORCHELASTIC_USE_AGENT_STORE", "True");
-        } else {
-            cmd.env_remove("TORCHELASTIC_USE_AGENT_STORE");
-        }
+            .env("TCHRUN", "1")
+            // The ranks join the launcher's store as clients, under
+            // `/worker/attempt_{number}`.
+            .env("TORCHELASTIC_USE_AGENT_STORE", "True");
         if self.set_omp {
             cmd.env("OMP_NUM_THREADS", "1");
         }
@@ -91,9 +90,14 @@ impl Attempt<'_> {
     /// even while stopping the ranks after a failure, are forwarded to every live
     /// rank, which are then stopped the same way: [`Outcome::Signalled`].
     ///
+    /// On several nodes, the first failure here is reported to the other nodes'
+    /// launchers (`remote`), and a failure that another node reports stops this
+    /// node's ranks: they get [`ELSEWHERE_GRACE`] to fail by themselves on the lost
+    /// connection (and say so) before they are stopped: [`Outcome::Failed`].
+    ///
     /// Errors with [`Error::Io`] when a rank cannot be started (the ranks already
     /// started are stopped first) or its status cannot be read.
-    pub(super) fn run(&self, signals: &mut Signals) -> Result<Outcome> {
+    pub(super) fn run(&self, signals: &mut Signals, remote: &mut Remote) -> Result<Outcome> {
         let config = self.config;
         let mut ranks = Ranks::default();
         for local_rank in 0..config.nproc_per_node {
@@ -119,6 +123,7 @@ impl Attempt<'_> {
             }
         }
 
+        let mut elsewhere: Option<Instant> = None;
         loop {
             if let Some(signo) = signals.pending().next() {
                 crate::eprintln_whole!(
@@ -144,6 +149,14 @@ impl Attempt<'_> {
                         r.child.id(),
                         describe_failure(status)
                     );
+                    if elsewhere.is_none() {
+                        remote.report(&format!(
+                            "rank {} ({}) {}",
+                            r.rank,
+                            remote.node(),
+                            describe_failure(status)
+                        ));
+                    }
                 }
             }
             if !failed.is_empty() {
@@ -156,6 +169,21 @@ impl Attempt<'_> {
             }
             if ranks.all_exited() {
                 return Ok(Outcome::Succeeded);
+            }
+            if let Some(failure) = remote.failure_elsewhere() {
+                crate::eprintln_whole!(
+                    "{label}: {line}, as node {node}'s {label} reported; stopping this node's ranks",
+                    label = config.launcher.label(),
+                    line = failure.line,
+                    node = failure.node_rank
+                );
+                elsewhere = Some(Instant::now() + ELSEWHERE_GRACE);
+            }
+            if elsewhere.is_some_and(|deadline| Instant::now() >= deadline) {
+                return Ok(match ranks.stop(SIGTERM, config, signals)? {
+                    Some(signo) => Outcome::Signalled(signo),
+                    None => Outcome::Failed,
+                });
             }
             thread::sleep(POLL_INTERVAL);
         }

@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{seconds, Result};
+use crate::launch::remote::{Failure, FAILURE_PREFIX};
 use crate::store::{Host, Store};
 
 /// How often a rank's heartbeat beats.
@@ -42,6 +43,9 @@ pub(crate) struct Progress {
     entered: AtomicU64,
     /// The store under this group's prefix (`tchd/pg{k}`), shared with the heartbeat.
     view: Arc<Store>,
+    /// The store under the attempt's failure prefix, where launchers report a rank
+    /// that failed (see `launch::remote`).
+    failures: Store,
     key: String,
     /// Dropping it stops the heartbeat.
     _heartbeat: mpsc::Sender<()>,
@@ -89,6 +93,7 @@ impl Progress {
             rank,
             world_size,
             entered: AtomicU64::new(0),
+            failures: store.with_prefix(FAILURE_PREFIX)?,
             view,
             key,
             _heartbeat: tx,
@@ -107,6 +112,20 @@ impl Progress {
         // A store that cannot be written to shows up in the collective itself.
         let _ = self.view.set(&self.key, format!("{n} {what}").as_bytes());
         n
+    }
+
+    /// The line in which a launcher reported a rank that failed in this attempt
+    /// (`rank 1 (node 1, 10.0.0.2) was killed by signal SIGKILL (9)`), waiting up to
+    /// `wait` for it; `None` when no launcher hosts the store (no launcher writes it)
+    /// or none came.
+    pub(crate) fn reported_failure(&self, wait: Duration) -> Option<String> {
+        if self.view.host() != Host::Launcher {
+            return None;
+        }
+        let store = self.failures.clone_connection().ok()?;
+        store.set_timeout(wait).ok()?;
+        let value = store.get("first").ok()?;
+        Failure::decode(&value).map(|f| f.line)
     }
 
     /// Why collective `n` (`what`) timed out after `timeout`, from the other ranks'

@@ -1,0 +1,177 @@
+//! What the launchers of a job on several nodes tell each other through its store.
+//!
+//! When a rank fails, its launcher writes one line for the attempt (which rank, on
+//! which node and address, and how it ended: exit code or signal) under
+//! `/worker/attempt_{n}/tchd/failure` in the job's store, which node 0's launcher
+//! hosts. Every launcher watches that key, and a launcher whose own ranks are still
+//! running when another node reports a failure names it and stops them, so no host
+//! waits for a collective timeout after a rank elsewhere died. The ranks read the
+//! same line when a collective fails on a closed connection, to name the dead peer
+//! ([`ProcessGroup`](crate::ProcessGroup)'s errors).
+//!
+//! The first failure reported wins (an atomic counter decides), so every host names
+//! the same root cause.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::LaunchConfig;
+use crate::store::Store;
+
+/// The attempt's key space for failures, below the ranks' own prefix.
+pub(crate) const FAILURE_PREFIX: &str = "tchd/failure";
+/// How often a launcher looks for another node's failure.
+const POLL: Duration = Duration::from_millis(200);
+/// How long a launcher keeps trying to reach the store (node 0's launcher may start
+/// later than this one).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1800);
+
+/// A failure that a node reported: its node rank, and the line that says it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Failure {
+    pub node_rank: usize,
+    pub line: String,
+}
+
+impl Failure {
+    /// As the store holds it: `{node_rank}\n{line}`.
+    fn encode(&self) -> Vec<u8> {
+        format!("{}\n{}", self.node_rank, self.line).into_bytes()
+    }
+
+    pub(crate) fn decode(value: &[u8]) -> Option<Failure> {
+        let text = std::str::from_utf8(value).ok()?;
+        let (node, line) = text.split_once('\n')?;
+        Some(Failure {
+            node_rank: node.parse().ok()?,
+            line: line.to_string(),
+        })
+    }
+}
+
+/// This launcher's link to the others for one attempt; does nothing on one node.
+pub(super) struct Remote {
+    node_rank: usize,
+    /// `node K, ADDRESS`: this node as the others' lines name it.
+    node: String,
+    /// The store under the attempt's failure prefix, once connected.
+    store: Arc<Mutex<Option<Store>>>,
+    reported: Option<Receiver<Failure>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Remote {
+    /// Connects (in a thread of its own, retrying while node 0's launcher starts) to
+    /// the store at `config.master_addr:port`, and watches it for the failures of
+    /// attempt `attempt`.
+    pub(super) fn watch(config: &LaunchConfig, port: u16, attempt: usize) -> Remote {
+        let store = Arc::new(Mutex::new(None));
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut remote = Remote {
+            node_rank: config.node_rank,
+            node: format!("node {}", config.node_rank),
+            store: Arc::clone(&store),
+            reported: None,
+            stop: Arc::clone(&stop),
+        };
+        if config.nnodes == 1 {
+            return remote;
+        }
+        if let Some(address) =
+            crate::process_group::network::address_towards(&config.master_addr, port)
+        {
+            remote.node = format!("node {}, {address}", config.node_rank);
+        }
+        let (tx, rx) = mpsc::channel();
+        remote.reported = Some(rx);
+        let (addr, world_size) = (config.master_addr.clone(), config.world_size());
+        let prefix = format!("/worker/attempt_{attempt}/{FAILURE_PREFIX}");
+        let spawned = std::thread::Builder::new()
+            .name("tchd-remote".into())
+            .spawn(move || {
+                let Ok(client) = Store::tcp(&addr, port, world_size, false, CONNECT_TIMEOUT) else {
+                    return;
+                };
+                let (Ok(view), Ok(reader)) =
+                    (client.with_prefix(&prefix), client.with_prefix(&prefix))
+                else {
+                    return;
+                };
+                *store.lock().unwrap_or_else(|e| e.into_inner()) = Some(view);
+                while !stop.load(Ordering::Relaxed) {
+                    match reader.add("count", 0) {
+                        Ok(0) => {}
+                        Ok(_) => {
+                            if let Some(failure) =
+                                reader.get("first").ok().and_then(|v| Failure::decode(&v))
+                            {
+                                let _ = tx.send(failure);
+                            }
+                            return;
+                        }
+                        // Node 0's launcher is gone: its own ranks' failures say why.
+                        Err(_) => return,
+                    }
+                    std::thread::sleep(POLL);
+                }
+            });
+        if let Err(e) = spawned {
+            crate::log::warn(format_args!(
+                "no thread to watch the other nodes ({e}): a failure there is seen only by the ranks"
+            ));
+        }
+        remote
+    }
+
+    /// Tells the other nodes that `line` happened here, unless a failure was reported
+    /// first (the first one is the job's root cause).
+    pub(super) fn report(&self, line: &str) {
+        let guard = self.store.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(store) = guard.as_ref() else {
+            return;
+        };
+        let failure = Failure {
+            node_rank: self.node_rank,
+            line: line.to_string(),
+        };
+        if let Ok(1) = store.add("count", 1) {
+            let _ = store.set("first", &failure.encode());
+        }
+    }
+
+    /// This node as a failure's line names it: `node K, ADDRESS`.
+    pub(super) fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// A failure that another node reported, once.
+    pub(super) fn failure_elsewhere(&mut self) -> Option<Failure> {
+        let failure = self.reported.as_ref()?.try_recv().ok()?;
+        self.reported = None;
+        (failure.node_rank != self.node_rank).then_some(failure)
+    }
+}
+
+impl Drop for Remote {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failure_reads_back_as_written() {
+        let failure = Failure {
+            node_rank: 3,
+            line: "rank 7 (node 3, 10.0.0.4) was killed by signal SIGKILL (9)".into(),
+        };
+        assert_eq!(Failure::decode(&failure.encode()), Some(failure));
+        assert_eq!(Failure::decode(b"x\nline"), None);
+        assert_eq!(Failure::decode(b"no newline"), None);
+    }
+}

@@ -1,0 +1,311 @@
+//! Which local address a rank's Gloo device binds, and so advertises to its peers.
+//!
+//! c10d's default device binds the address that the machine's hostname resolves to.
+//! On many machines that is a loopback address (`/etc/hosts` maps the hostname to
+//! 127.0.0.1, or to 127.0.1.1 as Debian does), so a rank on another host connects to
+//! its own loopback and the job never starts; PyTorch's users learn to set
+//! `GLOO_SOCKET_IFNAME`. Here a rank binds instead the local address of its route to
+//! the master, the address its own store connection to `MASTER_ADDR` leaves from,
+//! which the other hosts reach by construction:
+//!
+//! - `GLOO_SOCKET_IFNAME` set: those interfaces (comma-separated), as PyTorch;
+//! - the master on loopback (one host) or no master (one process): the hostname's
+//!   address, as c10d's default, unchanged;
+//! - otherwise: the route's local address, and the interface that has it.
+//!
+//! With NCCL the same interface is given to NCCL's bootstrap (`NCCL_SOCKET_IFNAME`),
+//! unless that is set.
+
+use std::ffi::CStr;
+use std::fmt;
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
+
+use crate::error::{Error, Result};
+
+/// The variable that names Gloo's interfaces, as PyTorch reads it.
+pub(crate) const GLOO_IFNAME: &str = "GLOO_SOCKET_IFNAME";
+/// The variable that names NCCL's bootstrap interfaces.
+pub(crate) const NCCL_IFNAME: &str = "NCCL_SOCKET_IFNAME";
+
+/// Where a rank's Gloo device listens; see the module's doc.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GlooAddress {
+    /// The interfaces that `GLOO_SOCKET_IFNAME` names (comma-separated).
+    Named(String),
+    /// The local address of the route to the master, and the interface that has it
+    /// (`None` when no interface lists it, say inside a container runtime).
+    Route {
+        address: IpAddr,
+        interface: Option<String>,
+    },
+    /// The address the hostname resolves to, as c10d's default: every rank is on
+    /// this host.
+    Hostname,
+}
+
+impl GlooAddress {
+    /// The choice for a store at `master` (`host`, `port`; `None` for an in-process
+    /// store), with `named` the value of `GLOO_SOCKET_IFNAME`.
+    ///
+    /// Errors: [`Error::Rendezvous`] when `master` does not resolve, or no route leads
+    /// to it.
+    pub(crate) fn choose(named: Option<String>, master: Option<(&str, u16)>) -> Result<Self> {
+        if let Some(named) = named.filter(|n| !n.trim().is_empty()) {
+            return Ok(GlooAddress::Named(named));
+        }
+        let Some((host, port)) = master else {
+            return Ok(GlooAddress::Hostname);
+        };
+        let unreachable = |message: String| Error::Rendezvous {
+            addr: host.to_string(),
+            port,
+            rank: None,
+            world_size: 0,
+            message,
+        };
+        let master: SocketAddr = (host, port)
+            .to_socket_addrs()
+            .map_err(|e| unreachable(format!("MASTER_ADDR {host:?} does not resolve: {e}")))?
+            .next()
+            .ok_or_else(|| unreachable(format!("MASTER_ADDR {host:?} has no address")))?;
+        if master.ip().is_loopback() {
+            return Ok(GlooAddress::Hostname);
+        }
+        let address = route_source(master).map_err(|e| {
+            unreachable(format!(
+                "no route from this host to the master at {master}: {e}; check MASTER_ADDR, \
+                 or name the interface that reaches it with {GLOO_IFNAME}=<interface>"
+            ))
+        })?;
+        if address.is_loopback() {
+            return Ok(GlooAddress::Hostname);
+        }
+        Ok(GlooAddress::Route {
+            address,
+            interface: interface_with(address),
+        })
+    }
+
+    /// The interfaces for the shim (`GLOO_SOCKET_IFNAME`'s value), or "".
+    pub(crate) fn interfaces(&self) -> &str {
+        match self {
+            GlooAddress::Named(names) => names,
+            _ => "",
+        }
+    }
+
+    /// The address for the shim to bind, or "" for the others.
+    pub(crate) fn address(&self) -> String {
+        match self {
+            GlooAddress::Route { address, .. } => address.to_string(),
+            _ => String::new(),
+        }
+    }
+
+    /// The interface to give NCCL's bootstrap, when the route chose one.
+    pub(crate) fn route_interface(&self) -> Option<&str> {
+        match self {
+            GlooAddress::Route {
+                interface: Some(name),
+                ..
+            } => Some(name),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for GlooAddress {
+    /// As the banner shows it: `10.0.0.2 (eth0, the route to the master)`,
+    /// `interface eth0 (GLOO_SOCKET_IFNAME)`, or `the hostname's address`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GlooAddress::Named(names) => write!(f, "interface {names} ({GLOO_IFNAME})"),
+            GlooAddress::Route {
+                address,
+                interface: Some(name),
+            } => write!(f, "{address} ({name}, the route to the master)"),
+            GlooAddress::Route {
+                address,
+                interface: None,
+            } => write!(f, "{address} (the route to the master)"),
+            GlooAddress::Hostname => write!(f, "the hostname's address"),
+        }
+    }
+}
+
+/// The message for a process group that could not be made: when Gloo could not
+/// connect to a peer (`remote=[ADDR]:PORT` in libtorch's `text`), which rank tried
+/// which address, the likely cause and the fix; else libtorch's text without C++
+/// frames.
+pub(crate) fn connect_failure(
+    rank: usize,
+    text: &str,
+    gloo: &GlooAddress,
+    store: &crate::store::Store,
+) -> String {
+    let message = crate::error::TorchText::new(text).message();
+    let Some(remote) = remote_address(text) else {
+        return message;
+    };
+    let multi_host = matches!(gloo, GlooAddress::Route { .. })
+        || store
+            .endpoint()
+            .and_then(|(host, port)| (host, port).to_socket_addrs().ok()?.next())
+            .is_some_and(|a| !a.ip().is_loopback());
+    let cause = match remote.parse::<SocketAddr>() {
+        Ok(peer) if peer.ip().is_loopback() && multi_host => format!(
+            "that is a loopback address: a rank on another host advertised it, because its \
+             Gloo device bound the address its hostname resolves to (/etc/hosts maps it to \
+             loopback). Set {GLOO_IFNAME}=<interface> on that host, the interface that \
+             reaches the others (`ip route get <MASTER_ADDR>` names it), or run it with \
+             tch-distributed, which binds the route to the master"
+        ),
+        _ => format!(
+            "check that this host reaches that address (a firewall, or an interface that \
+             routes elsewhere); {GLOO_IFNAME}=<interface> on each host names the interface \
+             its ranks listen on"
+        ),
+    };
+    format!("rank {rank} could not connect to a peer at {remote}: {cause}.\n{message}")
+}
+
+/// `ADDR:PORT` from Gloo's `remote=[ADDR]:PORT`.
+fn remote_address(text: &str) -> Option<String> {
+    let rest = &text[text.find("remote=[")? + "remote=[".len()..];
+    let (addr, rest) = rest.split_once(']')?;
+    let port: String = rest
+        .strip_prefix(':')?
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    let addr = if addr.contains(':') {
+        format!("[{addr}]")
+    } else {
+        addr.to_string()
+    };
+    Some(format!("{addr}:{port}"))
+}
+
+/// This host's address towards the master at `host:port` (the local address of the
+/// route there), for naming a node; `None` when it does not resolve or has no route.
+pub(crate) fn address_towards(host: &str, port: u16) -> Option<IpAddr> {
+    let master = (host, port).to_socket_addrs().ok()?.next()?;
+    route_source(master).ok()
+}
+
+/// The local address that a connection to `to` leaves from: the kernel's choice of
+/// route, read from a UDP socket connected there (connecting a UDP socket sends
+/// nothing).
+fn route_source(to: SocketAddr) -> std::io::Result<IpAddr> {
+    let any: SocketAddr = match to {
+        SocketAddr::V4(_) => (std::net::Ipv4Addr::UNSPECIFIED, 0).into(),
+        SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
+    };
+    let socket = UdpSocket::bind(any)?;
+    // Any port routes the same; 0 is not one a socket can connect to.
+    let to = SocketAddr::new(to.ip(), to.port().max(1));
+    socket.connect(to)?;
+    Ok(socket.local_addr()?.ip())
+}
+
+/// The name of the interface that has `address`, from `getifaddrs(3)`.
+fn interface_with(address: IpAddr) -> Option<String> {
+    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `list` with a linked list that freeifaddrs releases;
+    // each entry's `ifa_addr` is null or points at a sockaddr of its family.
+    unsafe {
+        if libc::getifaddrs(&mut list) != 0 {
+            return None;
+        }
+        let mut found = None;
+        let mut entry = list;
+        while !entry.is_null() && found.is_none() {
+            let ifa = &*entry;
+            let addr = ifa.ifa_addr;
+            let this = if addr.is_null() {
+                None
+            } else {
+                match (*addr).sa_family as i32 {
+                    libc::AF_INET => {
+                        let sin = &*(addr as *const libc::sockaddr_in);
+                        Some(IpAddr::from(sin.sin_addr.s_addr.to_ne_bytes()))
+                    }
+                    libc::AF_INET6 => {
+                        let sin6 = &*(addr as *const libc::sockaddr_in6);
+                        Some(IpAddr::from(sin6.sin6_addr.s6_addr))
+                    }
+                    _ => None,
+                }
+            };
+            if this == Some(address) {
+                found = Some(CStr::from_ptr(ifa.ifa_name).to_string_lossy().into_owned());
+            }
+            entry = ifa.ifa_next;
+        }
+        libc::freeifaddrs(list);
+        found
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_named_interface_wins_and_loopback_or_no_master_keeps_the_default() {
+        let named = GlooAddress::choose(Some("eth1".into()), Some(("10.1.2.3", 1))).unwrap();
+        assert_eq!(named, GlooAddress::Named("eth1".into()));
+        assert_eq!(named.interfaces(), "eth1");
+        assert_eq!(named.address(), "");
+        for master in [Some(("127.0.0.1", 29500)), Some(("localhost", 29500)), None] {
+            assert_eq!(
+                GlooAddress::choose(None, master).unwrap(),
+                GlooAddress::Hostname,
+                "{master:?}"
+            );
+        }
+        // An empty variable is no choice.
+        assert_eq!(
+            GlooAddress::choose(Some(" ".into()), None).unwrap(),
+            GlooAddress::Hostname
+        );
+    }
+
+    #[test]
+    fn loopback_has_an_interface_and_the_route_to_this_host_leaves_from_loopback() {
+        let lo = IpAddr::from([127, 0, 0, 1]);
+        assert!(interface_with(lo).is_some());
+        assert_eq!(interface_with(IpAddr::from([192, 0, 2, 77])), None);
+        assert!(route_source((lo, 9).into()).unwrap().is_loopback());
+    }
+
+    #[test]
+    fn gloos_remote_address_is_read_from_its_text() {
+        let text = "Gloo connectFullMesh failed with [../third_party/gloo/gloo/transport/tcp/pair.cc:144] \
+                    timed out connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:37258";
+        assert_eq!(remote_address(text).as_deref(), Some("127.0.0.1:37258"));
+        assert_eq!(
+            remote_address("remote=[::1]:80 x").as_deref(),
+            Some("[::1]:80")
+        );
+        assert_eq!(remote_address("no peer here"), None);
+    }
+
+    #[test]
+    fn the_banner_names_the_address_and_why() {
+        let route = GlooAddress::Route {
+            address: IpAddr::from([10, 77, 0, 2]),
+            interface: Some("eth0".into()),
+        };
+        assert_eq!(
+            route.to_string(),
+            "10.77.0.2 (eth0, the route to the master)"
+        );
+        assert_eq!(route.address(), "10.77.0.2");
+        assert_eq!(route.route_interface(), Some("eth0"));
+        assert_eq!(
+            GlooAddress::Named("eth1".into()).to_string(),
+            "interface eth1 (GLOO_SOCKET_IFNAME)"
+        );
+    }
+}

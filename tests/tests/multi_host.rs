@@ -1,0 +1,359 @@
+//! Several hosts, made of network namespaces on this machine (`hosts`): each host has
+//! its own address (10.77.0.1, 10.77.0.2, …) and a hostname that resolves to loopback,
+//! as on many real machines. No test sets `GLOO_SOCKET_IFNAME`: the SDK must find the
+//! interface itself. Needs root and `ip`; without them each test says why it skips
+//! (and fails under `CI=true`, which runs as root).
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use tch_distributed_tests::hosts::Hosts;
+use tch_distributed_tests::{
+    compare, example, run_tchrun, run_together, run_with, scratch_dir, skip, torchrun, Run,
+};
+
+#[path = "support/macro_reference.rs"]
+mod macro_reference;
+
+const WORKER: &str = env!("CARGO_BIN_EXE_ddp_worker");
+const MACRO_WORKER: &str = env!("CARGO_BIN_EXE_macro_worker");
+const STALL: &str = env!("CARGO_BIN_EXE_stall_worker");
+const TIMEOUT: Duration = Duration::from_secs(150);
+/// The port node 0 hosts the store on: each test's hosts are a network of their own.
+const PORT: &str = "29400";
+
+/// `count` hosts, or `None` after recording why they cannot be made here.
+fn hosts(count: usize) -> Option<Hosts> {
+    match Hosts::new(count) {
+        Ok(hosts) => Some(hosts),
+        Err(reason) => {
+            skip(&format!("no hosts from network namespaces: {reason}"));
+            None
+        }
+    }
+}
+
+/// `tchrun --nnodes N --node-rank K --nproc-per-node P --master-addr (host 0)
+/// --master-port PORT program args…` on host `k`, with no interface named.
+fn tchrun_on(hosts: &Hosts, k: usize, nnodes: usize, nproc: usize, program: &str) -> Command {
+    let mut cmd = hosts.command(k, tch_distributed_tests::tchrun());
+    cmd.args([
+        "--nnodes",
+        &nnodes.to_string(),
+        "--node-rank",
+        &k.to_string(),
+    ])
+    .args(["--nproc-per-node", &nproc.to_string()])
+    .args(["--master-addr", &hosts.addr(0), "--master-port", PORT])
+    .arg(program)
+    .env_remove("GLOO_SOCKET_IFNAME")
+    .env_remove("TCH_DISTRIBUTED_NPROC");
+    cmd
+}
+
+/// A folder of host `k`'s own under `dir`.
+fn host_dir(dir: &Path, k: usize) -> std::path::PathBuf {
+    let path = dir.join(format!("host{k}"));
+    std::fs::create_dir_all(&path).unwrap();
+    path
+}
+
+/// Text for the main job: small, so that a few steps on 4 ranks stay quick.
+fn write_text(dir: &Path) -> std::path::PathBuf {
+    let path = dir.join("input.txt");
+    std::fs::write(
+        &path,
+        "First Citizen:\nBefore we proceed any further, hear me speak.\n\
+         All:\nSpeak, speak.\n"
+            .repeat(200),
+    )
+    .unwrap();
+    path
+}
+
+/// The shakespeare example's arguments for a short run writing `checkpoint`.
+fn shakespeare_args(text: &Path, checkpoint: &Path) -> Vec<String> {
+    [
+        "--data",
+        text.to_str().unwrap(),
+        "--checkpoint",
+        checkpoint.to_str().unwrap(),
+        "--steps",
+        "6",
+        "--log-every",
+        "3",
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "16",
+        "--hidden",
+        "32",
+        "--seed",
+        "7",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+#[test]
+fn the_main_job_trains_on_two_hosts_and_equals_four_ranks_on_one() {
+    let Some(hosts) = hosts(2) else { return };
+    let dir = scratch_dir("mh-main");
+    let text = write_text(&dir);
+    let shakespeare = example("shakespeare");
+    let runs = (0..2)
+        .map(|k| {
+            let mut cmd = tchrun_on(&hosts, k, 2, 2, shakespeare.to_str().unwrap());
+            let out = host_dir(&dir, k);
+            cmd.args(shakespeare_args(&text, &out.join("model.safetensors")))
+                .current_dir(&out);
+            (cmd, out)
+        })
+        .collect();
+    let [node0, node1]: [Run; 2] = run_together(runs, TIMEOUT, |_, _, _| {})
+        .try_into()
+        .unwrap();
+    node0.assert_success();
+    node1.assert_success();
+    // Rank 0 found the interface from its route to the master, and says so.
+    assert!(
+        node0.stdout.contains(
+            "world size 4, local world size 2, devices cpu, rendezvous 10.77.0.1:29400, \
+             gloo on 10.77.0.1 (eth0, the route to the master)"
+        ),
+        "{}",
+        node0.stdout
+    );
+    assert!(node0.stdout.contains("trained 6 steps"), "{}", node0.stdout);
+
+    // The same job, 4 ranks on one host.
+    let one = host_dir(&dir, 9);
+    let checkpoint = one.join("model.safetensors");
+    let args: Vec<String> = ["--nproc-per-node", "4", shakespeare.to_str().unwrap()]
+        .map(String::from)
+        .into_iter()
+        .chain(shakespeare_args(&text, &checkpoint))
+        .collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    run_tchrun(&one, &args, TIMEOUT, |_, _| {}).assert_success();
+    let diff = compare::files(&dir.join("host0/model.safetensors"), &checkpoint);
+    assert!(diff.elements > 0, "{diff:?}");
+    diff.assert_within(1e-6, "2 hosts × 2 ranks against 1 host × 4 ranks");
+}
+
+#[test]
+fn a_rank_killed_on_host_1_is_named_on_host_0_within_15_s() {
+    let Some(hosts) = hosts(2) else { return };
+    let dir = scratch_dir("mh-kill");
+    let d = dir.to_str().unwrap().to_string();
+    let runs = (0..2)
+        .map(|k| {
+            let mut cmd = tchrun_on(&hosts, k, 2, 1, STALL);
+            cmd.arg(&d);
+            (cmd, host_dir(&dir, k))
+        })
+        .collect();
+    let start = Instant::now();
+    let killed = Mutex::new(None);
+    let [node0, node1]: [Run; 2] = run_together(runs, TIMEOUT, |k, _, _| {
+        if k != 1 {
+            return;
+        }
+        // Rank 1 (host 1) writes its pid after its 5th step.
+        let pid_file = dir.join("pid1");
+        let deadline = Instant::now() + Duration::from_secs(100);
+        let pid = loop {
+            if let Ok(pid) = std::fs::read_to_string(&pid_file)
+                .unwrap_or_default()
+                .trim()
+                .parse()
+            {
+                break pid;
+            }
+            assert!(Instant::now() < deadline, "rank 1 wrote no pid");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        *killed.lock().unwrap() = Some(Instant::now());
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    })
+    .try_into()
+    .unwrap();
+    let killed = killed.into_inner().unwrap().expect("rank 1 was killed");
+    for (k, run) in [(0, &node0), (1, &node1)] {
+        assert_eq!(run.status.code(), Some(1), "host {k}: {run:?}");
+        let after = (start + run.elapsed).saturating_duration_since(killed);
+        assert!(after < Duration::from_secs(15), "host {k} took {after:?}");
+        eprintln!("host {k}'s tchrun exited {after:?} after the kill");
+    }
+    let named = "rank 1 (node 1, 10.77.0.2) was killed by signal SIGKILL (9)";
+    // Host 0's tchrun names it, as host 1's reported it through the store ...
+    assert!(
+        node0
+            .stderr
+            .contains(&format!("tchrun: {named}, as node 1's tchrun reported")),
+        "{}",
+        node0.stderr
+    );
+    // ... and so does rank 0's own error, which its tchrun reports as the root cause.
+    assert!(
+        node0.stderr.contains(&format!(
+            "Error: rank 0: backward_step: backward failed: the gradient all-reduce of backward pass "
+        )) && node0.stderr.contains(&format!(
+            "{named}, as its launcher reported, so rank 0 lost its connection to it"
+        )),
+        "{}",
+        node0.stderr
+    );
+    assert!(
+        node1.stderr.contains("tchrun: rank 1 (local rank 0, pid "),
+        "{}",
+        node1.stderr
+    );
+}
+
+#[test]
+fn an_unreachable_master_fails_within_the_rendezvous_timeout_naming_its_address() {
+    let Some(hosts) = hosts(2) else { return };
+    let dir = scratch_dir("mh-unreachable");
+    // Host 1 alone: nothing listens on host 0.
+    let mut cmd = tchrun_on(&hosts, 1, 2, 1, MACRO_WORKER);
+    cmd.args([dir.to_str().unwrap(), "10"])
+        .env("TCH_DISTRIBUTED_TIMEOUT", "5");
+    let run = run_with(cmd, &dir, TIMEOUT, |_, _| {});
+    assert_eq!(run.status.code(), Some(1), "{run:?}");
+    assert!(
+        run.elapsed < Duration::from_secs(20),
+        "took {:?}",
+        run.elapsed
+    );
+    eprintln!("an unreachable master was reported in {:?}", run.elapsed);
+    for part in [
+        "Error: joining the process group: rendezvous at 10.77.0.1:29400 failed (rank 1, world size 2): \
+         could not reach the rendezvous store at 10.77.0.1:29400 within 5 s: is node 0's launcher",
+        "do MASTER_ADDR and MASTER_PORT (--master-addr, --master-port) name it on every host?",
+    ] {
+        assert!(run.stderr.contains(part), "{part:?} not in:\n{}", run.stderr);
+    }
+}
+
+#[test]
+fn hosts_that_disagree_on_nnodes_are_refused() {
+    let Some(hosts) = hosts(2) else { return };
+    let dir = scratch_dir("mh-nnodes");
+    let d = dir.to_str().unwrap().to_string();
+    let runs = (0..2)
+        .map(|k| {
+            // Host 1 was told there are 3 nodes.
+            let mut cmd = tchrun_on(&hosts, k, 2 + k, 1, MACRO_WORKER);
+            cmd.args([&d, "10"]).env("TCH_DISTRIBUTED_TIMEOUT", "20");
+            (cmd, host_dir(&dir, k))
+        })
+        .collect();
+    let runs = run_together(runs, TIMEOUT, |_, _, _| {});
+    for (k, run) in runs.iter().enumerate() {
+        assert_eq!(run.status.code(), Some(1), "host {k}: {run:?}");
+        assert!(
+            run.stderr.contains(
+                "the hosts disagree on the job's size; start tchrun on every host with the \
+                 same --nnodes and --nproc-per-node"
+            ),
+            "host {k}:\n{}",
+            run.stderr
+        );
+    }
+}
+
+#[test]
+fn torchrun_runs_the_same_binary_across_two_hosts() {
+    let Some(hosts) = hosts(2) else { return };
+    // Without PyTorch the test is recorded as skipped (a failure under CI=true).
+    let Some(torchrun) = torchrun() else { return };
+    let dir = scratch_dir("mh-torchrun");
+    let runs = (0..2)
+        .map(|k| {
+            let out = host_dir(&dir, k);
+            let mut cmd = hosts.command(k, torchrun.get_program());
+            cmd.args(torchrun.get_args())
+                .envs(
+                    torchrun
+                        .get_envs()
+                        .filter_map(|(key, value)| Some((key, value?))),
+                )
+                .args(["--nnodes", "2", "--node-rank", &k.to_string()])
+                .args(["--nproc-per-node", "1", "--master-addr", &hosts.addr(0)])
+                .args([
+                    "--master-port",
+                    PORT,
+                    "--no-python",
+                    WORKER,
+                    "train",
+                    "--out",
+                ])
+                .arg(&out)
+                .env_remove("GLOO_SOCKET_IFNAME");
+            (cmd, out)
+        })
+        .collect();
+    let runs = run_together(runs, TIMEOUT, |_, _, _| {});
+    for (k, run) in runs.iter().enumerate() {
+        run.assert_success();
+        for line in [
+            "ok identical after 20 steps",
+            "ok equals one process on the global batch after 20 steps",
+        ] {
+            assert!(
+                run.stdout.contains(line),
+                "host {k}: {line:?} not in:\n{}",
+                run.stdout
+            );
+        }
+    }
+}
+
+#[test]
+fn a_slurm_job_step_spans_two_hosts() {
+    let Some(hosts) = hosts(2) else { return };
+    let dir = scratch_dir("mh-slurm");
+    let d = dir.to_str().unwrap().to_string();
+    // One task per node, as `srun -N2 --ntasks-per-node=1` starts them; job 71234
+    // puts the store on port 15000 + 1234.
+    let runs = (0..2)
+        .map(|k| {
+            let mut cmd = hosts.command(k, MACRO_WORKER);
+            let task = k.to_string();
+            cmd.args([&d, "30"])
+                .envs([
+                    ("SLURM_PROCID", task.as_str()),
+                    ("SLURM_LOCALID", "0"),
+                    ("SLURM_NODEID", task.as_str()),
+                    ("SLURM_STEP_NUM_TASKS", "2"),
+                    ("SLURM_STEP_TASKS_PER_NODE", "1(x2)"),
+                    ("SLURM_STEP_NODELIST", "10.77.0.1,10.77.0.2"),
+                    ("SLURM_JOB_ID", "71234"),
+                    ("OMP_NUM_THREADS", "1"),
+                ])
+                .env_remove("GLOO_SOCKET_IFNAME")
+                .env_remove("TCH_DISTRIBUTED_NPROC");
+            (cmd, host_dir(&dir, k))
+        })
+        .collect();
+    let runs = run_together(runs, TIMEOUT, |_, _, _| {});
+    for run in &runs {
+        run.assert_success();
+    }
+    assert!(
+        runs[0].stdout.contains(
+            "world size 2, local world size 1, devices cpu, rendezvous 10.77.0.1:16234, \
+             gloo on 10.77.0.1 (eth0, the route to the master)"
+        ),
+        "{}",
+        runs[0].stdout
+    );
+    let params: Vec<String> = (0..2)
+        .map(|r| std::fs::read_to_string(dir.join(format!("params{r}.txt"))).unwrap())
+        .collect();
+    assert_eq!(params[0], params[1], "one model trained by both hosts");
+    macro_reference::assert_model_equals_reference(&dir, 2);
+}
