@@ -253,7 +253,7 @@ fn join(
             "start every rank with the same WORLD_SIZE (the number of processes of the whole job)"
         };
         return Err(rendezvous(format!(
-            "WORLD_SIZE is {world_size} here but {size} on rank {other}: the hosts disagree on \
+            "WORLD_SIZE is {world_size} here but {size} on rank {other}: the ranks disagree on \
              the job's size; {fix}"
         )));
     }

@@ -16,6 +16,9 @@ use tch_distributed_tests::{
 
 #[path = "support/macro_reference.rs"]
 mod macro_reference;
+#[path = "support/messages.rs"]
+mod messages;
+use messages::{assert_no_raw_text, assert_recorded, message_block, redact};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ddp_worker");
 const MACRO_WORKER: &str = env!("CARGO_BIN_EXE_macro_worker");
@@ -211,6 +214,13 @@ fn a_rank_killed_on_host_1_is_named_on_host_0_within_15_s() {
         "{}",
         node1.stderr
     );
+    assert_no_raw_text(&node0.stderr);
+    let seen = format!(
+        "{}\n{}",
+        message_block(&node0.stderr, "tchrun: rank 1 (node 1"),
+        message_block(&node0.stderr, "Error: rank 0:")
+    );
+    assert_recorded("remote-rank-killed", &redact(&seen, &[("pass ", "{n}")]));
 }
 
 #[test]
@@ -236,6 +246,11 @@ fn an_unreachable_master_fails_within_the_rendezvous_timeout_naming_its_address(
     ] {
         assert!(run.stderr.contains(part), "{part:?} not in:\n{}", run.stderr);
     }
+    assert_no_raw_text(&run.stderr);
+    assert_recorded(
+        "unreachable-store",
+        &message_block(&run.stderr, "Error: joining"),
+    );
 }
 
 #[test]
@@ -256,13 +271,17 @@ fn hosts_that_disagree_on_nnodes_are_refused() {
         assert_eq!(run.status.code(), Some(1), "host {k}: {run:?}");
         assert!(
             run.stderr.contains(
-                "the hosts disagree on the job's size; start tchrun on every host with the \
+                "the ranks disagree on the job's size; start tchrun on every host with the \
                  same --nnodes and --nproc-per-node"
             ),
             "host {k}:\n{}",
             run.stderr
         );
     }
+    assert_recorded(
+        "hosts-disagree",
+        &message_block(&runs[1].stderr, "Error: joining"),
+    );
 }
 
 #[test]

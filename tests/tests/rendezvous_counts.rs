@@ -84,8 +84,8 @@ fn ranks_with_different_world_sizes_say_so() {
             });
         let runs = run_together(ranks.collect(), Duration::from_secs(60), |_, _, _| {});
         for (run, expected) in runs.iter().zip([
-            "(rank 0, world size 2): WORLD_SIZE is 2 here but 3 on rank 1: start every rank with the same WORLD_SIZE",
-            "(rank 1, world size 3): WORLD_SIZE is 3 here but 2 on rank 0: start every rank with the same WORLD_SIZE",
+            "(rank 0, world size 2): WORLD_SIZE is 2 here but 3 on rank 1: the ranks disagree on the job's size; start every rank with the same WORLD_SIZE",
+            "(rank 1, world size 3): WORLD_SIZE is 3 here but 2 on rank 0: the ranks disagree on the job's size; start every rank with the same WORLD_SIZE",
         ]) {
             let what = format!("rank {late} late");
             assert_eq!(run.status.code(), Some(1), "{what}: {run:?}");

@@ -146,9 +146,10 @@ impl Remote {
         &self.node
     }
 
-    /// A failure that another node reported, once.
-    pub(super) fn failure_elsewhere(&mut self) -> Option<Failure> {
-        let failure = self.reported.as_ref()?.try_recv().ok()?;
+    /// A failure that another node reported, once; waits up to `wait` for the
+    /// watcher's answer (which comes at once when this node reported first).
+    pub(super) fn failure_elsewhere(&mut self, wait: Duration) -> Option<Failure> {
+        let failure = self.reported.as_ref()?.recv_timeout(wait).ok()?;
         self.reported = None;
         (failure.node_rank != self.node_rank).then_some(failure)
     }

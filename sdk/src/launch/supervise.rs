@@ -11,7 +11,7 @@ use signal_hook::consts::{SIGKILL, SIGTERM};
 use signal_hook::iterator::Signals;
 
 use super::error_file::{self, ErrorDir, ERROR_FILE_ENV};
-use super::remote::Remote;
+use super::remote::{Failure, Remote};
 use super::LaunchConfig;
 use crate::error::{Error, Result};
 
@@ -160,6 +160,14 @@ impl Attempt<'_> {
                 }
             }
             if !failed.is_empty() {
+                // A rank that failed because a rank elsewhere died: name that one too
+                // (the watcher answers within a poll, at once when this node's
+                // failure was the first).
+                if elsewhere.is_none() {
+                    if let Some(failure) = remote.failure_elsewhere(Duration::from_secs(1)) {
+                        announce(config, &failure);
+                    }
+                }
                 let signalled = ranks.stop(SIGTERM, config, signals)?;
                 self.report_root_cause(&failed);
                 return Ok(match signalled {
@@ -170,13 +178,8 @@ impl Attempt<'_> {
             if ranks.all_exited() {
                 return Ok(Outcome::Succeeded);
             }
-            if let Some(failure) = remote.failure_elsewhere() {
-                crate::eprintln_whole!(
-                    "{label}: {line}, as node {node}'s {label} reported; stopping this node's ranks",
-                    label = config.launcher.label(),
-                    line = failure.line,
-                    node = failure.node_rank
-                );
+            if let Some(failure) = remote.failure_elsewhere(Duration::ZERO) {
+                announce(config, &failure);
                 elsewhere = Some(Instant::now() + ELSEWHERE_GRACE);
             }
             if elsewhere.is_some_and(|deadline| Instant::now() >= deadline) {
@@ -218,6 +221,16 @@ impl Attempt<'_> {
             let _ = std::fs::copy(&path, own);
         }
     }
+}
+
+/// Says that another node reported `failure`, and that this node's ranks stop.
+fn announce(config: &LaunchConfig, failure: &Failure) {
+    crate::eprintln_whole!(
+        "{label}: {line}, as node {node}'s {label} reported; stopping this node's ranks",
+        label = config.launcher.label(),
+        line = failure.line,
+        node = failure.node_rank
+    );
 }
 
 /// Starts the rank of `cmd` in a session of its own, as torchrun starts its workers
