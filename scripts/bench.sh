@@ -7,6 +7,8 @@
 #   scripts/bench.sh optim [flags]         the optimizer step alone: tch's, the SDK's implementations
 #                                          (and torch.optim's with --python PYTHON)
 #   scripts/bench.sh zero                  ZeRO stage 1's memory: Adam on 52.5 M parameters, 1/2/4 ranks
+#   scripts/bench.sh multi-node [STEPS]    shakespeare's tokens/s, 1 host × 2 ranks against 2 hosts ×
+#                                          1 rank (network namespaces; root and `ip`)
 #
 # The suite's flags: --only mlp,cnn,transformer,linear200,allreduce --rounds N --scale X
 # --json FILE (see target/release/suite --help). Builds go to $CARGO_TARGET_DIR when set,
@@ -32,6 +34,12 @@ case "$bench" in
     cargo build --release --quiet -p tch-distributed --bin tchrun
     cargo build --release --quiet -p tch-distributed-bench --bin zero
     exec "$TARGET/release/zero" "$@"
+    ;;
+  multi-node)
+    cargo build --release --quiet -p tch-distributed --bin tchrun
+    cargo build --release --quiet -p tch-distributed-examples --example shakespeare
+    exec bench/multi_node.sh "$TARGET/release/tchrun" "$TARGET/release/examples/shakespeare" \
+      "$(tinyshakespeare)" "$@"
     ;;
   *)
     cargo build --release --quiet -p tch-distributed-bench --bin "$bench"
