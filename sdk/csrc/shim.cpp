@@ -172,6 +172,7 @@ int tdc_store_port(tdc_store* store) {
 
 int tdc_store_set(tdc_store* store, const char* key, const uint8_t* data, size_t len) {
   TDC_PROTECT(1, {
+    QuietStoreWarnings quiet;
     store->store->set(key, std::vector<uint8_t>(data, data + len));
     return 0;
   })

@@ -256,6 +256,7 @@ pub fn launch_with_env(
                 )
             }
             Outcome::Failed => {
+                remote.linger();
                 if config.max_restarts > 0 {
                     crate::eprintln_whole!(
                         "{}: no restarts left ({}), giving up",

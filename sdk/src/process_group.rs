@@ -312,10 +312,8 @@ impl ProcessGroup {
                 self.rank
             ),
             None => {
-                let peer = full
-                    .find('[')
-                    .and_then(|i| full[i + 1..].split_once(']'))
-                    .map(|(addr, _)| format!(" at {addr}"))
+                let peer = network::peer_address(full)
+                    .map(|addr| format!(" at {addr}"))
                     .unwrap_or_default();
                 format!(
                     "a peer{peer} closed its connection to rank {}: a rank there stopped (it \

@@ -33,8 +33,8 @@ fn repo() -> PathBuf {
         .unwrap()
 }
 
-/// One command line of a `sh` block: where it is, and its words (comments and
-/// leading `VAR=value` assignments removed).
+/// One command line of a `sh` block: where it is, and its words (comments, leading
+/// `VAR=value` assignments and the shell's `&` and `\` removed).
 struct Line {
     at: String,
     words: Vec<String>,
@@ -72,6 +72,9 @@ fn sh_lines(file: &Path, name: &str) -> Vec<Line> {
                             .all(|c| c == '_' || c.is_ascii_uppercase() || c.is_ascii_digit())
                 })
             })
+            // A trailing `&` (run in the background) or `\` (continued on the next
+            // line) is the shell's, not an argument.
+            .filter(|w| *w != "&" && *w != "\\")
             .map(str::to_string)
             .collect();
         if !words.is_empty() {

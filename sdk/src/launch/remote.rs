@@ -24,6 +24,15 @@ use crate::store::Store;
 pub(crate) const FAILURE_PREFIX: &str = "tchd/failure";
 /// How often a launcher looks for another node's failure.
 const POLL: Duration = Duration::from_millis(200);
+/// How long a launcher that must report a failure tries to reach the store when its
+/// watcher has not yet.
+const REPORT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long one attempt of the watcher to connect waits: short, so that it retries
+/// at its own pace rather than c10d's growing back-off.
+const CONNECT_TRY: Duration = Duration::from_secs(1);
+/// How long node 0's launcher keeps the store, after a failure, for the other nodes'
+/// launchers to read it.
+const LINGER: Duration = Duration::from_secs(5);
 /// How long a launcher keeps trying to reach the store (node 0's launcher may start
 /// later than this one).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1800);
@@ -54,6 +63,16 @@ impl Failure {
 /// This launcher's link to the others for one attempt; does nothing on one node.
 pub(super) struct Remote {
     node_rank: usize,
+    /// Several nodes: only then is there anyone to tell.
+    enabled: bool,
+    nnodes: usize,
+    /// Whether the watcher has reached the store (else nothing can have come).
+    connected: Arc<AtomicBool>,
+    /// Where the store is: node 0's launcher, at `master_addr:port`.
+    master: (String, u16),
+    world_size: usize,
+    /// The attempt's key space for failures.
+    prefix: String,
     /// `node K, ADDRESS`: this node as the others' lines name it.
     node: String,
     /// The store under the attempt's failure prefix, once connected.
@@ -71,6 +90,12 @@ impl Remote {
         let stop = Arc::new(AtomicBool::new(false));
         let mut remote = Remote {
             node_rank: config.node_rank,
+            enabled: config.nnodes > 1,
+            nnodes: config.nnodes,
+            connected: Arc::new(AtomicBool::new(false)),
+            master: (config.master_addr.clone(), port),
+            world_size: config.world_size(),
+            prefix: format!("/worker/attempt_{attempt}/{FAILURE_PREFIX}"),
             node: format!("node {}", config.node_rank),
             store: Arc::clone(&store),
             reported: None,
@@ -87,19 +112,33 @@ impl Remote {
         let (tx, rx) = mpsc::channel();
         remote.reported = Some(rx);
         let (addr, world_size) = (config.master_addr.clone(), config.world_size());
-        let prefix = format!("/worker/attempt_{attempt}/{FAILURE_PREFIX}");
+        let prefix = remote.prefix.clone();
+        let connected = Arc::clone(&remote.connected);
+        let own_node = config.node_rank;
         let spawned = std::thread::Builder::new()
             .name("tchd-remote".into())
             .spawn(move || {
-                let Ok(client) = Store::tcp(&addr, port, world_size, false, CONNECT_TIMEOUT) else {
-                    return;
+                let deadline = std::time::Instant::now() + CONNECT_TIMEOUT;
+                let client = loop {
+                    if stop.load(Ordering::Relaxed) || std::time::Instant::now() > deadline {
+                        return;
+                    }
+                    match Store::tcp(&addr, port, world_size, false, CONNECT_TRY) {
+                        Ok(client) => break client,
+                        Err(_) => std::thread::sleep(POLL),
+                    }
                 };
                 let (Ok(view), Ok(reader)) =
                     (client.with_prefix(&prefix), client.with_prefix(&prefix))
                 else {
                     return;
                 };
-                *store.lock().unwrap_or_else(|e| e.into_inner()) = Some(view);
+                // Unless `report` connected first.
+                store
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get_or_insert(view);
+                connected.store(true, Ordering::Relaxed);
                 while !stop.load(Ordering::Relaxed) {
                     match reader.add("count", 0) {
                         Ok(0) => {}
@@ -107,6 +146,11 @@ impl Remote {
                             if let Some(failure) =
                                 reader.get("first").ok().and_then(|v| Failure::decode(&v))
                             {
+                                // Node 0's launcher keeps the store until all have seen
+                                // it; the reporting node counted itself.
+                                if failure.node_rank != own_node {
+                                    let _ = reader.add("seen", 1);
+                                }
                                 let _ = tx.send(failure);
                             }
                             return;
@@ -126,9 +170,19 @@ impl Remote {
     }
 
     /// Tells the other nodes that `line` happened here, unless a failure was reported
-    /// first (the first one is the job's root cause).
+    /// first (the first one is the job's root cause). Connects first when the
+    /// watcher has not yet (a rank that fails at once), for up to [`REPORT_TIMEOUT`].
     pub(super) fn report(&self, line: &str) {
-        let guard = self.store.lock().unwrap_or_else(|e| e.into_inner());
+        if !self.enabled {
+            return;
+        }
+        let mut guard = self.store.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.is_none() {
+            let (addr, port) = (&self.master.0, self.master.1);
+            *guard = Store::tcp(addr, port, self.world_size, false, REPORT_TIMEOUT)
+                .and_then(|client| client.with_prefix(&self.prefix))
+                .ok();
+        }
         let Some(store) = guard.as_ref() else {
             return;
         };
@@ -138,6 +192,7 @@ impl Remote {
         };
         if let Ok(1) = store.add("count", 1) {
             let _ = store.set("first", &failure.encode());
+            let _ = store.add("seen", 1);
         }
     }
 
@@ -149,9 +204,37 @@ impl Remote {
     /// A failure that another node reported, once; waits up to `wait` for the
     /// watcher's answer (which comes at once when this node reported first).
     pub(super) fn failure_elsewhere(&mut self, wait: Duration) -> Option<Failure> {
+        if !self.connected.load(Ordering::Relaxed) {
+            return None;
+        }
         let failure = self.reported.as_ref()?.recv_timeout(wait).ok()?;
         self.reported = None;
         (failure.node_rank != self.node_rank).then_some(failure)
+    }
+}
+
+impl Remote {
+    /// On node 0, whose launcher hosts the store, after a failure was reported: waits,
+    /// up to [`LINGER`], until every node's launcher has read it, so that the store
+    /// does not go away with this launcher before the others learn why to stop.
+    pub(super) fn linger(&self) {
+        if !self.enabled || self.node_rank != 0 {
+            return;
+        }
+        let guard = self.store.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(store) = guard.as_ref() else {
+            return;
+        };
+        if !matches!(store.add("count", 0), Ok(n) if n > 0) {
+            return;
+        }
+        let deadline = std::time::Instant::now() + LINGER;
+        while std::time::Instant::now() < deadline {
+            match store.add("seen", 0) {
+                Ok(seen) if seen < self.nnodes as i64 => std::thread::sleep(POLL),
+                _ => return,
+            }
+        }
     }
 }
 

@@ -154,10 +154,10 @@ pub(crate) fn connect_failure(
             .is_some_and(|a| !a.ip().is_loopback());
     let cause = match remote.parse::<SocketAddr>() {
         Ok(peer) if peer.ip().is_loopback() && multi_host => format!(
-            "that is a loopback address: a rank on another host advertised it, because its \
-             Gloo device bound the address its hostname resolves to (/etc/hosts maps it to \
-             loopback). Set {GLOO_IFNAME}=<interface> on that host, the interface that \
-             reaches the others (`ip route get <MASTER_ADDR>` names it), or run it with \
+            "that is a loopback address: a rank on another host advertised it (PyTorch's \
+             default where the hostname resolves to loopback, or {GLOO_IFNAME}=lo there). \
+             Set {GLOO_IFNAME}=<interface> on that host, the interface that reaches the \
+             others (`ip route get <MASTER_ADDR>` names it), or leave it unset under \
              tch-distributed, which binds the route to the master"
         ),
         _ => format!(
@@ -167,6 +167,19 @@ pub(crate) fn connect_failure(
         ),
     };
     format!("rank {rank} could not connect to a peer at {remote}: {cause}.\n{message}")
+}
+
+/// The address in the last `[ADDR]:PORT` of Gloo's `text` whose `ADDR` is an IP
+/// address (`Connection closed by peer [10.0.0.2]:37602`; the file names in
+/// `[…/pair.cc:547]` are not).
+pub(crate) fn peer_address(text: &str) -> Option<IpAddr> {
+    text.match_indices(']')
+        .filter_map(|(end, _)| {
+            let start = text[..end].rfind('[')?;
+            text[end + 1..].starts_with(':').then_some(())?;
+            text[start + 1..end].parse::<IpAddr>().ok()
+        })
+        .last()
 }
 
 /// `ADDR:PORT` from Gloo's `remote=[ADDR]:PORT`.
@@ -289,6 +302,10 @@ mod tests {
             Some("[::1]:80")
         );
         assert_eq!(remote_address("no peer here"), None);
+        let closed = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:538] Read error \
+                      [10.77.0.2]:2199: Connection reset by peer";
+        assert_eq!(peer_address(closed), Some(IpAddr::from([10, 77, 0, 2])));
+        assert_eq!(peer_address("[/a/pair.cc:538] no address"), None);
     }
 
     #[test]
