@@ -82,7 +82,8 @@ fn an_unreachable_rendezvous_address_fails_within_the_timeout_and_names_it() {
         &run,
         &[
             "Error: joining the process group: rendezvous at 192.0.2.1:29577 failed (rank 1, world size 2)",
-            "are MASTER_ADDR/MASTER_PORT the same on every rank?",
+            "could not reach the rendezvous store at 192.0.2.1:29577 within 3 s",
+            "do MASTER_ADDR and MASTER_PORT (--master-addr, --master-port) name it on every host?",
         ],
     );
     // The 3 s timeout bounds the wait (the default is 30 minutes); the rest is
