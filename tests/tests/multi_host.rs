@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use tch_distributed_tests::hosts::Hosts;
 use tch_distributed_tests::{
-    compare, example, run_tchrun, run_together, run_with, scratch_dir, skip, torchrun, Run,
+    compare, example, run_together, run_with, scratch_dir, skip, torchrun, Run,
 };
 
 #[path = "support/macro_reference.rs"]
@@ -134,13 +134,14 @@ fn the_main_job_trains_on_two_hosts_and_equals_four_ranks_on_one() {
     // The same job, 4 ranks on one host.
     let one = host_dir(&dir, 9);
     let checkpoint = one.join("model.safetensors");
-    let args: Vec<String> = ["--nproc-per-node", "4", shakespeare.to_str().unwrap()]
-        .map(String::from)
-        .into_iter()
-        .chain(shakespeare_args(&text, &checkpoint))
-        .collect();
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    run_tchrun(&one, &args, TIMEOUT, |_, _| {}).assert_success();
+    let mut cmd = Command::new(tch_distributed_tests::tchrun());
+    cmd.args(["--nproc-per-node", "4"])
+        .arg(&shakespeare)
+        .args(shakespeare_args(&text, &checkpoint))
+        .env_remove("TCH_DISTRIBUTED_NPROC")
+        // Its run directory (runs/shakespeare) goes there too.
+        .current_dir(&one);
+    run_with(cmd, &one, TIMEOUT, |_, _| {}).assert_success();
     let diff = compare::files(&dir.join("host0/model.safetensors"), &checkpoint);
     assert!(diff.elements > 0, "{diff:?}");
     diff.assert_within(1e-6, "2 hosts × 2 ranks against 1 host × 4 ranks");
