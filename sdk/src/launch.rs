@@ -1,10 +1,11 @@
-//! Single-node process launcher behind the `tchrun` binary.
+//! The process launcher behind the `tchrun` binary, one per node.
 //!
-//! Mirrors `torchrun`'s single-node behaviour: start `nproc_per_node` copies of
-//! a program with the torchrun environment (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`,
-//! `MASTER_ADDR`, `MASTER_PORT`, ...), supervise them, stop all ranks as soon
-//! as one fails, and forward `SIGINT`/`SIGTERM` to the ranks; with
-//! `max_restarts`, start them all again after a failure (`restart`).
+//! Mirrors `torchrun`'s behaviour: host the job's rendezvous store (node 0), start
+//! `nproc_per_node` copies of a program with the torchrun environment (`RANK`,
+//! `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, ...), supervise them,
+//! stop all ranks as soon as one fails (here, or on another node: `remote`), and
+//! forward `SIGINT`/`SIGTERM` to the ranks; with `max_restarts`, start them all
+//! again after a failure (`restart`).
 //!
 //! `supervise`: one attempt (start the ranks, watch them, stop them);
 //! `restart`: the rendezvous that every attempt meets at; `remote`: what the
@@ -42,10 +43,11 @@ pub struct LaunchConfig {
     pub nnodes: usize,
     /// This node's index in `0..nnodes` (`--node-rank`).
     pub node_rank: usize,
-    /// Host or IP address of the node where rank 0 runs (`--master-addr`).
+    /// Host or IP address of node 0, where rank 0 runs and whose launcher hosts the
+    /// job's store (`--master-addr`).
     pub master_addr: String,
-    /// TCP port rank 0 listens on (`--master-port`); 0 picks a free port on a
-    /// single node and is an error when `nnodes > 1`.
+    /// TCP port of the job's store (`--master-port`); 0 has the store bind a free
+    /// port on a single node and is an error when `nnodes > 1`.
     pub master_port: u16,
     /// How long ranks get to exit after `SIGTERM` (or a forwarded signal)
     /// before they are sent `SIGKILL`.

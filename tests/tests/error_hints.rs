@@ -172,3 +172,34 @@ fn an_autograd_error_inside_a_synchronized_backward_is_not_a_timeout() {
     assert!(!run.stderr.contains("timed out"), "{}", run.stderr);
     assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
 }
+
+#[test]
+fn variables_created_after_the_optimizer_are_refused_on_several_ranks() {
+    let dir = scratch_dir("hint-late");
+    let run = run_tchrun(
+        &dir,
+        &["--nproc-per-node", "2", WORKER, "late"],
+        TIMEOUT,
+        |_, _| {},
+    );
+    assert!(!run.status.success(), "{run:?}");
+    assert!(!run.stdout.contains("step 1"), "{}", run.stdout);
+    assert!(
+        run.stderr.contains(
+            "2 trainable variable(s) were created on the VarStore after its optimizer was \
+             built (head.bias, head.weight): DistributedDataParallel averages the gradients of the variables that \
+             existed when it wrapped the model, so these would train apart on each rank. \
+             Build the whole model before the optimizer"
+        ),
+        "{}",
+        run.stderr
+    );
+    assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
+    // One process has no DDP to bypass: tch's behaviour, the layer joins and trains.
+    // (Rank 0 names the same variables as rank 1: the names are sorted.)
+    let mut alone = std::process::Command::new(WORKER);
+    without_launcher(&mut alone).arg("late");
+    let alone = run_with(alone, &dir, TIMEOUT, |_, _| {});
+    alone.assert_success();
+    assert!(alone.stdout.contains("step 1"), "{}", alone.stdout);
+}

@@ -167,3 +167,18 @@ fn copy_dir(from: &Path, to: &Path) {
         std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
     }
 }
+
+#[test]
+fn zero_in_a_world_of_one_shards_nothing() {
+    // As ZeroRedundancyOptimizer on one rank: the whole state stays with the one rank,
+    // and a checkpoint keeps it in `optimizer.safetensors`, not in shards.
+    let ctx = tch_distributed::init().unwrap();
+    assert_eq!(ctx.world_size(), 1);
+    let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    let _layer = tch::nn::linear(vs.root(), 2, 2, Default::default());
+    let opt = tch_distributed::Optimizer::new(&tch::nn::Adam::default(), &vs, 0.01)
+        .unwrap()
+        .zero(1)
+        .unwrap();
+    assert_eq!(opt.zero_stage(), None);
+}

@@ -141,7 +141,8 @@ struct Settings {
     #[arg(long, alias = "master_addr", value_name = "ADDR")]
     master_addr: Option<String>,
 
-    /// Port rank 0 listens on; 0 picks a free port (single node only) [env:
+    /// Port of the job's rendezvous store, which node 0's tchrun hosts; 0 picks a
+    /// free port (single node only) [env:
     /// TCH_DISTRIBUTED_MASTER_PORT] [default: 0].
     #[arg(long, alias = "master_port", value_name = "PORT")]
     master_port: Option<u16>,

@@ -10,7 +10,9 @@
 //! ([`ProcessGroup`](crate::ProcessGroup)'s errors).
 //!
 //! The first failure reported wins (an atomic counter decides), so every host names
-//! the same root cause.
+//! the same root cause. Node 0's launcher, which hosts the store, keeps it (up to
+//! [`LINGER`]) until every node's launcher has read the failure, so that none misses
+//! it because the store went away first.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver};

@@ -176,7 +176,7 @@ impl Optimizer {
             cycle_complete: false,
             scaler: None,
         };
-        opt.add_missing_variables();
+        opt.add_missing_variables()?;
         Ok(opt)
     }
 
@@ -263,7 +263,10 @@ impl Optimizer {
         self.state.iter().flatten().map(ParamState::bytes).sum()
     }
 
-    /// Steps through `ddp`: backward steps all-reduce the gradients first.
+    /// Steps through `ddp`: backward steps all-reduce the gradients first. Over several
+    /// ranks, trainable variables created on the store after this point are an error
+    /// ([`Error::Config`]) at the optimizer's next call: DDP would not average their
+    /// gradients.
     pub fn distributed(mut self, ddp: DistributedDataParallel) -> Self {
         self.ddp = Some(ddp);
         self
@@ -326,10 +329,39 @@ impl Optimizer {
 
     /// Variables created after the optimizer join it, as in tch: in the store's order,
     /// each in its group (new groups start from the defaults).
-    fn add_missing_variables(&mut self) {
+    ///
+    /// Errors with [`Error::Config`] when it steps through DDP over several ranks:
+    /// DDP averages the gradients of the variables that existed when it wrapped the
+    /// model, so new ones would train apart on each rank.
+    fn add_missing_variables(&mut self) -> Result<()> {
         let added = {
             let v = self.variables.lock().expect("variable store lock");
             let before = self.params.len();
+            let new = v.trainable_variables.len().saturating_sub(before);
+            let distributed = self
+                .ddp
+                .as_ref()
+                .is_some_and(|d| d.process_group().world_size() > 1);
+            if new > 0 && distributed {
+                let late: std::collections::HashSet<usize> = v.trainable_variables[before..]
+                    .iter()
+                    .map(|var| var.tensor.data_ptr() as usize)
+                    .collect();
+                let mut names: Vec<&str> = v
+                    .named_variables
+                    .iter()
+                    .filter(|(_, t)| late.contains(&(t.data_ptr() as usize)))
+                    .map(|(n, _)| n.as_str())
+                    .collect();
+                names.sort_unstable();
+                return Err(Error::Config(format!(
+                    "{new} trainable variable(s) were created on the VarStore after its \
+                     optimizer was built ({}): DistributedDataParallel averages the gradients \
+                     of the variables that existed when it wrapped the model, so these would \
+                     train apart on each rank. Build the whole model before the optimizer",
+                    names.join(", ")
+                )));
+            }
             for var in v.trainable_variables.iter().skip(before) {
                 while self.groups.len() <= var.group {
                     self.groups.push(self.defaults);
@@ -343,6 +375,7 @@ impl Optimizer {
         if added {
             self.repartition();
         }
+        Ok(())
     }
 
     /// Zeroes (sets to none) the gradients of the tracked variables; in the middle of
@@ -351,7 +384,7 @@ impl Optimizer {
         if self.micro_step > 0 {
             return Ok(());
         }
-        self.add_missing_variables();
+        self.add_missing_variables()?;
         let ptrs = ffi::tensors(&self.params);
         ffi::check_text(unsafe { ffi::tdc_zero_grad(ptrs.as_ptr(), ptrs.len() as i32) })
             .map_err(|t| Error::Torch(t.message()))
@@ -360,7 +393,7 @@ impl Optimizer {
     /// One update of the parameters from their gradients (those without a gradient
     /// are left alone, as in tch).
     fn update(&mut self) -> Result<()> {
-        self.add_missing_variables();
+        self.add_missing_variables()?;
         let owned = self.zero.as_ref().map(zero::Zero::owned);
         kernels::update(
             &self.params,
@@ -468,7 +501,7 @@ impl Optimizer {
     ///
     /// Errors: those of [`DistributedDataParallel::backward`], or [`Error::Torch`].
     pub fn backward(&mut self, loss: &Tensor) -> Result<bool> {
-        self.add_missing_variables();
+        self.add_missing_variables()?;
         let last = self.is_sync_step();
         let divided;
         let mut loss = if self.accumulation_steps > 1 {
@@ -540,7 +573,7 @@ impl Optimizer {
     ///
     /// Errors with [`Error::Config`] when there is no such group.
     fn group_mut(&mut self, group: usize) -> Result<&mut Group> {
-        self.add_missing_variables();
+        self.add_missing_variables()?;
         let count = self.groups.len();
         self.groups.get_mut(group).ok_or_else(|| {
             Error::Config(format!(
@@ -551,16 +584,16 @@ impl Optimizer {
     }
 
     /// Sets an option of the defaults (for groups made later) and of every group.
-    fn set_all(&mut self, set: impl Fn(&mut Group)) {
-        self.add_missing_variables();
+    fn set_all(&mut self, set: impl Fn(&mut Group)) -> Result<()> {
+        self.add_missing_variables()?;
         set(&mut self.defaults);
         self.groups.iter_mut().for_each(set);
+        Ok(())
     }
 
     /// Sets the learning rate of every parameter group.
     pub fn set_lr(&mut self, lr: f64) -> Result<()> {
-        self.set_all(|g| g.lr = lr);
-        Ok(())
+        self.set_all(|g| g.lr = lr)
     }
 
     /// Sets the learning rate of parameter group `group`.
@@ -574,8 +607,7 @@ impl Optimizer {
     /// Sets the momentum of every parameter group, as tch's `set_momentum`: SGD's and
     /// RMSprop's momentum, Adam's and AdamW's first beta.
     pub fn set_momentum(&mut self, momentum: f64) -> Result<()> {
-        self.set_all(|g| g.algorithm.set_momentum(momentum));
-        Ok(())
+        self.set_all(|g| g.algorithm.set_momentum(momentum))
     }
 
     /// Sets the momentum of parameter group `group` (SGD, RMSprop; Adam's first
@@ -589,8 +621,7 @@ impl Optimizer {
 
     /// Sets the weight decay of every parameter group.
     pub fn set_weight_decay(&mut self, weight_decay: f64) -> Result<()> {
-        self.set_all(|g| g.algorithm.set_weight_decay(weight_decay));
-        Ok(())
+        self.set_all(|g| g.algorithm.set_weight_decay(weight_decay))
     }
 
     /// Sets the weight decay of parameter group `group`, as tch's
@@ -624,7 +655,7 @@ impl Optimizer {
     ///
     /// Errors with [`Error::Config`] when the tensors cannot be serialized.
     pub fn state(&mut self) -> Result<Vec<u8>> {
-        self.add_missing_variables();
+        self.add_missing_variables()?;
         state::to_safetensors(self)
     }
 
@@ -647,7 +678,7 @@ impl Optimizer {
     ///
     /// Errors as [`load_state`](Self::load_state).
     pub fn load_state_shards(&mut self, shards: &[&[u8]]) -> Result<()> {
-        self.add_missing_variables();
+        self.add_missing_variables()?;
         state::from_safetensors(self, shards)?;
         self.repartition();
         Ok(())
@@ -660,7 +691,7 @@ impl Optimizer {
     ///
     /// Errors with [`Error::Config`] when the bytes are not such an archive.
     pub fn load_libtorch_archive(&mut self, bytes: &[u8]) -> Result<()> {
-        self.add_missing_variables();
+        self.add_missing_variables()?;
         state::from_libtorch_archive(self, bytes)
     }
 }

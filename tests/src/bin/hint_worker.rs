@@ -7,6 +7,9 @@
 //! - `hint_worker nograd`: a loss cut from the graph (`detach`), so autograd fails
 //!   inside the first synchronized backward pass: the error is autograd's, not a
 //!   collective timeout.
+//! - `hint_worker late`: a layer created after the optimizer (tch lets it join the
+//!   optimizer at its first step; DDP, which wrapped the model at the optimizer's
+//!   build, would not average its gradients): on several ranks, an error that says so.
 //! - `hint_worker hello`: prints `hello from rank R of W` (for launch-environment
 //!   errors, which stop it before that).
 //!
@@ -50,6 +53,19 @@ fn nograd() -> anyhow::Result<()> {
 }
 
 #[tch_distributed::distributed]
+fn late() -> anyhow::Result<()> {
+    let vs = nn::VarStore::new(Device::cuda_if_available());
+    let first = nn::linear(vs.root() / "first", 2, 2, Default::default());
+    let mut opt = nn::Sgd::default().build(&vs, 0.1)?;
+    let head = nn::linear(vs.root() / "head", 2, 1, Default::default());
+    let x = Tensor::ones([4, 2], (Kind::Float, vs.device()));
+    let loss = head.forward(&first.forward(&x)).mean(Kind::Float);
+    opt.backward_step(&loss);
+    println!("step 1");
+    Ok(())
+}
+
+#[tch_distributed::distributed]
 fn hello() -> anyhow::Result<()> {
     let ctx = tch_distributed::current().expect("joined");
     println!("hello from rank {} of {}", ctx.rank(), ctx.world_size());
@@ -62,6 +78,7 @@ fn main() -> anyhow::Result<()> {
         Some("unused") => unused(),
         Some("unused-found") => unused_found(),
         Some("nograd") => nograd(),
+        Some("late") => late(),
         Some("hello") => hello(),
         other => anyhow::bail!("unknown mode {other:?}"),
     }
