@@ -253,6 +253,36 @@ fn clip_grad_norm_scales_by_max_over_the_norm_plus_1e_6() {
 }
 
 #[test]
+fn backward_step_clip_norm_is_the_sgd_step_on_the_clipped_gradient() {
+    let _serial = one_at_a_time();
+    let f = Fixture::new();
+    let (lr, max) = (0.1, 0.1);
+    let start = f.params();
+    // The gradient from autograd on a copy, its global norm, PyTorch's coefficient.
+    let grad = Fixture::gradient_at(&start);
+    let total = grad
+        .iter()
+        .map(|(_, g)| {
+            g.to_kind(Kind::Double)
+                .square()
+                .sum(Kind::Double)
+                .double_value(&[])
+        })
+        .sum::<f64>()
+        .sqrt();
+    let coef = max / (total + 1e-6);
+    assert!(
+        coef < 0.5,
+        "the fixture's gradient is clipped: norm {total}"
+    );
+    let mut opt = f.sgd(0.0, lr);
+    let stepped = opt.backward_step_clip_norm(&f.loss(), max).unwrap();
+    assert!(stepped, "no accumulation: every call steps");
+    let expected = axpy(&start, -lr * coef, &grad);
+    assert_close("p − lr·coef·g", &f.params(), &expected);
+}
+
+#[test]
 fn options_that_libtorch_rejects_are_an_error_with_its_reason() {
     let _serial = one_at_a_time();
     let f = Fixture::new();
