@@ -283,6 +283,44 @@ fn backward_step_clip_norm_is_the_sgd_step_on_the_clipped_gradient() {
 }
 
 #[test]
+fn the_group_setters_change_their_own_group_only() {
+    let _serial = one_at_a_time();
+    let within = |ours: &[(String, Tensor)], expected: &[(String, Tensor)], group: &str| {
+        *compare::named_where(ours, expected, |n| n.starts_with(group))
+            .assert_within(TOLERANCE, group)
+    };
+
+    // set_momentum_group(1, 0.5): the body (group 0) keeps 0.9, the head takes 0.5.
+    let f = Fixture::new();
+    let (p0, g0) = (f.params(), Fixture::gradient_at(&f.params()));
+    let mut opt = f.sgd(0.9, 0.1);
+    opt.backward_step(&f.loss()).unwrap();
+    let p1 = f.params();
+    let g1 = Fixture::gradient_at(&p1);
+    opt.set_momentum_group(1, 0.5).unwrap();
+    opt.backward_step(&f.loss()).unwrap();
+    let kept = axpy(&p1, -0.1, &axpy(&g1, 0.9, &g0));
+    let changed = axpy(&p1, -0.1, &axpy(&g1, 0.5, &g0));
+    within(&f.params(), &kept, "body.");
+    within(&f.params(), &changed, "head.");
+    let apart = compare::named_where(&kept, &changed, |n| n.starts_with("head."));
+    assert!(apart.max_abs > 100.0 * TOLERANCE, "{apart:?}");
+
+    // set_weight_decay_group(1, 0.5): SGD's gradient becomes g + 0.5·p in the head.
+    let f = Fixture::new();
+    let (p0, g0) = (f.params(), Fixture::gradient_at(&f.params()));
+    let mut opt = f.sgd(0.0, 0.1);
+    opt.set_weight_decay_group(1, 0.5).unwrap();
+    opt.backward_step(&f.loss()).unwrap();
+    let plain = axpy(&p0, -0.1, &g0);
+    let decayed = axpy(&p0, -0.1, &axpy(&g0, 0.5, &p0));
+    within(&f.params(), &plain, "body.");
+    within(&f.params(), &decayed, "head.");
+    let apart = compare::named_where(&plain, &decayed, |n| n.starts_with("head."));
+    assert!(apart.max_abs > 100.0 * TOLERANCE, "{apart:?}");
+}
+
+#[test]
 fn options_that_libtorch_rejects_are_an_error_with_its_reason() {
     let _serial = one_at_a_time();
     let f = Fixture::new();
