@@ -179,10 +179,9 @@ impl LaunchConfig {
 ///
 /// # Errors
 /// - [`Error::Config`] when the configuration is invalid (see
-///   [`LaunchConfig::validate`]) or `program` is empty, or, with restarts, when the
+///   [`LaunchConfig::validate`]) or `program` is empty, or, on node 0, when the
 ///   store cannot be hosted (the port is taken).
-/// - [`Error::Io`] when no free port can be picked, the signal handlers cannot
-///   be installed, a rank cannot be started (already started ranks are
+/// - [`Error::Io`] when the signal handlers cannot be installed, a rank cannot be started (already started ranks are
 ///   stopped first), or a rank's status cannot be read.
 pub fn launch(config: &LaunchConfig, program: &OsStr, args: &[OsString]) -> Result<i32> {
     launch_with_env(config, program, args, &[])

@@ -182,10 +182,7 @@ impl ProcessGroup {
         };
         let nccl = backend == Backend::Nccl;
         let gloo = GlooAddress::choose(std::env::var(network::GLOO_IFNAME).ok(), store.endpoint())
-            .map_err(|e| match e {
-                Error::Rendezvous { message, .. } => rendezvous_error(message),
-                other => other,
-            })?;
+            .map_err(rendezvous_error)?;
         if let (true, Some(name)) = (nccl, gloo.route_interface()) {
             if std::env::var_os(network::NCCL_IFNAME).is_none() {
                 // Read by NCCL's bootstrap when the backend below starts; nothing else
@@ -209,9 +206,8 @@ impl ProcessGroup {
                 address.as_ptr(),
             )
         };
-        let raw = ffi::check_ptr(raw).map_err(|text| {
-            rendezvous_error(network::connect_failure(rank, &text, &gloo, store))
-        })?;
+        let raw = ffi::check_ptr(raw)
+            .map_err(|text| rendezvous_error(network::connect_failure(rank, &text, store)))?;
         Ok(ProcessGroup {
             shared: Arc::new(Shared {
                 progress,
@@ -312,8 +308,8 @@ impl ProcessGroup {
                 self.rank
             ),
             None => {
-                let peer = network::peer_address(full)
-                    .map(|addr| format!(" at {addr}"))
+                let peer = network::peer_endpoint(full)
+                    .map(|peer| format!(" at {}", peer.ip()))
                     .unwrap_or_default();
                 format!(
                     "a peer{peer} closed its connection to rank {}: a rank there stopped (it \

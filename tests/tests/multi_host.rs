@@ -63,6 +63,18 @@ fn host_dir(dir: &Path, k: usize) -> std::path::PathBuf {
     path
 }
 
+/// `command(k, out)` on both hosts at once, each in a folder `out` of its own under
+/// `dir`.
+fn on_both_hosts(dir: &Path, command: impl Fn(usize, &Path) -> Command) -> Vec<Run> {
+    let runs = (0..2)
+        .map(|k| {
+            let out = host_dir(dir, k);
+            (command(k, &out), out)
+        })
+        .collect();
+    run_together(runs, TIMEOUT, |_, _, _| {})
+}
+
 /// Text for the main job: small, so that a few steps on 4 ranks stay quick.
 fn write_text(dir: &Path) -> std::path::PathBuf {
     let path = dir.join("input.txt");
@@ -106,18 +118,14 @@ fn the_main_job_trains_on_two_hosts_and_equals_four_ranks_on_one() {
     let dir = scratch_dir("mh-main");
     let text = write_text(&dir);
     let shakespeare = example("shakespeare");
-    let runs = (0..2)
-        .map(|k| {
-            let mut cmd = tchrun_on(&hosts, k, 2, 2, shakespeare.to_str().unwrap());
-            let out = host_dir(&dir, k);
-            cmd.args(shakespeare_args(&text, &out.join("model.safetensors")))
-                .current_dir(&out);
-            (cmd, out)
-        })
-        .collect();
-    let [node0, node1]: [Run; 2] = run_together(runs, TIMEOUT, |_, _, _| {})
-        .try_into()
-        .unwrap();
+    let [node0, node1]: [Run; 2] = on_both_hosts(&dir, |k, out| {
+        let mut cmd = tchrun_on(&hosts, k, 2, 2, shakespeare.to_str().unwrap());
+        cmd.args(shakespeare_args(&text, &out.join("model.safetensors")))
+            .current_dir(out);
+        cmd
+    })
+    .try_into()
+    .unwrap();
     node0.assert_success();
     node1.assert_success();
     // Rank 0 found the interface from its route to the master, and says so.
@@ -260,15 +268,12 @@ fn hosts_that_disagree_on_nnodes_are_refused() {
     let Some(hosts) = hosts(2) else { return };
     let dir = scratch_dir("mh-nnodes");
     let d = dir.to_str().unwrap().to_string();
-    let runs = (0..2)
-        .map(|k| {
-            // Host 1 was told there are 3 nodes.
-            let mut cmd = tchrun_on(&hosts, k, 2 + k, 1, MACRO_WORKER);
-            cmd.args([&d, "10"]).env("TCH_DISTRIBUTED_TIMEOUT", "20");
-            (cmd, host_dir(&dir, k))
-        })
-        .collect();
-    let runs = run_together(runs, TIMEOUT, |_, _, _| {});
+    let runs = on_both_hosts(&dir, |k, _| {
+        // Host 1 was told there are 3 nodes.
+        let mut cmd = tchrun_on(&hosts, k, 2 + k, 1, MACRO_WORKER);
+        cmd.args([&d, "10"]).env("TCH_DISTRIBUTED_TIMEOUT", "20");
+        cmd
+    });
     for (k, run) in runs.iter().enumerate() {
         assert_eq!(run.status.code(), Some(1), "host {k}: {run:?}");
         assert!(
@@ -292,32 +297,28 @@ fn torchrun_runs_the_same_binary_across_two_hosts() {
     // Without PyTorch the test is recorded as skipped (a failure under CI=true).
     let Some(torchrun) = torchrun() else { return };
     let dir = scratch_dir("mh-torchrun");
-    let runs = (0..2)
-        .map(|k| {
-            let out = host_dir(&dir, k);
-            let mut cmd = hosts.command(k, torchrun.get_program());
-            cmd.args(torchrun.get_args())
-                .envs(
-                    torchrun
-                        .get_envs()
-                        .filter_map(|(key, value)| Some((key, value?))),
-                )
-                .args(["--nnodes", "2", "--node-rank", &k.to_string()])
-                .args(["--nproc-per-node", "1", "--master-addr", &hosts.addr(0)])
-                .args([
-                    "--master-port",
-                    PORT,
-                    "--no-python",
-                    WORKER,
-                    "train",
-                    "--out",
-                ])
-                .arg(&out)
-                .env_remove("GLOO_SOCKET_IFNAME");
-            (cmd, out)
-        })
-        .collect();
-    let runs = run_together(runs, TIMEOUT, |_, _, _| {});
+    let runs = on_both_hosts(&dir, |k, out| {
+        let mut cmd = hosts.command(k, torchrun.get_program());
+        cmd.args(torchrun.get_args())
+            .envs(
+                torchrun
+                    .get_envs()
+                    .filter_map(|(key, value)| Some((key, value?))),
+            )
+            .args(["--nnodes", "2", "--node-rank", &k.to_string()])
+            .args(["--nproc-per-node", "1", "--master-addr", &hosts.addr(0)])
+            .args([
+                "--master-port",
+                PORT,
+                "--no-python",
+                WORKER,
+                "train",
+                "--out",
+            ])
+            .arg(&out)
+            .env_remove("GLOO_SOCKET_IFNAME");
+        cmd
+    });
     for (k, run) in runs.iter().enumerate() {
         run.assert_success();
         for line in [
@@ -340,27 +341,24 @@ fn a_slurm_job_step_spans_two_hosts() {
     let d = dir.to_str().unwrap().to_string();
     // One task per node, as `srun -N2 --ntasks-per-node=1` starts them; job 71234
     // puts the store on port 15000 + 1234.
-    let runs = (0..2)
-        .map(|k| {
-            let mut cmd = hosts.command(k, MACRO_WORKER);
-            let task = k.to_string();
-            cmd.args([&d, "30"])
-                .envs([
-                    ("SLURM_PROCID", task.as_str()),
-                    ("SLURM_LOCALID", "0"),
-                    ("SLURM_NODEID", task.as_str()),
-                    ("SLURM_STEP_NUM_TASKS", "2"),
-                    ("SLURM_STEP_TASKS_PER_NODE", "1(x2)"),
-                    ("SLURM_STEP_NODELIST", "10.77.0.1,10.77.0.2"),
-                    ("SLURM_JOB_ID", "71234"),
-                    ("OMP_NUM_THREADS", "1"),
-                ])
-                .env_remove("GLOO_SOCKET_IFNAME")
-                .env_remove("TCH_DISTRIBUTED_NPROC");
-            (cmd, host_dir(&dir, k))
-        })
-        .collect();
-    let runs = run_together(runs, TIMEOUT, |_, _, _| {});
+    let runs = on_both_hosts(&dir, |k, _| {
+        let mut cmd = hosts.command(k, MACRO_WORKER);
+        let task = k.to_string();
+        cmd.args([&d, "30"])
+            .envs([
+                ("SLURM_PROCID", task.as_str()),
+                ("SLURM_LOCALID", "0"),
+                ("SLURM_NODEID", task.as_str()),
+                ("SLURM_STEP_NUM_TASKS", "2"),
+                ("SLURM_STEP_TASKS_PER_NODE", "1(x2)"),
+                ("SLURM_STEP_NODELIST", "10.77.0.1,10.77.0.2"),
+                ("SLURM_JOB_ID", "71234"),
+                ("OMP_NUM_THREADS", "1"),
+            ])
+            .env_remove("GLOO_SOCKET_IFNAME")
+            .env_remove("TCH_DISTRIBUTED_NPROC");
+        cmd
+    });
     for run in &runs {
         run.assert_success();
     }
@@ -388,16 +386,13 @@ fn ranks_that_advertise_loopback_to_another_host_are_told_the_fix() {
     // soon as one side reaches the other, so one host on loopback is not enough.)
     let dir = scratch_dir("mh-loopback");
     let d = dir.to_str().unwrap().to_string();
-    let runs = (0..2)
-        .map(|k| {
-            let mut cmd = tchrun_on(&hosts, k, 2, 1, MACRO_WORKER);
-            cmd.args([&d, "10"])
-                .env("TCH_DISTRIBUTED_TIMEOUT", "5")
-                .env("GLOO_SOCKET_IFNAME", "lo");
-            (cmd, host_dir(&dir, k))
-        })
-        .collect();
-    let runs = run_together(runs, TIMEOUT, |_, _, _| {});
+    let runs = on_both_hosts(&dir, |k, _| {
+        let mut cmd = tchrun_on(&hosts, k, 2, 1, MACRO_WORKER);
+        cmd.args([&d, "10"])
+            .env("TCH_DISTRIBUTED_TIMEOUT", "5")
+            .env("GLOO_SOCKET_IFNAME", "lo");
+        cmd
+    });
     for (k, run) in runs.iter().enumerate() {
         assert_eq!(run.status.code(), Some(1), "host {k}: {run:?}");
         assert_no_raw_text(&run.stderr);

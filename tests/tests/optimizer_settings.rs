@@ -116,6 +116,20 @@ fn axpy(a: &[(String, Tensor)], scale: f64, b: &[(String, Tensor)]) -> Vec<(Stri
         .collect()
 }
 
+/// The gradients' global L2 norm, in f64, as `clip_grad_norm_` computes it.
+fn global_norm(grads: &[(String, Tensor)]) -> f64 {
+    grads
+        .iter()
+        .map(|(_, g)| {
+            g.to_kind(Kind::Double)
+                .square()
+                .sum(Kind::Double)
+                .double_value(&[])
+        })
+        .sum::<f64>()
+        .sqrt()
+}
+
 fn assert_close(
     what: &str,
     ours: &[(String, Tensor)],
@@ -195,19 +209,7 @@ fn clip_grad_norm_scales_by_max_over_the_norm_plus_1e_6() {
     let f = Fixture::new();
     // The loss scaled so that the gradients' norm is about 0.5: the `+ 1e-6` is then a
     // relative 2e-6 of the scale, 10 times the tolerance below.
-    let norm_of = |grads: &[(String, Tensor)]| {
-        grads
-            .iter()
-            .map(|(_, g)| {
-                g.to_kind(Kind::Double)
-                    .square()
-                    .sum(Kind::Double)
-                    .double_value(&[])
-            })
-            .sum::<f64>()
-            .sqrt()
-    };
-    let k = 0.5 / norm_of(&Fixture::gradient_at(&f.params()));
+    let k = 0.5 / global_norm(&Fixture::gradient_at(&f.params()));
     let mut opt = f.sgd(0.0, 0.1);
     opt.zero_grad().unwrap();
     opt.backward(&(f.loss() * k)).unwrap();
@@ -221,7 +223,7 @@ fn clip_grad_norm_scales_by_max_over_the_norm_plus_1e_6() {
         g
     };
     let before = grads();
-    let total = norm_of(&before);
+    let total = global_norm(&before);
     let max = 0.1;
     let norm = opt.clip_grad_norm(max).unwrap();
     assert!(
@@ -242,7 +244,7 @@ fn clip_grad_norm_scales_by_max_over_the_norm_plus_1e_6() {
     // Measured: the f32 rounding of the product, about 1e-7.
     assert!(diff.max_rel <= 2e-7, "clipped gradients: {diff:?}");
     assert!(
-        (norm_of(&grads()) - max).abs() < 1e-6,
+        (global_norm(&grads()) - max).abs() < 1e-6,
         "clipped to the maximum"
     );
 
@@ -260,16 +262,7 @@ fn backward_step_clip_norm_is_the_sgd_step_on_the_clipped_gradient() {
     let start = f.params();
     // The gradient from autograd on a copy, its global norm, PyTorch's coefficient.
     let grad = Fixture::gradient_at(&start);
-    let total = grad
-        .iter()
-        .map(|(_, g)| {
-            g.to_kind(Kind::Double)
-                .square()
-                .sum(Kind::Double)
-                .double_value(&[])
-        })
-        .sum::<f64>()
-        .sqrt();
+    let total = global_norm(&grad);
     let coef = max / (total + 1e-6);
     assert!(
         coef < 0.5,
@@ -292,7 +285,7 @@ fn the_group_setters_change_their_own_group_only() {
 
     // set_momentum_group(1, 0.5): the body (group 0) keeps 0.9, the head takes 0.5.
     let f = Fixture::new();
-    let (p0, g0) = (f.params(), Fixture::gradient_at(&f.params()));
+    let g0 = Fixture::gradient_at(&f.params());
     let mut opt = f.sgd(0.9, 0.1);
     opt.backward_step(&f.loss()).unwrap();
     let p1 = f.params();

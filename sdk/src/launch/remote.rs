@@ -65,8 +65,7 @@ impl Failure {
 /// This launcher's link to the others for one attempt; does nothing on one node.
 pub(super) struct Remote {
     node_rank: usize,
-    /// Several nodes: only then is there anyone to tell.
-    enabled: bool,
+    /// Only with several nodes is there anyone to tell.
     nnodes: usize,
     /// Whether the watcher has reached the store (else nothing can have come).
     connected: Arc<AtomicBool>,
@@ -92,7 +91,6 @@ impl Remote {
         let stop = Arc::new(AtomicBool::new(false));
         let mut remote = Remote {
             node_rank: config.node_rank,
-            enabled: config.nnodes > 1,
             nnodes: config.nnodes,
             connected: Arc::new(AtomicBool::new(false)),
             master: (config.master_addr.clone(), port),
@@ -175,7 +173,7 @@ impl Remote {
     /// first (the first one is the job's root cause). Connects first when the
     /// watcher has not yet (a rank that fails at once), for up to [`REPORT_TIMEOUT`].
     pub(super) fn report(&self, line: &str) {
-        if !self.enabled {
+        if self.nnodes == 1 {
             return;
         }
         let mut guard = self.store.lock().unwrap_or_else(|e| e.into_inner());
@@ -213,14 +211,12 @@ impl Remote {
         self.reported = None;
         (failure.node_rank != self.node_rank).then_some(failure)
     }
-}
 
-impl Remote {
     /// On node 0, whose launcher hosts the store, after a failure was reported: waits,
     /// up to [`LINGER`], until every node's launcher has read it, so that the store
     /// does not go away with this launcher before the others learn why to stop.
     pub(super) fn linger(&self) {
-        if !self.enabled || self.node_rank != 0 {
+        if self.nnodes == 1 || self.node_rank != 0 {
             return;
         }
         let guard = self.store.lock().unwrap_or_else(|e| e.into_inner());

@@ -28,7 +28,7 @@ const STORE_TIMEOUT: Duration = Duration::from_secs(1800);
 /// Where the ranks of every attempt meet.
 pub(super) struct Rendezvous {
     port: u16,
-    /// The store this launcher hosts (node 0 with restarts), kept alive while it runs.
+    /// The store this launcher hosts (on node 0), kept alive while it runs.
     _store: Option<Store>,
 }
 
@@ -37,8 +37,8 @@ impl Rendezvous {
     /// port, bound by the store itself, so no other process can take it first), and
     /// joined by every node's ranks.
     ///
-    /// Errors: [`Error::Io`] when no free port can be picked; [`Error::PortInUse`] or
-    /// [`Error::Rendezvous`] when the store cannot be hosted.
+    /// Errors with [`Error::Config`] when the store cannot be hosted (the port is
+    /// taken, or libtorch's own reason).
     pub(super) fn new(config: &LaunchConfig) -> Result<Rendezvous> {
         if config.node_rank != 0 {
             return Ok(Rendezvous {
@@ -53,19 +53,17 @@ impl Rendezvous {
             true,
             STORE_TIMEOUT,
         )
-        .map_err(|e| {
-            let needs = "the job's rendezvous store";
-            match e {
-                Error::PortInUse { addr, port } => Error::Config(format!(
-                    "port {port} on {addr} is already in use, so {} cannot host {needs}: stop \
-                     the process using it, or pick another --master-port (0 picks a free one)",
-                    config.launcher.label()
-                )),
-                other => Error::Config(format!(
-                    "cannot host {needs} on {}:{}: {other}",
-                    config.master_addr, config.master_port
-                )),
-            }
+        .map_err(|e| match e {
+            Error::PortInUse { addr, port } => Error::Config(format!(
+                "port {port} on {addr} is already in use, so {} cannot host the job's \
+                 rendezvous store: stop the process using it, or pick another --master-port \
+                 (0 picks a free one)",
+                config.launcher.label()
+            )),
+            other => Error::Config(format!(
+                "cannot host the job's rendezvous store on {}:{}: {other}",
+                config.master_addr, config.master_port
+            )),
         })?;
         let port = store.port().unwrap_or(config.master_port);
         Ok(Rendezvous {

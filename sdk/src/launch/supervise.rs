@@ -141,21 +141,16 @@ impl Attempt<'_> {
                 };
                 if !status.success() {
                     failed.push((r.rank, r.local_rank, r.child.id()));
+                    let how = describe_failure(status);
                     crate::eprintln_whole!(
-                        "{}: rank {} (local rank {}, pid {}) {}",
+                        "{}: rank {} (local rank {}, pid {}) {how}",
                         config.launcher.label(),
                         r.rank,
                         r.local_rank,
                         r.child.id(),
-                        describe_failure(status)
                     );
                     if elsewhere.is_none() {
-                        remote.report(&format!(
-                            "rank {} ({}) {}",
-                            r.rank,
-                            remote.node(),
-                            describe_failure(status)
-                        ));
+                        remote.report(&format!("rank {} ({}) {how}", r.rank, remote.node()));
                     }
                 }
             }

@@ -20,8 +20,6 @@ use std::ffi::CStr;
 use std::fmt;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
 
-use crate::error::{Error, Result};
-
 /// The variable that names Gloo's interfaces, as PyTorch reads it.
 pub(crate) const GLOO_IFNAME: &str = "GLOO_SOCKET_IFNAME";
 /// The variable that names NCCL's bootstrap interfaces.
@@ -47,35 +45,31 @@ impl GlooAddress {
     /// The choice for a store at `master` (`host`, `port`; `None` for an in-process
     /// store), with `named` the value of `GLOO_SOCKET_IFNAME`.
     ///
-    /// Errors: [`Error::Rendezvous`] when `master` does not resolve, or no route leads
-    /// to it.
-    pub(crate) fn choose(named: Option<String>, master: Option<(&str, u16)>) -> Result<Self> {
+    /// Errors with the message (for the caller's [`Error::Rendezvous`](crate::Error))
+    /// when `master` does not resolve, or no route leads to it.
+    pub(crate) fn choose(
+        named: Option<String>,
+        master: Option<(&str, u16)>,
+    ) -> Result<Self, String> {
         if let Some(named) = named.filter(|n| !n.trim().is_empty()) {
             return Ok(GlooAddress::Named(named));
         }
         let Some((host, port)) = master else {
             return Ok(GlooAddress::Hostname);
         };
-        let unreachable = |message: String| Error::Rendezvous {
-            addr: host.to_string(),
-            port,
-            rank: None,
-            world_size: 0,
-            message,
-        };
         let master: SocketAddr = (host, port)
             .to_socket_addrs()
-            .map_err(|e| unreachable(format!("MASTER_ADDR {host:?} does not resolve: {e}")))?
+            .map_err(|e| format!("MASTER_ADDR {host:?} does not resolve: {e}"))?
             .next()
-            .ok_or_else(|| unreachable(format!("MASTER_ADDR {host:?} has no address")))?;
+            .ok_or_else(|| format!("MASTER_ADDR {host:?} has no address"))?;
         if master.ip().is_loopback() {
             return Ok(GlooAddress::Hostname);
         }
         let address = route_source(master).map_err(|e| {
-            unreachable(format!(
+            format!(
                 "no route from this host to the master at {master}: {e}; check MASTER_ADDR, \
                  or name the interface that reaches it with {GLOO_IFNAME}=<interface>"
-            ))
+            )
         })?;
         if address.is_loopback() {
             return Ok(GlooAddress::Hostname);
@@ -137,23 +131,18 @@ impl fmt::Display for GlooAddress {
 /// connect to a peer (`remote=[ADDR]:PORT` in libtorch's `text`), which rank tried
 /// which address, the likely cause and the fix; else libtorch's text without C++
 /// frames.
-pub(crate) fn connect_failure(
-    rank: usize,
-    text: &str,
-    gloo: &GlooAddress,
-    store: &crate::store::Store,
-) -> String {
+pub(crate) fn connect_failure(rank: usize, text: &str, store: &crate::store::Store) -> String {
     let message = crate::error::TorchText::new(text).message();
-    let Some(remote) = remote_address(text) else {
+    let Some(remote) = peer_endpoint(text) else {
         return message;
     };
-    let multi_host = matches!(gloo, GlooAddress::Route { .. })
-        || store
-            .endpoint()
-            .and_then(|(host, port)| (host, port).to_socket_addrs().ok()?.next())
-            .is_some_and(|a| !a.ip().is_loopback());
-    let cause = match remote.parse::<SocketAddr>() {
-        Ok(peer) if peer.ip().is_loopback() && multi_host => format!(
+    // Across hosts: the master, which every rank reaches, is not on loopback.
+    let multi_host = store
+        .endpoint()
+        .and_then(|(host, port)| (host, port).to_socket_addrs().ok()?.next())
+        .is_some_and(|a| !a.ip().is_loopback());
+    let cause = match remote {
+        peer if peer.ip().is_loopback() && multi_host => format!(
             "that is a loopback address: a rank on another host advertised it (PyTorch's \
              default where the hostname resolves to loopback, or {GLOO_IFNAME}=lo there). \
              Set {GLOO_IFNAME}=<interface> on that host, the interface that reaches the \
@@ -169,34 +158,23 @@ pub(crate) fn connect_failure(
     format!("rank {rank} could not connect to a peer at {remote}: {cause}.\n{message}")
 }
 
-/// The address in the last `[ADDR]:PORT` of Gloo's `text` whose `ADDR` is an IP
-/// address (`Connection closed by peer [10.0.0.2]:37602`; the file names in
-/// `[…/pair.cc:547]` are not).
-pub(crate) fn peer_address(text: &str) -> Option<IpAddr> {
+/// The last `[ADDR]:PORT` in Gloo's `text` whose `ADDR` is an IP address: the peer of
+/// a failed connection (`remote=[127.0.0.1]:37258`, `Connection closed by peer
+/// [10.0.0.2]:37602`; the file names in `[…/pair.cc:547]` are not).
+pub(crate) fn peer_endpoint(text: &str) -> Option<SocketAddr> {
     text.match_indices(']')
         .filter_map(|(end, _)| {
             let start = text[..end].rfind('[')?;
-            text[end + 1..].starts_with(':').then_some(())?;
-            text[start + 1..end].parse::<IpAddr>().ok()
+            let ip = text[start + 1..end].parse::<IpAddr>().ok()?;
+            let digits = text[end + 1..].strip_prefix(':')?;
+            let port = digits[..digits
+                .find(|c: char| !c.is_ascii_digit())
+                .unwrap_or(digits.len())]
+                .parse()
+                .ok()?;
+            Some(SocketAddr::new(ip, port))
         })
         .last()
-}
-
-/// `ADDR:PORT` from Gloo's `remote=[ADDR]:PORT`.
-fn remote_address(text: &str) -> Option<String> {
-    let rest = &text[text.find("remote=[")? + "remote=[".len()..];
-    let (addr, rest) = rest.split_once(']')?;
-    let port: String = rest
-        .strip_prefix(':')?
-        .chars()
-        .take_while(char::is_ascii_digit)
-        .collect();
-    let addr = if addr.contains(':') {
-        format!("[{addr}]")
-    } else {
-        addr.to_string()
-    };
-    Some(format!("{addr}:{port}"))
 }
 
 /// This host's address towards the master at `host:port` (the local address of the
@@ -296,16 +274,17 @@ mod tests {
     fn gloos_remote_address_is_read_from_its_text() {
         let text = "Gloo connectFullMesh failed with [../third_party/gloo/gloo/transport/tcp/pair.cc:144] \
                     timed out connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:37258";
-        assert_eq!(remote_address(text).as_deref(), Some("127.0.0.1:37258"));
-        assert_eq!(
-            remote_address("remote=[::1]:80 x").as_deref(),
-            Some("[::1]:80")
-        );
-        assert_eq!(remote_address("no peer here"), None);
+        let shown = |text| peer_endpoint(text).map(|a| a.to_string());
+        assert_eq!(shown(text).as_deref(), Some("127.0.0.1:37258"));
+        assert_eq!(shown("remote=[::1]:80 x").as_deref(), Some("[::1]:80"));
+        assert_eq!(shown("no peer here"), None);
         let closed = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:538] Read error \
                       [10.77.0.2]:2199: Connection reset by peer";
-        assert_eq!(peer_address(closed), Some(IpAddr::from([10, 77, 0, 2])));
-        assert_eq!(peer_address("[/a/pair.cc:538] no address"), None);
+        assert_eq!(
+            peer_endpoint(closed).map(|a| a.ip()),
+            Some(IpAddr::from([10, 77, 0, 2]))
+        );
+        assert_eq!(peer_endpoint("[/a/pair.cc:538] no address"), None);
     }
 
     #[test]
