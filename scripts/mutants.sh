@@ -34,6 +34,9 @@ FILE[amp]=sdk/src/amp.rs;                  TESTS[amp]="amp accumulation grad_sca
 FILE[sampler]=sdk/src/data/sampler.rs;     TESTS[sampler]="sampler data shuffles"
 FILE[loader]=sdk/src/data/loader.rs;       TESTS[loader]="data accumulation checkpoint loader_epochs"
 FILE[state]=sdk/src/checkpoint/state.rs;   TESTS[state]="checkpoint grad_scaler preemption"
+# Not in ALL (not the correctness core, and the multi-host tests need root): which
+# address Gloo binds across hosts, and how a failed connection is named.
+FILE[network]=sdk/src/process_group/network.rs; TESTS[network]="multi_host error_hints launch"
 ALL=(ddp optim amp sampler loader state)
 # NAME -> tests of those targets to skip for it (they exercise none of its paths and
 # take long): the preemption-signal runs, which only deliver signals and check a
