@@ -362,15 +362,22 @@ impl<'ast> Visit<'ast> for Walk<'_> {
             "`.{method}{}`",
             if m.args.is_empty() { "()" } else { "(…)" }
         );
-        // An optimizer's step: on the optimizers the analysis knows (an LR
-        // scheduler's or a counter's `step` is not a collective).
+        // An optimizer's step: on a local, only the optimizers the analysis knows (a
+        // local LR scheduler's or counter's `step` is not a collective); on anything
+        // else (`self.opt`, `self.opt.as_mut().unwrap()`, a helper's value), whose
+        // type only the rewrite's probe sees, every `step()`, with a way out for the
+        // types that are not optimizers.
         let step_of_other = method == "step"
-            && !receiver_ident(&m.receiver).is_some_and(|id| self.analysis.trainers.contains(id));
+            && receiver_ident(&m.receiver).is_some_and(|id| !self.analysis.trainers.contains(id));
         match collective(&method, m.args.len()) {
             Some(why) if !step_of_other => {
                 let fix = if method == "save" || method == "load" {
                     "Move it out so that every rank calls it; for a type other than VarStore, \
                      call it as `Type::method(&value, path)`, which #[distributed] leaves alone"
+                } else if method == "step" && receiver_ident(&m.receiver).is_none() {
+                    "Move it out so that every rank calls it; if it is not an optimizer (an LR \
+                     scheduler, a counter), call it as `Type::step(&mut value)`, which \
+                     #[distributed] leaves alone"
                 } else {
                     "Move it out so that every rank calls it"
                 };

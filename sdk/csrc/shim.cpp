@@ -120,12 +120,14 @@ struct QuietStoreWarnings {
 };
 
 tdc_store* tdc_tcp_store_new(
-    const char* host, int port, int world_size, int is_server,
+    const char* host, int port, int world_size, int listen_fd,
     int64_t timeout_ms) {
   TDC_PROTECT(nullptr, {
     c10d::TCPStoreOptions opts;
     opts.port = static_cast<std::uint16_t>(port);
-    opts.isServer = is_server != 0;
+    // A server takes over the socket its caller bound and listens on.
+    opts.isServer = listen_fd >= 0;
+    if (listen_fd >= 0) opts.masterListenFd = listen_fd;
     opts.numWorkers = world_size;
     // The process group's own rendezvous waits for every rank, with its timeout.
     opts.waitWorkers = false;

@@ -26,8 +26,10 @@ char* tdc_last_error(void);
 int tdc_nccl_compiled(void);
 
 // ---- stores ----
+// A TCPStore client of host:port, or, with listen_fd >= 0, its server on that socket,
+// already bound and listening (c10d's masterListenFd; the store closes it).
 tdc_store* tdc_tcp_store_new(
-    const char* host, int port, int world_size, int is_server,
+    const char* host, int port, int world_size, int listen_fd,
     int64_t timeout_ms);
 // An in-process store, for a world of one process (no network).
 tdc_store* tdc_hash_store_new(void);

@@ -28,7 +28,7 @@ extern "C" {
         host: *const c_char,
         port: c_int,
         world_size: c_int,
-        is_server: c_int,
+        listen_fd: c_int,
         timeout_ms: i64,
     ) -> *mut Store;
     pub fn tdc_hash_store_new() -> *mut Store;

@@ -390,14 +390,25 @@ impl Context {
                 Some((env.master_addr.clone(), env.master_port)),
             )
         } else {
-            let is_server = env.rank == 0;
-            let store = Store::tcp(
-                &env.master_addr,
-                env.master_port,
-                env.world_size,
-                is_server,
-                timeout,
-            )
+            // Rank 0 hosts the store, on loopback when every rank is on this host.
+            let store = if env.rank == 0 {
+                let several_hosts = env.local_world_size < env.world_size;
+                Store::tcp_server(
+                    &env.master_addr,
+                    env.master_port,
+                    env.world_size,
+                    several_hosts,
+                    timeout,
+                )
+            } else {
+                Store::tcp(
+                    &env.master_addr,
+                    env.master_port,
+                    env.world_size,
+                    false,
+                    timeout,
+                )
+            }
             .map_err(place)?;
             (store, Some((env.master_addr.clone(), env.master_port)))
         };
@@ -507,9 +518,10 @@ impl Context {
             Some((addr, port)) => format!("{addr}:{port}"),
             None => "in-process (single process)".to_string(),
         };
-        // Across hosts, where Gloo listens (see `GlooAddress`); on one host, as ever.
+        // Across hosts, where Gloo listens (see `GlooAddress`); on one host, loopback,
+        // which goes without saying.
         let gloo = match self.group.gloo_address() {
-            GlooAddress::Hostname => String::new(),
+            GlooAddress::Loopback { .. } => String::new(),
             chosen => format!(", gloo on {chosen}"),
         };
         format!(

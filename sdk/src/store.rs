@@ -2,6 +2,8 @@
 //! `PrefixStore`.
 
 use std::ffi::CString;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::os::fd::IntoRawFd;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -55,9 +57,60 @@ fn cstring(s: &str, what: &str) -> Result<CString> {
     CString::new(s).map_err(|_| Error::Config(format!("{what} {s:?} contains a NUL byte")))
 }
 
+/// The socket a store's server listens on: the address that `host` resolves to (its
+/// first IPv4 address, else its first), so that a job on one host (`127.0.0.1`)
+/// listens on loopback only and a job on several hosts on the master's address only,
+/// not on every interface as c10d's own bind does. When the job spans `several_hosts`
+/// but `host` resolves to a loopback address here (a hostname that `/etc/hosts` maps
+/// to 127.0.1.1, as Debian does), the other hosts could not reach that: it listens on
+/// every interface instead, as before.
+///
+/// Errors with [`Error::PortInUse`] when the port is taken, [`Error::Rendezvous`] when
+/// `host` does not resolve or the address cannot be bound.
+fn listener(host: &str, port: u16, world_size: usize, several_hosts: bool) -> Result<TcpListener> {
+    let fail = |message: String| Error::Rendezvous {
+        addr: host.to_string(),
+        port,
+        rank: None,
+        world_size,
+        message,
+    };
+    let resolved: Vec<SocketAddr> = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| fail(format!("MASTER_ADDR {host:?} does not resolve: {e}")))?
+        .collect();
+    let address = resolved
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(resolved.first())
+        .copied()
+        .ok_or_else(|| fail(format!("MASTER_ADDR {host:?} has no address")))?;
+    let address = match address.ip() {
+        ip if several_hosts && ip.is_loopback() => {
+            let any: IpAddr = if ip.is_ipv4() {
+                Ipv4Addr::UNSPECIFIED.into()
+            } else {
+                Ipv6Addr::UNSPECIFIED.into()
+            };
+            SocketAddr::new(any, port)
+        }
+        _ => address,
+    };
+    TcpListener::bind(address).map_err(|e| match e.kind() {
+        std::io::ErrorKind::AddrInUse => Error::PortInUse {
+            addr: host.to_string(),
+            port,
+        },
+        _ => fail(format!("cannot listen on {address}: {e}")),
+    })
+}
+
 impl Store {
     /// Connects to (or, with `is_server`, hosts) a `c10d::TCPStore` at `host:port`,
-    /// as `torch.distributed.TCPStore`.
+    /// as `torch.distributed.TCPStore`. A server listens on the address that `host`
+    /// resolves to (every interface when that is a loopback address, which other
+    /// hosts could not reach); see [`Store::tcp_server`] to say that every rank is on
+    /// this host.
     ///
     /// Connecting retries until `timeout`. Errors: [`Error::PortInUse`] when the server
     /// cannot bind `port` (returned at once), [`Error::Rendezvous`] when the store cannot
@@ -69,13 +122,49 @@ impl Store {
         is_server: bool,
         timeout: Duration,
     ) -> Result<Store> {
+        if is_server {
+            return Store::tcp_server(host, port, world_size, true, timeout);
+        }
+        Store::tcp_with(host, port, world_size, None, timeout)
+    }
+
+    /// Hosts a `c10d::TCPStore` at `host:port` (port 0: a free one, see
+    /// [`Store::port`]), listening on the address that `host` resolves to: loopback
+    /// for a job on this host alone. With `several_hosts`, a `host` that resolves to
+    /// a loopback address here listens on every interface instead, so that the other
+    /// hosts can reach it.
+    ///
+    /// Errors as [`Store::tcp`].
+    pub(crate) fn tcp_server(
+        host: &str,
+        port: u16,
+        world_size: usize,
+        several_hosts: bool,
+        timeout: Duration,
+    ) -> Result<Store> {
+        let listener = listener(host, port, world_size, several_hosts)?;
+        Store::tcp_with(host, port, world_size, Some(listener), timeout)
+    }
+
+    /// A client of the store at `host:port`, or with `listener` its server, which
+    /// takes the listening socket over (c10d's `masterListenFd`).
+    fn tcp_with(
+        host: &str,
+        port: u16,
+        world_size: usize,
+        listener: Option<TcpListener>,
+        timeout: Duration,
+    ) -> Result<Store> {
         let chost = cstring(host, "host")?;
+        let is_server = listener.is_some();
+        // c10d owns the socket from here on (it closes it with the store).
+        let listen_fd = listener.map_or(-1, IntoRawFd::into_raw_fd);
         let raw = unsafe {
             ffi::tdc_tcp_store_new(
                 chost.as_ptr(),
                 port.into(),
                 world_size as i32,
-                is_server as i32,
+                listen_fd,
                 millis(timeout),
             )
         };

@@ -787,9 +787,88 @@ pub fn children(pid: u32) -> Vec<u32> {
         .collect()
 }
 
+/// `pid` and every process below it (its children, theirs, …), alive or not yet reaped.
+pub fn process_tree(pid: u32) -> Vec<u32> {
+    let mut tree = vec![pid];
+    let mut next = 0;
+    while next < tree.len() {
+        tree.extend(children(tree[next]));
+        next += 1;
+    }
+    tree
+}
+
+/// The addresses that the processes `pids` listen on with TCP, read from
+/// `/proc/PID/net/tcp` and `tcp6` (each process's own network namespace) for the
+/// sockets among its file descriptors.
+pub fn listening_addresses(pids: &[u32]) -> Vec<std::net::SocketAddr> {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+    // An address as the kernel prints it: the IP's 32-bit words as host-order (here
+    // little-endian) integers, then the port, in hex.
+    fn parse(text: &str) -> Option<SocketAddr> {
+        let (ip, port) = text.split_once(':')?;
+        let port = u16::from_str_radix(port, 16).ok()?;
+        let words: Vec<u32> = (0..ip.len() / 8)
+            .map(|i| u32::from_str_radix(&ip[8 * i..8 * i + 8], 16))
+            .collect::<Result<_, _>>()
+            .ok()?;
+        let ip: IpAddr = match words.as_slice() {
+            [w] => Ipv4Addr::from(w.to_le_bytes()).into(),
+            [a, b, c, d] => {
+                let mut bytes = [0u8; 16];
+                for (i, w) in [a, b, c, d].iter().enumerate() {
+                    bytes[4 * i..4 * i + 4].copy_from_slice(&w.to_le_bytes());
+                }
+                Ipv6Addr::from(bytes).into()
+            }
+            _ => return None,
+        };
+        Some(SocketAddr::new(ip, port))
+    }
+    let mut found = Vec::new();
+    for &pid in pids {
+        let inodes: std::collections::HashSet<String> = fs::read_dir(format!("/proc/{pid}/fd"))
+            .into_iter()
+            .flatten()
+            .filter_map(|e| fs::read_link(e.ok()?.path()).ok())
+            .filter_map(|l| {
+                let l = l.to_string_lossy().into_owned();
+                Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+            })
+            .collect();
+        for table in ["tcp", "tcp6"] {
+            let text = fs::read_to_string(format!("/proc/{pid}/net/{table}")).unwrap_or_default();
+            for line in text.lines().skip(1) {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                // sl local rem st tx:rx tr:when retrnsmt uid timeout inode
+                if fields.len() > 9 && fields[3] == "0A" && inodes.contains(fields[9]) {
+                    found.extend(parse(fields[1]));
+                }
+            }
+        }
+    }
+    found.sort();
+    found.dedup();
+    found
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_kernels_addresses_are_read_as_printed() {
+        // This test process listens on loopback, and is found doing so.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let bound = listener.local_addr().unwrap();
+        let found = listening_addresses(&[std::process::id()]);
+        assert!(found.contains(&bound), "{bound} not in {found:?}");
+        let v6 = std::net::TcpListener::bind("[::1]:0");
+        if let Ok(v6) = v6 {
+            let bound = v6.local_addr().unwrap();
+            assert!(listening_addresses(&[std::process::id()]).contains(&bound));
+        }
+    }
     use std::collections::HashMap;
     use std::ffi::OsString;
     use std::panic::{catch_unwind, AssertUnwindSafe};

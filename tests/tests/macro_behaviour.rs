@@ -184,3 +184,83 @@ fn one_process_without_launcher_is_bit_identical_to_the_plain_function() {
     // And both are the closed form's, as one rank of DDP.
     macro_reference::assert_model_equals_reference(&with, 1);
 }
+
+/// The batches each loop of `adaptor_worker` stepped on, by loop name, from
+/// `adaptors{rank}.txt`.
+fn adaptor_batches(dir: &Path, rank: usize) -> std::collections::BTreeMap<String, Vec<String>> {
+    let log = fs::read_to_string(dir.join(format!("adaptors{rank}.txt"))).unwrap();
+    log.lines()
+        .map(|line| {
+            let (name, batches) = line.split_once(": ").unwrap();
+            let batches = batches.split('|').filter(|b| !b.is_empty());
+            (name.to_string(), batches.map(str::to_string).collect())
+        })
+        .collect()
+}
+
+#[test]
+fn adaptors_apply_to_each_ranks_share_on_2_ranks() {
+    const ADAPTORS: &str = env!("CARGO_BIN_EXE_adaptor_worker");
+    let dir = scratch_dir("adaptors2");
+    let plain = scratch_dir("adaptors1");
+    let mut cmd = Command::new(ADAPTORS);
+    cmd.args([plain.to_str().unwrap(), "--plain"]);
+    run_with(cmd, &plain, TIMEOUT, |_, _| {}).assert_success();
+    let run = run_tchrun(
+        &dir,
+        &["--nproc-per-node", "2", ADAPTORS, dir.to_str().unwrap()],
+        TIMEOUT,
+        |_, _| {},
+    );
+    run.assert_success();
+
+    // One process: 32 samples in 8 batches of 4, in order; the adaptors as Rust's.
+    let one = adaptor_batches(&plain, 0);
+    let all: Vec<String> = (0..8)
+        .map(|b| {
+            (4 * b..4 * b + 4)
+                .map(|i| i.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+        .collect();
+    assert_eq!(one["none"], all);
+    assert_eq!(one["take"], all[..2]);
+
+    // Two ranks: batches dealt round-robin, half the steps each; each adaptor then
+    // applies to the rank's own share, as to an Accelerate-prepared DataLoader.
+    for rank in 0..2 {
+        let got = adaptor_batches(&dir, rank);
+        let share: Vec<String> = all.iter().skip(rank).step_by(2).cloned().collect();
+        assert_eq!(got["none"], share, "rank {rank}: its share, 4 of 8 batches");
+        assert_eq!(
+            got["take"],
+            share[..2],
+            "rank {rank}: take(2) is 2 batches a rank"
+        );
+        assert_eq!(
+            got["skip"],
+            share[1..],
+            "rank {rank}: skip(1) skips its own first"
+        );
+        let zipped: Vec<String> = (10..)
+            .zip(&share)
+            .map(|(n, b)| format!("{n}@{b}"))
+            .collect();
+        assert_eq!(got["zip"], zipped, "rank {rank}: zip counts its own steps");
+        assert_eq!(got["map"], share, "rank {rank}: map");
+        assert_eq!(
+            got["filter"],
+            share[1..],
+            "rank {rank}: filter drops its first"
+        );
+        let counted: Vec<String> = (0..)
+            .zip(&share[1..3])
+            .map(|(i, b)| format!("{i}@{b}"))
+            .collect();
+        assert_eq!(
+            got["skip-enumerate-take"], counted,
+            "rank {rank}: skip(1).enumerate().take(2)"
+        );
+    }
+}

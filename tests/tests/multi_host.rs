@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use tch_distributed_tests::hosts::Hosts;
 use tch_distributed_tests::{
-    compare, example, run_together, run_with, scratch_dir, skip, torchrun, Run,
+    compare, example, listening_addresses, run_together, run_with, scratch_dir, skip, torchrun,
+    wait_until, Run,
 };
 
 #[path = "support/macro_reference.rs"]
@@ -169,8 +170,15 @@ fn a_rank_killed_on_host_1_is_named_on_host_0_within_15_s() {
         .collect();
     let start = Instant::now();
     let killed = Mutex::new(None);
-    let [node0, node1]: [Run; 2] = run_together(runs, TIMEOUT, |k, _, _| {
-        if k != 1 {
+    let store_listens = Mutex::new(Vec::new());
+    let [node0, node1]: [Run; 2] = run_together(runs, TIMEOUT, |k, pid, _| {
+        if k == 0 {
+            // Host 0's tchrun hosts the store: on the master's address alone, once
+            // the job trains (rank 0 wrote its pid after its 5th step).
+            wait_until("rank 0 trained 5 steps", Duration::from_secs(100), || {
+                dir.join("pid0").exists()
+            });
+            *store_listens.lock().unwrap() = listening_addresses(&[pid]);
             return;
         }
         // Rank 1 (host 1) writes its pid after its 5th step.
@@ -193,6 +201,14 @@ fn a_rank_killed_on_host_1_is_named_on_host_0_within_15_s() {
     .try_into()
     .unwrap();
     let killed = killed.into_inner().unwrap().expect("rank 1 was killed");
+    let store_listens = store_listens.into_inner().unwrap();
+    assert!(
+        !store_listens.is_empty()
+            && store_listens
+                .iter()
+                .all(|a| a.ip() == std::net::IpAddr::from([10, 77, 0, 1])),
+        "host 0's store listens on {store_listens:?}, not on the master's address 10.77.0.1 alone"
+    );
     for (k, run) in [(0, &node0), (1, &node1)] {
         assert_eq!(run.status.code(), Some(1), "host {k}: {run:?}");
         let after = (start + run.elapsed).saturating_duration_since(killed);

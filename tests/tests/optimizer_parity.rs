@@ -9,8 +9,9 @@
 //!   100;
 //! - `Implementation::Foreach` against `foreach=True`: the same `_foreach_*`
 //!   operations, bit for bit;
-//! - `Implementation::Tch` (the default: libtorch's C++ arithmetic, what tch runs, so
-//!   that one process is the plain tch program to the bit) against `foreach=True`:
+//! - `Implementation::Tch` (`optimizer = "tch"`: libtorch's C++ arithmetic, what tch
+//!   runs, so that one process is the plain tch program to the bit; the default is
+//!   fused, foreach for RMSprop) against `foreach=True`:
 //!   Python's operations except where Python takes a running average with `lerp_`
 //!   (Adam's and AdamW's first moment, centered RMSprop's gradient average) and C++
 //!   with `mul_` then `add_`, equal in exact arithmetic and rounded differently in

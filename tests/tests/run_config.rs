@@ -419,12 +419,19 @@ fn without_a_launcher_the_environment_wins_over_the_attribute() {
         "tch-distributed: TCH_DISTRIBUTED_BACKEND=gloo overrides the attribute's backend = \"nccl\"",
     );
     assert!(!run.stderr.contains("overrides the attribute's timeout"));
+    assert!(
+        run.stdout.contains("optimizer tch zero Some(1)"),
+        "the attribute's optimizer and zero:\n{}",
+        run.stdout
+    );
     let env = [
         backend,
         ("TCH_DISTRIBUTED_NPROC", "2"),
         ("TCH_DISTRIBUTED_TIMEOUT", "3"),
         ("TCH_DISTRIBUTED_MIXED_PRECISION", "no"),
         ("TCH_DISTRIBUTED_GRAD_ACCUM", "3"),
+        ("TCH_DISTRIBUTED_OPTIMIZER", "foreach"),
+        ("TCH_DISTRIBUTED_ZERO", "0"),
     ];
     let run = run_with(command(WORKER, &dir, &env), &dir, TIMEOUT, |_, _| {});
     let (banner, steps) = banner_and_steps(&run);
@@ -455,6 +462,19 @@ fn without_a_launcher_the_environment_wins_over_the_attribute() {
     says(
         &run,
         "TCH_DISTRIBUTED_GRAD_ACCUM=3 overrides the attribute's grad_accum = 2 ",
+    );
+    says(
+        &run,
+        "TCH_DISTRIBUTED_OPTIMIZER=foreach overrides the attribute's optimizer = \"tch\" ",
+    );
+    says(
+        &run,
+        "TCH_DISTRIBUTED_ZERO=0 overrides the attribute's zero = 1 ",
+    );
+    assert!(
+        run.stdout.contains("optimizer foreach zero None"),
+        "the environment's optimizer and zero:\n{}",
+        run.stdout
     );
     // A bad value stops the program before it starts anything.
     let run = run_with(

@@ -46,11 +46,13 @@ impl Rendezvous {
                 _store: None,
             });
         }
-        let store = Store::tcp(
+        // On loopback for a job on this node alone (`--master-addr` 127.0.0.1, the
+        // default), else on the master's address.
+        let store = Store::tcp_server(
             &config.master_addr,
             config.master_port,
             config.world_size(),
-            true,
+            config.nnodes > 1,
             STORE_TIMEOUT,
         )
         .map_err(|e| match e {

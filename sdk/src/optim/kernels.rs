@@ -105,6 +105,21 @@ impl Implementation {
         }
     }
 
+    /// The implementation that updates a parameter on `device` of dtype `kind`: as
+    /// `torch.optim` defaults, a fused kernel serves floating-point parameters on the
+    /// CPU, CUDA and MPS; any other parameter falls back to the foreach kernels.
+    fn serving(self, device: Device, kind: Kind) -> Implementation {
+        let floating = matches!(
+            kind,
+            Kind::Half | Kind::Float | Kind::Double | Kind::BFloat16
+        );
+        let device_served = matches!(device, Device::Cpu | Device::Cuda(_) | Device::Mps);
+        match self {
+            Implementation::Fused if !(floating && device_served) => Implementation::Foreach,
+            other => other,
+        }
+    }
+
     /// The shim's `mode`.
     fn mode(self) -> c_int {
         match self {
@@ -284,13 +299,14 @@ fn initial_state(algorithm: &Algorithm, p: &Tensor) -> ParamState {
     }
 }
 
-/// A group of parameters updated by one call: same options, device, dtype, step
-/// count, and for SGD whether their momentum buffers exist yet.
+/// A group of parameters updated by one call: same options, device, dtype,
+/// implementation, step count, and for SGD whether their momentum buffers exist yet.
 #[derive(PartialEq)]
 struct Key {
     group: usize,
     device: Device,
     kind: Kind,
+    implementation: Implementation,
     step: u64,
     first: bool,
 }
@@ -299,8 +315,10 @@ struct Key {
 /// `groups_of[i]`) and, with ZeRO, that this rank owns (`owned[i]`), creating state at
 /// a parameter's first update, with one shim call per [`Key`].
 ///
-/// Errors with [`Error::Torch`] when a kernel refuses the tensors (e.g. a fused kernel
-/// on a dtype or device it does not serve).
+/// A parameter that the fused kernels do not serve (its device or dtype) is updated by
+/// the foreach kernels instead ([`Implementation::serving`]).
+///
+/// Errors with [`Error::Torch`] when a kernel refuses the tensors.
 pub(crate) fn update(
     params: &[Tensor],
     groups_of: &[usize],
@@ -309,8 +327,6 @@ pub(crate) fn update(
     implementation: Implementation,
     owned: Option<&[bool]>,
 ) -> Result<()> {
-    let fused = implementation == Implementation::Fused;
-    let mode = implementation.mode();
     let mut batches: Vec<(Key, Vec<usize>)> = Vec::new();
     for (i, p) in params.iter().enumerate() {
         // With ZeRO, another rank updates it.
@@ -328,13 +344,15 @@ pub(crate) fn update(
                 s.tensors[1] = Some(p.zeros_like());
             }
         }
-        if fused && s.step_tensor.is_none() {
+        let serving = implementation.serving(p.device(), p.kind());
+        if serving == Implementation::Fused && s.step_tensor.is_none() {
             s.step_tensor = Some(Tensor::full([], s.step as f64, (Kind::Float, p.device())));
         }
         let key = Key {
             group,
             device: p.device(),
             kind: p.kind(),
+            implementation: serving,
             step: s.step,
             first: matches!(algorithm, Algorithm::Sgd { momentum, .. } if *momentum != 0.0)
                 && s.tensors[0].is_none(),
@@ -347,6 +365,7 @@ pub(crate) fn update(
     for (key, members) in batches {
         let Group { lr, algorithm } = groups[key.group];
         let n = members.len() as c_int;
+        let mode = key.implementation.mode();
         let ptrs: Vec<ffi::Tensor> = members.iter().map(|&i| ffi::tensor(&params[i])).collect();
         let slot = |k: usize, state: &[Option<ParamState>]| -> Vec<ffi::Tensor> {
             members
@@ -470,6 +489,23 @@ pub(crate) fn update(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fused_serves_floating_point_on_cpu_cuda_and_mps_and_foreach_takes_the_rest() {
+        use Implementation::*;
+        for kind in [Kind::Half, Kind::Float, Kind::Double, Kind::BFloat16] {
+            for device in [Device::Cpu, Device::Cuda(1), Device::Mps] {
+                assert_eq!(Fused.serving(device, kind), Fused, "{device:?} {kind:?}");
+            }
+            assert_eq!(Fused.serving(Device::Vulkan, kind), Foreach);
+        }
+        assert_eq!(Fused.serving(Device::Cpu, Kind::Int64), Foreach);
+        assert_eq!(Fused.serving(Device::Cpu, Kind::ComplexFloat), Foreach);
+        // Asked for, the others stay what they are.
+        for other in [Foreach, Tch] {
+            assert_eq!(other.serving(Device::Vulkan, Kind::Int64), other);
+        }
+    }
 
     #[test]
     fn implementations_are_named_as_the_option_spells_them() {

@@ -9,16 +9,18 @@
 //! which the other hosts reach by construction:
 //!
 //! - `GLOO_SOCKET_IFNAME` set: those interfaces (comma-separated), as PyTorch;
-//! - the master on loopback (one host) or no master (one process): the hostname's
-//!   address, as c10d's default, unchanged;
+//! - the master on loopback (every rank on this host) or no master (one process): the
+//!   master's loopback address (127.0.0.1), so that a job on one host listens on
+//!   nothing that another machine can reach (c10d's default, the hostname's address,
+//!   can be one that is);
 //! - otherwise: the route's local address, and the interface that has it.
 //!
-//! With NCCL the same interface is given to NCCL's bootstrap (`NCCL_SOCKET_IFNAME`),
-//! unless that is set.
+//! With NCCL the same interface (`lo` on one host) is given to NCCL's bootstrap
+//! (`NCCL_SOCKET_IFNAME`), unless that is set.
 
 use std::ffi::CStr;
 use std::fmt;
-use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs, UdpSocket};
 
 /// The variable that names Gloo's interfaces, as PyTorch reads it.
 pub(crate) const GLOO_IFNAME: &str = "GLOO_SOCKET_IFNAME";
@@ -36,9 +38,12 @@ pub enum GlooAddress {
         address: IpAddr,
         interface: Option<String>,
     },
-    /// The address the hostname resolves to, as c10d's default: every rank is on
-    /// this host.
-    Hostname,
+    /// A loopback address, and the interface that has it: every rank is on this
+    /// host (the master's address, 127.0.0.1 for one process).
+    Loopback {
+        address: IpAddr,
+        interface: Option<String>,
+    },
 }
 
 impl GlooAddress {
@@ -54,8 +59,12 @@ impl GlooAddress {
         if let Some(named) = named.filter(|n| !n.trim().is_empty()) {
             return Ok(GlooAddress::Named(named));
         }
+        let loopback = |address: IpAddr| GlooAddress::Loopback {
+            address,
+            interface: interface_with(address),
+        };
         let Some((host, port)) = master else {
-            return Ok(GlooAddress::Hostname);
+            return Ok(loopback(Ipv4Addr::LOCALHOST.into()));
         };
         let master: SocketAddr = (host, port)
             .to_socket_addrs()
@@ -63,7 +72,7 @@ impl GlooAddress {
             .next()
             .ok_or_else(|| format!("MASTER_ADDR {host:?} has no address"))?;
         if master.ip().is_loopback() {
-            return Ok(GlooAddress::Hostname);
+            return Ok(loopback(master.ip()));
         }
         let address = route_source(master).map_err(|e| {
             format!(
@@ -72,7 +81,7 @@ impl GlooAddress {
             )
         })?;
         if address.is_loopback() {
-            return Ok(GlooAddress::Hostname);
+            return Ok(loopback(address));
         }
         Ok(GlooAddress::Route {
             address,
@@ -91,15 +100,21 @@ impl GlooAddress {
     /// The address for the shim to bind, or "" for the others.
     pub(crate) fn address(&self) -> String {
         match self {
-            GlooAddress::Route { address, .. } => address.to_string(),
-            _ => String::new(),
+            GlooAddress::Route { address, .. } | GlooAddress::Loopback { address, .. } => {
+                address.to_string()
+            }
+            GlooAddress::Named(_) => String::new(),
         }
     }
 
-    /// The interface to give NCCL's bootstrap, when the route chose one.
+    /// The interface to give NCCL's bootstrap, when the route (or loopback) chose one.
     pub(crate) fn route_interface(&self) -> Option<&str> {
         match self {
             GlooAddress::Route {
+                interface: Some(name),
+                ..
+            }
+            | GlooAddress::Loopback {
                 interface: Some(name),
                 ..
             } => Some(name),
@@ -110,7 +125,8 @@ impl GlooAddress {
 
 impl fmt::Display for GlooAddress {
     /// As the banner shows it: `10.0.0.2 (eth0, the route to the master)`,
-    /// `interface eth0 (GLOO_SOCKET_IFNAME)`, or `the hostname's address`.
+    /// `interface eth0 (GLOO_SOCKET_IFNAME)`, or `127.0.0.1 (loopback, every rank on
+    /// this host)`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             GlooAddress::Named(names) => write!(f, "interface {names} ({GLOO_IFNAME})"),
@@ -122,7 +138,9 @@ impl fmt::Display for GlooAddress {
                 address,
                 interface: None,
             } => write!(f, "{address} (the route to the master)"),
-            GlooAddress::Hostname => write!(f, "the hostname's address"),
+            GlooAddress::Loopback { address, .. } => {
+                write!(f, "{address} (loopback, every rank on this host)")
+            }
         }
     }
 }
@@ -243,22 +261,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_named_interface_wins_and_loopback_or_no_master_keeps_the_default() {
+    fn a_named_interface_wins_and_loopback_or_no_master_binds_loopback() {
         let named = GlooAddress::choose(Some("eth1".into()), Some(("10.1.2.3", 1))).unwrap();
         assert_eq!(named, GlooAddress::Named("eth1".into()));
         assert_eq!(named.interfaces(), "eth1");
         assert_eq!(named.address(), "");
         for master in [Some(("127.0.0.1", 29500)), Some(("localhost", 29500)), None] {
-            assert_eq!(
-                GlooAddress::choose(None, master).unwrap(),
-                GlooAddress::Hostname,
-                "{master:?}"
+            let chosen = GlooAddress::choose(None, master).unwrap();
+            assert!(
+                matches!(chosen, GlooAddress::Loopback { address, .. } if address.is_loopback()),
+                "{master:?}: {chosen:?}"
             );
+            assert!(chosen.address().starts_with("127.") || chosen.address() == "::1");
         }
+        let one = GlooAddress::choose(None, Some(("127.0.0.1", 29500))).unwrap();
+        assert_eq!(one.address(), "127.0.0.1");
+        assert!(
+            one.route_interface().is_some(),
+            "{one:?}: lo, for NCCL's bootstrap"
+        );
         // An empty variable is no choice.
         assert_eq!(
-            GlooAddress::choose(Some(" ".into()), None).unwrap(),
-            GlooAddress::Hostname
+            GlooAddress::choose(Some(" ".into()), None)
+                .unwrap()
+                .address(),
+            "127.0.0.1"
         );
     }
 

@@ -191,6 +191,11 @@ impl<'a> VarStoreMutKnown<'a> for Probe<&'a mut VarStore> {
         Some(self.take())
     }
 }
+impl<'a, 'b: 'a> VarStoreMutKnown<'a> for Probe<&'a mut &'b mut VarStore> {
+    fn __tchd_var_store_mut(&self) -> Option<&'a mut VarStore> {
+        Some(&mut **self.take())
+    }
+}
 impl<'a, T> VarStoreMutOther<'a> for &Probe<T> {
     fn __tchd_var_store_mut(&self) -> Option<&'a mut VarStore> {
         None

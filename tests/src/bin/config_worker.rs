@@ -1,10 +1,10 @@
 //! Worker for the run configuration's precedence (`tests/run_config.rs`): a
 //! `#[distributed]` function whose attribute sets `backend`, `nproc_per_node`,
-//! `timeout`, `mixed_precision` and `grad_accum`, each to a value that the tests tell
-//! apart from those they give by flag, environment variable and configuration file.
-//! It runs 12
-//! backward steps of a one-layer model and prints (rank 0) how many of them
-//! all-reduced: 12 / K with K micro-batches per optimizer step.
+//! `timeout`, `mixed_precision`, `grad_accum`, `optimizer` and `zero`, each to a value
+//! that the tests tell apart from those they give by flag, environment variable and
+//! configuration file. It runs 12 backward steps of a one-layer model and prints
+//! (rank 0) how many of them all-reduced (12 / K with K micro-batches per optimizer
+//! step), then the optimizer's implementation and ZeRO stage.
 
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
@@ -14,7 +14,9 @@ use tch::{Device, Kind, Tensor};
     nproc_per_node = 3,
     timeout = 600,
     mixed_precision = "bf16",
-    grad_accum = 2
+    grad_accum = 2,
+    optimizer = "tch",
+    zero = 1
 )]
 fn train() -> anyhow::Result<()> {
     let device = Device::cuda_if_available();
@@ -30,6 +32,11 @@ fn train() -> anyhow::Result<()> {
     println!(
         "synced {} local {}",
         stats.synced_backward_passes, stats.local_backward_passes
+    );
+    println!(
+        "optimizer {} zero {:?}",
+        opt.implementation(),
+        opt.zero_stage()
     );
     Ok(())
 }
