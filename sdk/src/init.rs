@@ -9,6 +9,7 @@ use tch::Device;
 use crate::devices;
 use crate::env::LaunchEnv;
 use crate::error::{Error, Result};
+use crate::job_token::{self, JobToken};
 use crate::process_group::{Backend, GlooAddress, ProcessGroup};
 use crate::rng::RandomState;
 use crate::store::Store;
@@ -373,6 +374,8 @@ impl Context {
             },
             other => other,
         };
+        // The job's keys live under its token's prefix, when it has one (`job_token`).
+        let token = JobToken::from_env();
         let (store, master) = if env.world_size == 1 && env.master_port == 0 {
             (Store::in_process()?, None)
         } else if let Some(prefix) = &env.agent_store_prefix {
@@ -385,8 +388,9 @@ impl Context {
             )
             .map_err(place)?
             .served_by_launcher();
+            job_token::agree(&client, token.as_ref(), env.rank).map_err(place)?;
             (
-                client.with_prefix(prefix)?,
+                client.with_prefix(&job_token::under_job(token.as_ref(), prefix))?,
                 Some((env.master_addr.clone(), env.master_port)),
             )
         } else {
@@ -410,6 +414,11 @@ impl Context {
                 )
             }
             .map_err(place)?;
+            job_token::agree(&store, token.as_ref(), env.rank).map_err(place)?;
+            let store = match &token {
+                Some(token) => store.with_prefix(&token.prefix())?,
+                None => store,
+            };
             (store, Some((env.master_addr.clone(), env.master_port)))
         };
         if env.world_size > 1 {

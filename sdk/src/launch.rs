@@ -20,6 +20,7 @@ use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
 use crate::error::{Error, Result};
+use crate::job_token::{JobToken, JOB_TOKEN_ENV};
 
 pub(crate) mod error_file;
 pub(crate) mod remote;
@@ -214,6 +215,18 @@ pub fn launch_with_env(
         );
     }
     let run_id = run_id();
+    // The job's token (`job_token`): the user's, else a fresh one for a job on this
+    // node alone; the ranks get it with the torchrun variables.
+    let token = match JobToken::from_env() {
+        Some(token) => Some(token),
+        None if config.nnodes == 1 => Some(JobToken::generate()?),
+        None => None,
+    };
+    let mut extra_env = extra_env.to_vec();
+    if let Some(token) = &token {
+        extra_env.push((JOB_TOKEN_ENV.to_string(), token.value().to_string()));
+    }
+    let extra_env = extra_env.as_slice();
 
     // Install the handlers before starting anything so no signal is lost.
     let mut signals = Signals::new([SIGINT, SIGTERM]).map_err(|source| Error::Io {
@@ -238,7 +251,7 @@ pub fn launch_with_env(
             number,
             error_files: &error_files,
         };
-        let mut remote = remote::Remote::watch(config, rendezvous.port(), number);
+        let mut remote = remote::Remote::watch(config, rendezvous.port(), number, token.as_ref());
         match attempt.run(&mut signals, &mut remote)? {
             Outcome::Succeeded => return Ok(0),
             Outcome::Signalled(signo) => return Ok(128 + signo),

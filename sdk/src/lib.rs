@@ -28,6 +28,7 @@ mod env;
 mod error;
 mod ffi;
 mod init;
+mod job_token;
 pub mod launch;
 mod log;
 mod observe;

@@ -69,7 +69,13 @@ fn save_synced(vs: &VarStore, path: &Path) -> Result<()> {
     sync_file(path)
 }
 
+/// Writes `vs` to `path` through a temporary file beside it that replaces `path` only
+/// once complete and synced. The temporary file has a random name and is created
+/// exclusively (`tempfile`), so that no one can place a file or a link under its name
+/// first, even in a shared directory such as `/tmp`; it is created with mode 0644
+/// (less what the user's umask removes), never writable by other users.
 fn write_atomically(vs: &VarStore, path: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
@@ -78,19 +84,57 @@ fn write_atomically(vs: &VarStore, path: &Path) -> Result<()> {
         .file_name()
         .ok_or_else(|| Error::Config(format!("{} names no file", path.display())))?;
     // Keep the extension last: VarStore::save picks the format from it.
-    let tmp = dir.join(format!(
-        ".tmp-{}-{}",
-        std::process::id(),
-        name.to_string_lossy()
-    ));
-    let result = (|| {
-        save_synced(vs, &tmp)?;
-        fs::rename(&tmp, path).map_err(io("renaming the finished checkpoint onto", path))?;
-        // Make the rename itself durable.
-        sync_dir(&dir)
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
+    let tmp = tempfile::Builder::new()
+        .prefix(".tmp-")
+        .suffix(&format!("-{}", name.to_string_lossy()))
+        .permissions(fs::Permissions::from_mode(0o644))
+        .tempfile_in(&dir)
+        .map_err(io("creating a temporary file in", &dir))?
+        .into_temp_path();
+    // Removed when dropped, unless renamed onto `path`.
+    save_synced(vs, &tmp)?;
+    tmp.persist(path)
+        .map_err(|e| e.error)
+        .map_err(io("renaming the finished checkpoint onto", path))?;
+    // Make the rename itself durable.
+    sync_dir(&dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn a_checkpoint_replaces_the_file_whole_and_is_not_writable_by_others() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.safetensors");
+        // A file (or a link) at the name the temporary file had before: left alone.
+        let old_name = dir
+            .path()
+            .join(format!(".tmp-{}-model.safetensors", std::process::id()));
+        fs::write(&old_name, b"someone else's").unwrap();
+        let vs = VarStore::new(tch::Device::Cpu);
+        let _ = vs.root().zeros("w", &[2, 3]);
+        write_atomically(&vs, &path).unwrap();
+        write_atomically(&vs, &path).unwrap();
+        let mode = fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o022, 0, "writable by others: {mode:o}");
+        assert_eq!(fs::read(&old_name).unwrap(), b"someone else's");
+        let mut names: Vec<String> = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                old_name.file_name().unwrap().to_str().unwrap(),
+                "model.safetensors"
+            ],
+            "no temporary file left"
+        );
+        let loaded = tch::Tensor::read_safetensors(&path).unwrap();
+        assert_eq!(loaded.len(), 1);
     }
-    result
 }

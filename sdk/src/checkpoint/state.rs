@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io::Write as _;
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -224,11 +225,18 @@ impl Checkpointer {
         // Rank 0 makes an empty temporary directory; the others wait for it.
         let made = if rank == 0 {
             (|| {
-                fs::create_dir_all(&self.root).map_err(io("creating", &self.root))?;
+                // Never writable by other users, whatever the umask allows.
+                let mut dirs = fs::DirBuilder::new();
+                dirs.mode(0o775);
+                dirs.recursive(true)
+                    .create(&self.root)
+                    .map_err(io("creating", &self.root))?;
                 if tmp.exists() {
                     fs::remove_dir_all(&tmp).map_err(io("removing the stale", &tmp))?;
                 }
-                fs::create_dir(&tmp).map_err(io("creating", &tmp))
+                dirs.recursive(false)
+                    .create(&tmp)
+                    .map_err(io("creating", &tmp))
             })()
         } else {
             Ok(())

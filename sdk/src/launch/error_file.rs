@@ -246,30 +246,28 @@ pub(crate) fn read(path: &Path) -> Option<RootCause> {
     Some(RootCause { message, written })
 }
 
-/// A directory for the error files of one launcher's ranks, removed with it.
-pub(crate) struct ErrorDir(PathBuf);
+/// A directory for the error files of one launcher's ranks, removed with it: made by
+/// `tempfile` under `$TMPDIR` with a random name, created exclusively and readable by
+/// this user alone (0700), so that no other user of a shared `/tmp` can place or read
+/// the files there.
+pub(crate) struct ErrorDir(tempfile::TempDir);
 
 impl ErrorDir {
-    /// Creates `$TMPDIR/tchrun-errors-{pid}-{nanos}`.
+    /// Creates `$TMPDIR/tchrun-errors-XXXXXX`.
     pub(crate) fn create() -> std::io::Result<ErrorDir> {
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
-        let dir =
-            std::env::temp_dir().join(format!("tchrun-errors-{}-{nanos:x}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-        Ok(ErrorDir(dir))
+        use std::os::unix::fs::PermissionsExt;
+        tempfile::Builder::new()
+            .prefix("tchrun-errors-")
+            .permissions(std::fs::Permissions::from_mode(0o700))
+            .tempdir()
+            .map(ErrorDir)
     }
 
     /// The error file of global rank `rank` in attempt `attempt`.
     pub(crate) fn file(&self, attempt: usize, rank: usize) -> PathBuf {
-        self.0.join(format!("attempt_{attempt}-rank_{rank}.json"))
-    }
-}
-
-impl Drop for ErrorDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        self.0
+            .path()
+            .join(format!("attempt_{attempt}-rank_{rank}.json"))
     }
 }
 
@@ -292,6 +290,18 @@ mod tests {
         std::fs::write(&path, "not json").unwrap();
         assert_eq!(read(&path).unwrap().message, "not json");
         assert!(read(&dir.file(1, 0)).is_none());
+    }
+
+    #[test]
+    fn the_error_directory_is_private_unpredictable_and_removed() {
+        use std::os::unix::fs::PermissionsExt;
+        let (a, b) = (ErrorDir::create().unwrap(), ErrorDir::create().unwrap());
+        let path = a.0.path().to_path_buf();
+        assert_ne!(path, b.0.path());
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700, "{mode:o}");
+        drop(a);
+        assert!(!path.exists());
     }
 
     #[test]

@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::LaunchConfig;
+use crate::job_token::{under_job, JobToken};
 use crate::store::Store;
 
 /// The attempt's key space for failures, below the ranks' own prefix.
@@ -86,7 +87,12 @@ impl Remote {
     /// Connects (in a thread of its own, retrying while node 0's launcher starts) to
     /// the store at `config.master_addr:port`, and watches it for the failures of
     /// attempt `attempt`.
-    pub(super) fn watch(config: &LaunchConfig, port: u16, attempt: usize) -> Remote {
+    pub(super) fn watch(
+        config: &LaunchConfig,
+        port: u16,
+        attempt: usize,
+        token: Option<&JobToken>,
+    ) -> Remote {
         let store = Arc::new(Mutex::new(None));
         let stop = Arc::new(AtomicBool::new(false));
         let mut remote = Remote {
@@ -95,7 +101,10 @@ impl Remote {
             connected: Arc::new(AtomicBool::new(false)),
             master: (config.master_addr.clone(), port),
             world_size: config.world_size(),
-            prefix: format!("/worker/attempt_{attempt}/{FAILURE_PREFIX}"),
+            prefix: under_job(
+                token,
+                &format!("/worker/attempt_{attempt}/{FAILURE_PREFIX}"),
+            ),
             node: format!("node {}", config.node_rank),
             store: Arc::clone(&store),
             reported: None,
