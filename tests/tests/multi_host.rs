@@ -164,7 +164,10 @@ fn a_rank_killed_on_host_1_is_named_on_host_0_within_15_s() {
     let runs = (0..2)
         .map(|k| {
             let mut cmd = tchrun_on(&hosts, k, 2, 1, STALL);
-            cmd.arg(&d);
+            // The same job token on both hosts: the failure reports travel under its
+            // prefix, as the ranks' keys do.
+            cmd.arg(&d)
+                .env("TCH_DISTRIBUTED_JOB_TOKEN", "one-job-on-two-hosts");
             (cmd, host_dir(&dir, k))
         })
         .collect();
