@@ -13,6 +13,22 @@ use crate::ffi;
 use crate::process_group::{ranks_text, ProcessGroup};
 
 const MIB: f64 = 1024.0 * 1024.0;
+
+/// How many times this process has averaged gradients over the ranks: a synchronized
+/// backward pass, or the gradients of an optimizer the function did not build averaged
+/// before its step. A sharded training loop during which it does not grow trains
+/// apart on each rank (see `Sharded`'s watch).
+static GRADIENT_AVERAGES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// See [`GRADIENT_AVERAGES`].
+pub(crate) fn gradient_averages() -> u64 {
+    GRADIENT_AVERAGES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Counts one average of the gradients over the ranks.
+pub(crate) fn count_gradient_average() {
+    GRADIENT_AVERAGES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
 /// Bucket size of the parameter and buffer broadcasts, as PyTorch's DDP (250 MiB).
 const BROADCAST_BUCKET_BYTES: usize = 250 * 1024 * 1024;
 
@@ -265,6 +281,7 @@ impl DistributedDataParallel {
                     ffi::tdc_reducer_prepare_for_backward(r, outputs.as_ptr(), outputs.len() as i32)
                 })?;
                 stats.synced_backward_passes += 1;
+                count_gradient_average();
                 true
             }
             Some(_) => {

@@ -63,6 +63,11 @@ pub struct Sharded<I: Iterator> {
     recording: Option<crate::record::Recording<I::Item>>,
     /// Rank 0's bar for this loop.
     progress: Progress,
+    /// How many batches this rank's loop has had.
+    steps: usize,
+    /// For a loop that `#[distributed]` shards because it trains: the count of
+    /// gradient averages when it started (see [`Sharded::watching`]).
+    watch: Option<u64>,
 }
 
 impl<I: Iterator> Sharded<I> {
@@ -84,7 +89,21 @@ impl<I: Iterator> Sharded<I> {
             done: false,
             recording: None,
             progress: Progress::none(),
+            steps: 0,
+            watch: None,
         }
+    }
+
+    /// Says on rank 0, when the loop ends (or is left), if it had batches on several
+    /// ranks but no gradient was averaged over the ranks meanwhile: `#[distributed]`
+    /// sharded it as a training loop, and its optimizer steps where the attribute
+    /// cannot see it (a method or helper that steps an optimizer), so the ranks train
+    /// apart; or it only evaluates, and each rank saw its share of the data.
+    pub(crate) fn watching(mut self) -> Self {
+        if self.world_size > 1 {
+            self.watch = Some(crate::ddp::gradient_averages());
+        }
+        self
     }
 
     /// Shows rank 0's progress bar for this loop (see [`crate::PROGRESS_ENV`]), as
@@ -153,6 +172,7 @@ impl<I: Iterator> Sharded<I> {
     }
 
     fn yielded(&mut self, item: I::Item) -> Option<I::Item> {
+        self.steps += 1;
         self.progress.handed_out();
         if let Some(r) = &mut self.recording {
             r.add(&item);
@@ -199,6 +219,28 @@ impl<I: Iterator> Iterator for Sharded<I> {
 impl<I: Iterator> Drop for Sharded<I> {
     fn drop(&mut self) {
         crate::optim::set_end_of_data(false);
+        let unaveraged = self
+            .watch
+            .is_some_and(|start| self.steps > 0 && crate::ddp::gradient_averages() == start);
+        // Once a process: every epoch's loop would say it again.
+        static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if unaveraged
+            && self.rank == 0
+            && !std::thread::panicking()
+            && !SAID.swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            crate::log::warn(format!(
+                "warning: a training loop that #[distributed] sharded ran {} steps on each of \
+                 {} ranks and averaged no gradients over them: the optimizer steps where the \
+                 attribute cannot see it (a method or helper that steps it, or an optimizer \
+                 that is not tch's or the SDK's), so each rank trains on its own. Step the \
+                 optimizer in the #[distributed] function itself (`self.opt.backward_step(&loss)` \
+                 in `fn fit(&mut self)`), or build it there with `.build(&vs, lr)`. A loop that \
+                 only evaluates was sharded because it calls a method on `self`: each rank saw \
+                 1/{} of the data",
+                self.steps, self.world_size, self.world_size
+            ));
+        }
         if let Some(r) = self.recording.take() {
             r.finish();
         }

@@ -74,6 +74,7 @@ impl LoopHead {
         I::Item: crate::record::Samples,
     {
         Sharded::new(iter)
+            .watching()
             .with_progress(Some(self.run))
             .recording(crate::record::Recording::start(self.site, self.run))
             .check_same_start(<I::Item as crate::record::Samples>::samples)

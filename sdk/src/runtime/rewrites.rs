@@ -213,6 +213,7 @@ fn average_gradients(variables: &[Tensor]) {
         return;
     };
     let what = "averaging the gradients of an optimizer the function did not build";
+    crate::ddp::count_gradient_average();
     let pg = ctx.process_group();
     let key = variables.first().map_or(0, |v| v.data_ptr() as usize);
     if ADOPTED.with(|a| a.borrow_mut().insert(key)) {

@@ -1,0 +1,61 @@
+//! Worker for the unaveraged-loop warning: a trainer struct whose `#[distributed] fn
+//! fit(&mut self)` trains in a sharded loop. `helper_step_worker helper` steps
+//! `self.opt` in a method that `fit` calls (`self.train_step(…)`), where the attribute
+//! cannot see it, so the ranks train apart; `helper_step_worker direct` steps it in
+//! `fit` itself. Two epochs of 8 batches over 64 synthetic samples; prints each rank's
+//! parameter sum as `rank R sum S`.
+
+use tch::data::Iter2;
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+
+struct Trainer {
+    vs: nn::VarStore,
+    net: nn::Linear,
+    opt: nn::Optimizer,
+}
+
+impl Trainer {
+    fn train_step(&mut self, x: &Tensor, y: &Tensor) {
+        let loss = self.net.forward(x).mse_loss(y, tch::Reduction::Mean);
+        self.opt.backward_step(&loss);
+    }
+
+    #[tch_distributed::distributed]
+    fn fit(&mut self, xs: &Tensor, ys: &Tensor, helper: bool) -> anyhow::Result<()> {
+        for _epoch in 0..2 {
+            for (x, y) in Iter2::new(xs, ys, 8) {
+                if helper {
+                    self.train_step(&x, &y);
+                } else {
+                    let loss = self.net.forward(&x).mse_loss(&y, tch::Reduction::Mean);
+                    self.opt.backward_step(&loss);
+                }
+            }
+        }
+        let rank = tch_distributed::current().map_or(0, |c| c.rank());
+        let sum: f64 = self
+            .vs
+            .trainable_variables()
+            .iter()
+            .map(|t| t.sum(Kind::Double).double_value(&[]))
+            .sum();
+        // Every rank says it (`eprintln!` would be rank 0's alone).
+        let line = format!("rank {rank} sum {sum:.9}\n");
+        std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes())?;
+        Ok(())
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    tch::set_num_threads(1);
+    tch::manual_seed(3);
+    let helper = std::env::args().nth(1).as_deref() == Some("helper");
+    let xs = Tensor::randn([64, 4], (Kind::Float, Device::Cpu));
+    let ys = xs.sum_dim_intlist(1, true, Kind::Float);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let net = nn::linear(vs.root(), 4, 1, Default::default());
+    let opt = nn::Sgd::default().build(&vs, 0.05)?;
+    let mut trainer = Trainer { vs, net, opt };
+    trainer.fit(&xs, &ys, helper)
+}
