@@ -169,7 +169,11 @@ impl LaunchConfig {
 /// launcher hosts the store; each attempt's keys live under its own prefix), so a
 /// program that resumes from its newest checkpoint at start carries on. A
 /// `SIGINT`/`SIGTERM` received by the launcher is forwarded to every live rank,
-/// which are then stopped the same way, and never leads to a restart. Each rank is
+/// which are then stopped the same way, and never leads to a restart. On node 0 the
+/// store listens on the address `master_addr` resolves to (loopback for the default
+/// `127.0.0.1`). The ranks get the job's token in `TCH_DISTRIBUTED_JOB_TOKEN`: the
+/// launcher's own, else, for a job on one node, a fresh random one; their keys in the
+/// store live under a prefix derived from it (the book's Security chapter). Each rank is
 /// killed (`SIGKILL`) by the kernel if the launcher dies, even by `SIGKILL`: none
 /// outlives it. Handlers for those signals stay installed (doing nothing) after
 /// this returns, so call it once and exit with its result.
@@ -182,7 +186,8 @@ impl LaunchConfig {
 /// - [`Error::Config`] when the configuration is invalid (see
 ///   [`LaunchConfig::validate`]) or `program` is empty, or, on node 0, when the
 ///   store cannot be hosted (the port is taken).
-/// - [`Error::Io`] when the signal handlers cannot be installed, a rank cannot be started (already started ranks are
+/// - [`Error::Io`] when the signal handlers cannot be installed, `/dev/urandom` cannot be
+///   read for the job's token, a rank cannot be started (already started ranks are
 ///   stopped first), or a rank's status cannot be read.
 pub fn launch(config: &LaunchConfig, program: &OsStr, args: &[OsString]) -> Result<i32> {
     launch_with_env(config, program, args, &[])
