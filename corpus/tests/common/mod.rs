@@ -38,6 +38,13 @@ pub fn run_ranks_with(
         .envs(envs.iter().copied());
     let run = run_with(cmd, dir, TIMEOUT, |_, _| {});
     run.assert_success();
+    // Every program here steps its optimizer where the attribute sees it: no
+    // sharded loop trains without averaging its gradients over the ranks.
+    assert!(
+        !run.stderr.contains("averaged no gradients over them"),
+        "{}",
+        run.stderr
+    );
     run
 }
 
