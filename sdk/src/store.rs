@@ -2,12 +2,13 @@
 //! `PrefixStore`.
 
 use std::ffi::CString;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
 use std::os::fd::IntoRawFd;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::ffi;
+use crate::process_group::network::resolve_master;
 
 /// A c10d key-value store shared by all ranks; the process group rendezvous through
 /// it. Cheap to share: the C++ object is reference counted.
@@ -57,8 +58,8 @@ fn cstring(s: &str, what: &str) -> Result<CString> {
     CString::new(s).map_err(|_| Error::Config(format!("{what} {s:?} contains a NUL byte")))
 }
 
-/// The socket a store's server listens on: the address that `host` resolves to (its
-/// first IPv4 address, else its first), so that a job on one host (`127.0.0.1`)
+/// The socket a store's server listens on: the address that `host` resolves to (as
+/// the ranks resolve it, [`resolve_master`]), so that a job on one host (`127.0.0.1`)
 /// listens on loopback only and a job on several hosts on the master's address only,
 /// not on every interface as c10d's own bind does. When the job spans `several_hosts`
 /// but `host` resolves to a loopback address here (a hostname that `/etc/hosts` maps
@@ -75,16 +76,7 @@ fn listener(host: &str, port: u16, world_size: usize, several_hosts: bool) -> Re
         world_size,
         message,
     };
-    let resolved: Vec<SocketAddr> = (host, port)
-        .to_socket_addrs()
-        .map_err(|e| fail(format!("MASTER_ADDR {host:?} does not resolve: {e}")))?
-        .collect();
-    let address = resolved
-        .iter()
-        .find(|a| a.is_ipv4())
-        .or(resolved.first())
-        .copied()
-        .ok_or_else(|| fail(format!("MASTER_ADDR {host:?} has no address")))?;
+    let address = resolve_master(host, port).map_err(fail)?;
     let address = match address.ip() {
         ip if several_hosts && ip.is_loopback() => {
             let any: IpAddr = if ip.is_ipv4() {

@@ -281,34 +281,30 @@ fn parameter_sums(run: &Run) -> Vec<String> {
 fn a_training_loop_whose_optimizer_steps_out_of_sight_is_said_once() {
     const HELPER: &str = env!("CARGO_BIN_EXE_helper_step_worker");
     let warning = "averaged no gradients over them";
-    // `self.train_step(…)` steps `self.opt` where the attribute cannot see it: the
-    // ranks train apart, and rank 0 says so once (not once per epoch).
-    let dir = scratch_dir("helper-step");
-    let run = run_tchrun(
-        &dir,
-        &["--nproc-per-node", "2", HELPER, "helper"],
-        TIMEOUT,
-        |_, _| {},
-    );
-    run.assert_success();
-    assert_eq!(run.stderr.matches(warning).count(), 1, "{}", run.stderr);
-    let sums = parameter_sums(&run);
-    assert_eq!(sums.len(), 2, "{}", run.stderr);
-    assert_ne!(
-        sums[0], sums[1],
-        "the ranks trained apart, as the warning says"
-    );
-    // Stepped in `fit` itself: averaged, the same on both ranks, and nothing said.
-    let dir = scratch_dir("direct-step");
-    let run = run_tchrun(
-        &dir,
-        &["--nproc-per-node", "2", HELPER, "direct"],
-        TIMEOUT,
-        |_, _| {},
-    );
-    run.assert_success();
-    assert!(!run.stderr.contains(warning), "{}", run.stderr);
-    let sums = parameter_sums(&run);
-    assert_eq!(sums.len(), 2, "{}", run.stderr);
-    assert_eq!(sums[0], sums[1], "one model on both ranks");
+    // `helper`: `self.train_step(…)` steps `self.opt` where the attribute cannot see
+    // it; the ranks train apart, and rank 0 says so once (not once per epoch).
+    // `direct`: stepped in `fit` itself; averaged, one model, and nothing said.
+    for (mode, apart) in [("helper", true), ("direct", false)] {
+        let dir = scratch_dir(&format!("{mode}-step"));
+        let run = run_tchrun(
+            &dir,
+            &["--nproc-per-node", "2", HELPER, mode],
+            TIMEOUT,
+            |_, _| {},
+        );
+        run.assert_success();
+        assert_eq!(
+            run.stderr.matches(warning).count(),
+            apart as usize,
+            "{mode}: {}",
+            run.stderr
+        );
+        let sums = parameter_sums(&run);
+        assert_eq!(sums.len(), 2, "{}", run.stderr);
+        assert_eq!(
+            sums[0] != sums[1],
+            apart,
+            "{mode}: the ranks' parameters {sums:?}"
+        );
+    }
 }

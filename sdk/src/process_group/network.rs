@@ -66,11 +66,7 @@ impl GlooAddress {
         let Some((host, port)) = master else {
             return Ok(loopback(Ipv4Addr::LOCALHOST.into()));
         };
-        let master: SocketAddr = (host, port)
-            .to_socket_addrs()
-            .map_err(|e| format!("MASTER_ADDR {host:?} does not resolve: {e}"))?
-            .next()
-            .ok_or_else(|| format!("MASTER_ADDR {host:?} has no address"))?;
+        let master = resolve_master(host, port)?;
         if master.ip().is_loopback() {
             return Ok(loopback(master.ip()));
         }
@@ -157,7 +153,7 @@ pub(crate) fn connect_failure(rank: usize, text: &str, store: &crate::store::Sto
     // Across hosts: the master, which every rank reaches, is not on loopback.
     let multi_host = store
         .endpoint()
-        .and_then(|(host, port)| (host, port).to_socket_addrs().ok()?.next())
+        .and_then(|(host, port)| resolve_master(host, port).ok())
         .is_some_and(|a| !a.ip().is_loopback());
     let cause = match remote {
         peer if peer.ip().is_loopback() && multi_host => format!(
@@ -198,8 +194,20 @@ pub(crate) fn peer_endpoint(text: &str) -> Option<SocketAddr> {
 /// This host's address towards the master at `host:port` (the local address of the
 /// route there), for naming a node; `None` when it does not resolve or has no route.
 pub(crate) fn address_towards(host: &str, port: u16) -> Option<IpAddr> {
-    let master = (host, port).to_socket_addrs().ok()?.next()?;
-    route_source(master).ok()
+    route_source(resolve_master(host, port).ok()?).ok()
+}
+
+/// The master's address, `host:port` resolved as every rank and the store's host
+/// resolve it (the first address the resolver gives).
+///
+/// Errors with the message (for the caller's error) when `host` does not resolve or
+/// has no address.
+pub(crate) fn resolve_master(host: &str, port: u16) -> Result<SocketAddr, String> {
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|e| format!("MASTER_ADDR {host:?} does not resolve: {e}"))?
+        .next()
+        .ok_or_else(|| format!("MASTER_ADDR {host:?} has no address"))
 }
 
 /// The local address that a connection to `to` leaves from: the kernel's choice of
