@@ -931,6 +931,52 @@ mod tests {
         );
     }
 
+    /// The spelled-out step (`zero_grad`, `backward`, `step` on every micro-batch)
+    /// under `accumulate(4)` updates once per cycle, and that update is one plain tch
+    /// SGD step on the whole batch (the micro-batches' mean losses, divided by 4, add
+    /// up to the whole batch's mean loss). A short cycle that the data loader ends
+    /// (`set_end_of_data`) steps after its last micro-batch.
+    #[test]
+    fn spelled_out_accumulation_steps_once_per_cycle_as_one_step_on_the_whole_batch() {
+        let (vs, net, xs) = fixture();
+        let mut opt = Optimizer::new(&nn::Sgd::default(), &vs, 0.1)
+            .unwrap()
+            .with_implementation(Implementation::Tch)
+            .unwrap()
+            .accumulate(4);
+        let start = params(&vs);
+        for (i, micro) in xs.chunk(4, 0).iter().enumerate() {
+            opt.zero_grad().unwrap();
+            assert_eq!(opt.backward(&loss(&net, micro)).unwrap(), i == 3);
+            assert_eq!(opt.step().unwrap(), i == 3, "micro-batch {i} steps only at the end");
+            if i < 3 {
+                assert_eq!(params(&vs), start, "no update inside the cycle ({i})");
+            }
+        }
+        let (tvs, tnet, _) = fixture();
+        let mut whole = nn::Sgd::default().build(&tvs, 0.1).unwrap();
+        whole.backward_step(&loss(&tnet, &xs));
+        let close = |a: &[Vec<f32>], b: &[Vec<f32>]| {
+            a.iter().flatten().zip(b.iter().flatten()).all(|(x, y)| (x - y).abs() <= 1e-6)
+        };
+        assert_ne!(params(&vs), start);
+        assert!(close(&params(&vs), &params(&tvs)), "{:?} vs {:?}", params(&vs), params(&tvs));
+
+        // The data ends after two micro-batches: the second ends the cycle.
+        let after_first_cycle = params(&vs);
+        let micro = xs.chunk(4, 0);
+        opt.zero_grad().unwrap();
+        assert!(!opt.backward(&loss(&net, &micro[0])).unwrap());
+        assert!(!opt.step().unwrap());
+        set_end_of_data(true);
+        opt.zero_grad().unwrap();
+        let ended = opt.backward(&loss(&net, &micro[1])).unwrap();
+        set_end_of_data(false);
+        assert!(ended, "the end of the data ends the cycle");
+        assert!(opt.step().unwrap());
+        assert_ne!(params(&vs), after_first_cycle);
+    }
+
     #[test]
     fn a_state_before_the_first_step_round_trips() {
         let (vs, _, _) = fixture();
