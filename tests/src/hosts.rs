@@ -8,7 +8,8 @@
 //! Creating them needs root and iproute2's `ip`; [`Hosts::new`] says why it cannot,
 //! for the test to [`skip`](crate::skip).
 
-use std::process::{Command, Output, Stdio};
+use std::process::Command;
+use std::time::Duration;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// A small network of hosts on one bridge; see the module's doc.
@@ -17,12 +18,12 @@ pub struct Hosts {
     count: usize,
 }
 
+/// Runs `ip ARGS` (at most 30 s).
 fn ip(args: &[&str]) -> Result<(), String> {
-    let out: Output = Command::new("ip")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("cannot run `ip` (iproute2): {e}"))?;
+    if !crate::on_path("ip") {
+        return Err("no `ip` (iproute2) on PATH".into());
+    }
+    let out = crate::output_within(Command::new("ip").args(args), b"", Duration::from_secs(30));
     if out.status.success() {
         Ok(())
     } else {

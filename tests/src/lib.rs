@@ -254,6 +254,25 @@ fn record_skip(reason: &str, ci: bool, log: Option<&Path>) -> String {
     line
 }
 
+/// Joins a world of one in this test process, on the CPU over Gloo whatever the host
+/// has (on a GPU machine `init()` would choose NCCL on `cuda:0`), as [`pin_device`]
+/// does for the processes the harness starts.
+pub fn init_on_cpu() -> tch_distributed::Context {
+    tch_distributed::init_with(tch_distributed::InitOptions {
+        backend: Some(tch_distributed::Backend::Gloo),
+        device: Some(tch::Device::Cpu),
+        ..Default::default()
+    })
+    .expect("a world of one on the CPU")
+}
+
+/// Whether an executable file named `program` is in a directory of `PATH`: a look,
+/// without running anything (so without a wait to bound).
+pub fn on_path(program: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(program).is_file()))
+}
+
 /// Runs `cmd` to its end with `stdin` on its standard input and returns its output
 /// (not checked for success), for short commands (a Python script, `--version`,
 /// `--help`). It runs in its own process group held by a [`ProcessGroup`] (GPUs hidden

@@ -111,7 +111,7 @@ fn find_unused_parameters_trains_a_model_with_an_unused_layer() {
 /// backward pass as synchronized.
 #[test]
 fn in_a_world_of_one_ddp_keeps_its_options_and_counts_its_backward_passes() {
-    let ctx = tch_distributed::init().unwrap();
+    let ctx = tch_distributed_tests::init_on_cpu();
     assert_eq!(ctx.world_size(), 1);
     let vs = nn::VarStore::new(Device::Cpu);
     let net = nn::linear(vs.root(), 3, 1, Default::default());

@@ -283,7 +283,8 @@ fn a_training_loop_whose_optimizer_steps_out_of_sight_is_said_once() {
     let warning = "averaged no gradients over them";
     // `helper`: `self.train_step(…)` steps `self.opt` where the attribute cannot see
     // it; the ranks train apart, and rank 0 says so once (not once per epoch).
-    // `direct`: stepped in `fit` itself; averaged, one model, and nothing said.
+    // `direct`: stepped in `fit` itself; averaged, one model (one process's on the
+    // global batches), and nothing said.
     for (mode, apart) in [("helper", true), ("direct", false)] {
         let dir = scratch_dir(&format!("{mode}-step"));
         let run = run_tchrun(
@@ -306,5 +307,22 @@ fn a_training_loop_whose_optimizer_steps_out_of_sight_is_said_once() {
             apart,
             "{mode}: the ranks' parameters {sums:?}"
         );
+        let reference: f64 = run
+            .stderr
+            .lines()
+            .find_map(|l| l.strip_prefix("reference sum "))
+            .unwrap_or_else(|| panic!("no reference in:\n{}", run.stderr))
+            .parse()
+            .unwrap();
+        for sum in &sums {
+            let diff = (sum.parse::<f64>().unwrap() - reference).abs();
+            // Measured: 5e-8 from one process when averaged (float32 rounding), 0.18
+            // and 0.21 apart when not.
+            assert_eq!(
+                diff > 1e-4,
+                apart,
+                "{mode}: rank sum {sum} against one process's {reference}"
+            );
+        }
     }
 }

@@ -107,6 +107,7 @@ impl Fixture {
 
 /// `a + scale·b`, name by name (both sorted by name).
 fn axpy(a: &[(String, Tensor)], scale: f64, b: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
+    assert_eq!(a.len(), b.len(), "as many variables on both sides");
     a.iter()
         .zip(b)
         .map(|((na, x), (nb, y))| {

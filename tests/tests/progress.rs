@@ -8,7 +8,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{run_tchrun, run_with, scratch_dir, skip, tchrun, Run};
+use tch_distributed_tests::{on_path, run_tchrun, run_with, scratch_dir, skip, tchrun, Run};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_tracker_worker");
 const TIMEOUT: Duration = Duration::from_secs(120);
@@ -17,7 +17,7 @@ const TIMEOUT: Duration = Duration::from_secs(120);
 /// which gives it a pseudo-terminal; the terminal's output is the run's stdout. `None`
 /// (after `skip`) without `script`.
 fn under_a_terminal(name: &str, env: &str, args: &str) -> Option<Run> {
-    if Command::new("script").arg("--version").output().is_err() {
+    if !on_path("script") {
         skip("the pseudo-terminal test: no `script` (util-linux) here");
         return None;
     }

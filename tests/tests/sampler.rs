@@ -61,6 +61,7 @@ for line in sys.stdin:
             );
         }
     }
+    assert_eq!(lines.next(), None, "PyTorch printed more ranks than asked for");
 }
 
 #[test]

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tch_distributed_tests::{run_with, scratch_dir, Run};
+use tch_distributed_tests::{run_with, scratch_dir, ProcessGroup, Run};
 
 #[path = "support/messages.rs"]
 mod messages;
@@ -111,11 +111,11 @@ fn rank_0_stalled_shows_as_a_store_that_does_not_answer_when_rank_0_hosts_it() {
             .stderr(Stdio::null());
         cmd
     };
-    let mut rank0 = rank("0").spawn().expect("rank 0 starts");
+    // Rank 0 stays stopped: its group is killed when the guard drops, whatever rank 1
+    // did, on a panic too.
+    let rank0 = ProcessGroup::spawn(&mut rank("0")).expect("rank 0 starts");
     let run = run_with(rank("1"), &dir, Duration::from_secs(90), |_, _| {});
-    // Rank 0 stays stopped: kill it, whatever rank 1 did.
-    let _ = rank0.kill();
-    let _ = rank0.wait();
+    drop(rank0);
     assert_eq!(run.status.code(), Some(1), "{run:?}");
     let message = message_block(&run.stderr, "Error: rank 1:");
     assert_no_raw_text(&run.stderr);

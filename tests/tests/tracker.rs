@@ -156,6 +156,7 @@ fn without_averaging_rank_0_logs_its_own_values() {
     let l0 = local_losses(&dir, 0);
     let records = records(&dir.join("run"));
     assert_eq!(records.len(), 4);
+    assert_eq!(l0.len(), records.len(), "a local loss per record");
     for (r, own) in records.iter().zip(&l0) {
         assert_eq!(r["loss"].as_f64().unwrap(), *own);
         assert_eq!(r["rank"], 0.0);

@@ -172,7 +172,7 @@ fn copy_dir(from: &Path, to: &Path) {
 fn zero_in_a_world_of_one_shards_nothing() {
     // As ZeroRedundancyOptimizer on one rank: the whole state stays with the one rank,
     // and a checkpoint keeps it in `optimizer.safetensors`, not in shards.
-    let ctx = tch_distributed::init().unwrap();
+    let ctx = tch_distributed_tests::init_on_cpu();
     assert_eq!(ctx.world_size(), 1);
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
     let _layer = tch::nn::linear(vs.root(), 2, 2, Default::default());

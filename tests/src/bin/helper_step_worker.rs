@@ -3,7 +3,10 @@
 //! `self.opt` in a method that `fit` calls (`self.train_step(…)`), where the attribute
 //! cannot see it, so the ranks train apart; `helper_step_worker direct` steps it in
 //! `fit` itself. Two epochs of 8 batches over 64 synthetic samples; prints each rank's
-//! parameter sum as `rank R sum S`.
+//! parameter sum as `rank R sum S`, then the reference as `reference sum S`: one plain
+//! process (tch's own optimizer, outside the attribute) on the global batches, which
+//! are the ranks' batches of each step together (the loop deals batches round-robin:
+//! on 2 ranks, step k is rows 16k..16k+16).
 
 use tch::data::Iter2;
 use tch::nn::{self, Module, OptimizerConfig};
@@ -47,15 +50,36 @@ impl Trainer {
     }
 }
 
-fn main() -> anyhow::Result<()> {
-    tch::set_num_threads(1);
+/// The data and an untrained trainer, the same on every rank and in the reference.
+fn setup() -> anyhow::Result<(Tensor, Tensor, Trainer)> {
     tch::manual_seed(3);
-    let helper = std::env::args().nth(1).as_deref() == Some("helper");
     let xs = Tensor::randn([64, 4], (Kind::Float, Device::Cpu));
     let ys = xs.sum_dim_intlist(1, true, Kind::Float);
     let vs = nn::VarStore::new(Device::Cpu);
     let net = nn::linear(vs.root(), 4, 1, Default::default());
     let opt = nn::Sgd::default().build(&vs, 0.05)?;
-    let mut trainer = Trainer { vs, net, opt };
-    trainer.fit(&xs, &ys, helper)
+    Ok((xs, ys, Trainer { vs, net, opt }))
+}
+
+fn main() -> anyhow::Result<()> {
+    tch::set_num_threads(1);
+    let helper = std::env::args().nth(1).as_deref() == Some("helper");
+    let (xs, ys, mut trainer) = setup()?;
+    trainer.fit(&xs, &ys, helper)?;
+
+    let world = tch_distributed::current().map_or(1, |c| c.world_size()) as i64;
+    let (xs, ys, mut reference) = setup()?;
+    for _epoch in 0..2 {
+        for (x, y) in Iter2::new(&xs, &ys, 8 * world) {
+            reference.train_step(&x, &y);
+        }
+    }
+    let sum: f64 = reference
+        .vs
+        .trainable_variables()
+        .iter()
+        .map(|t| t.sum(Kind::Double).double_value(&[]))
+        .sum();
+    eprintln!("reference sum {sum:.9}");
+    Ok(())
 }

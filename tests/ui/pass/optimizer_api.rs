@@ -66,6 +66,7 @@ fn plain() -> anyhow::Result<Vec<Tensor>> {
 fn main() -> anyhow::Result<()> {
     let ours = distributed()?;
     let tchs = plain()?;
+    assert_eq!(ours.len(), tchs.len(), "as many variables on both sides");
     for (a, b) in ours.iter().zip(&tchs) {
         assert!(a.equal(b), "the SDK's optimizer differs from tch's: {a} vs {b}");
     }
