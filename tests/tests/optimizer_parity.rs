@@ -17,7 +17,8 @@
 //!   with `mul_` then `add_`, equal in exact arithmetic and rounded differently in
 //!   float32; the training carries and amplifies the difference (measured with
 //!   PyTorch 2.11.0 at step 100: Adam 8.6e-7, AdamW 1.6e-6, centered RMSprop 9.1e-6),
-//!   so those are held to 2e-5, and the rest (SGD, plain RMSprop) to the bit.
+//!   so each is held to about twice its own (2e-6, 4e-6, 2e-5), and the rest (SGD,
+//!   plain RMSprop) to the bit.
 //!
 //! Then the checkpoint: the Rust run's optimizer state after 50 steps
 //! (`Optimizer::state`, safetensors in `torch.optim`'s `state_dict` layout, with
@@ -109,7 +110,7 @@ fn cases() -> Vec<Case> {
         0.0,
     );
     add("adam-fused", Box::new(adam), "Adam", &adam_kw, Fused, 0.0);
-    add("adam-tch", Box::new(adam), "Adam", &adam_kw, Tch, 2e-5);
+    add("adam-tch", Box::new(adam), "Adam", &adam_kw, Tch, 2e-6);
     add(
         "adamw-foreach",
         Box::new(adamw),
@@ -126,7 +127,7 @@ fn cases() -> Vec<Case> {
         Fused,
         0.0,
     );
-    add("adamw-tch", Box::new(adamw), "AdamW", &adamw_kw, Tch, 2e-5);
+    add("adamw-tch", Box::new(adamw), "AdamW", &adamw_kw, Tch, 4e-6);
     add(
         "rmsprop-foreach",
         Box::new(rms),
