@@ -48,11 +48,19 @@ pub fn load_var_store(ctx: &Context, vs: &mut VarStore, path: impl AsRef<Path>) 
         .map_err(|e| Error::Torch(format!("loading {}: {e}", path.as_ref().display())))
 }
 
-/// Flushes a written file to disk.
+/// Flushes a file that libtorch wrote to disk, and takes other users' write
+/// permission away from it: libtorch creates files with the process's umask alone,
+/// which (umask 000) may leave them world-writable.
 fn sync_file(path: &Path) -> Result<()> {
-    File::open(path)
-        .and_then(|f| f.sync_all())
-        .map_err(io("syncing", path))
+    use std::os::unix::fs::PermissionsExt;
+    let file = File::open(path).map_err(io("opening", path))?;
+    let mut permissions = file.metadata().map_err(io("reading the mode of", path))?.permissions();
+    if permissions.mode() & 0o002 != 0 {
+        permissions.set_mode(permissions.mode() & !0o002);
+        file.set_permissions(permissions)
+            .map_err(io("taking other users' write permission from", path))?;
+    }
+    file.sync_all().map_err(io("syncing", path))
 }
 
 /// Makes renames and new entries in `dir` durable.
@@ -104,6 +112,19 @@ fn write_atomically(vs: &VarStore, path: &Path) -> Result<()> {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn a_file_libtorch_wrote_world_writable_is_synced_without_others_write_permission() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("rng.safetensors");
+        fs::write(&path, b"bytes").unwrap();
+        // As libtorch leaves it under umask 000.
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o666)).unwrap();
+        sync_file(&path).unwrap();
+        let mode = fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o664, "the umask's choice, less others' write: {mode:o}");
+        assert_eq!(fs::read(&path).unwrap(), b"bytes");
+    }
 
     #[test]
     fn a_checkpoint_replaces_the_file_whole_and_is_not_writable_by_others() {

@@ -1,7 +1,7 @@
 //! `Checkpointer`: whole training states in directories that are complete or absent.
 
 use std::collections::BTreeMap;
-use std::fs::{self, File};
+use std::fs;
 use std::io::Write as _;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
@@ -108,7 +108,15 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut f = File::create(path).map_err(io("creating", path))?;
+    use std::os::unix::fs::OpenOptionsExt;
+    // 0664 less the umask: never writable by other users.
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o664)
+        .open(path)
+        .map_err(io("creating", path))?;
     f.write_all(bytes).map_err(io("writing", path))?;
     f.sync_all().map_err(io("syncing", path))
 }
