@@ -19,6 +19,15 @@ struct Trainer {
 }
 
 impl Trainer {
+    /// The sum of every parameter, in float64.
+    fn parameter_sum(&self) -> f64 {
+        self.vs
+            .trainable_variables()
+            .iter()
+            .map(|t| t.sum(Kind::Double).double_value(&[]))
+            .sum()
+    }
+
     fn train_step(&mut self, x: &Tensor, y: &Tensor) {
         let loss = self.net.forward(x).mse_loss(y, tch::Reduction::Mean);
         self.opt.backward_step(&loss);
@@ -37,12 +46,7 @@ impl Trainer {
             }
         }
         let rank = tch_distributed::current().map_or(0, |c| c.rank());
-        let sum: f64 = self
-            .vs
-            .trainable_variables()
-            .iter()
-            .map(|t| t.sum(Kind::Double).double_value(&[]))
-            .sum();
+        let sum = self.parameter_sum();
         // Every rank says it (`eprintln!` would be rank 0's alone).
         let line = format!("rank {rank} sum {sum:.9}\n");
         std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes())?;
@@ -74,12 +78,6 @@ fn main() -> anyhow::Result<()> {
             reference.train_step(&x, &y);
         }
     }
-    let sum: f64 = reference
-        .vs
-        .trainable_variables()
-        .iter()
-        .map(|t| t.sum(Kind::Double).double_value(&[]))
-        .sum();
-    eprintln!("reference sum {sum:.9}");
+    eprintln!("reference sum {:.9}", reference.parameter_sum());
     Ok(())
 }
