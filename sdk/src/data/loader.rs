@@ -685,6 +685,27 @@ mod tests {
         }
     }
 
+    /// `size_hint` is exact: the batches left in this epoch, counting down to 0, and
+    /// after a mid-epoch resume the rest of the epoch (the sharded loop's progress bar
+    /// and `collect` rely on it).
+    #[test]
+    fn the_size_hint_is_the_batches_left() {
+        let l = loader(10, 4);
+        let mut it = l.iter();
+        for left in (0..=3).rev() {
+            assert_eq!(it.size_hint(), (left, Some(left)));
+            assert_eq!(it.next().is_some(), left > 0);
+        }
+        assert_eq!(it.size_hint(), (0, Some(0)), "past the end");
+        drop(it);
+        let resumed = loader(10, 4);
+        resumed.resume(LoaderPosition {
+            epoch: 0,
+            samples_in_epoch: 4,
+        });
+        assert_eq!(resumed.iter().size_hint(), (2, Some(2)));
+    }
+
     #[test]
     fn stopping_early_stops_the_workers() {
         let l = loader(1000, 1).num_workers(2);
