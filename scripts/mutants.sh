@@ -6,7 +6,8 @@
 # plus multi-process tests, so a file takes tens of minutes to hours on 2 cores.
 #
 #   scripts/mutants.sh                 every file below
-#   scripts/mutants.sh ddp optim       some of them (by the names below)
+#   scripts/mutants.sh ddp optim       some of them (by the names below; optim is its
+#                                      four files' entries)
 #   scripts/mutants.sh --list [NAMES]  list the mutants only (no builds)
 #   scripts/mutants.sh NAMES -- ARGS   ARGS go to cargo-mutants (e.g. --shard 1/4)
 #
@@ -29,15 +30,25 @@ fi
 # it. tchrun, which those tests start, is built once unmutated: it only launches.
 declare -A FILE TESTS
 FILE[ddp]=sdk/src/ddp.rs;                  TESTS[ddp]="ddp accumulation parity macro_behaviour error_hints stalled_ranks entry_errors"
-FILE[optim]='sdk/src/optim/*.rs';         TESTS[optim]="ddp parity accumulation amp macro_behaviour optimizer_settings optimizer_parity optimizer_state zero grad_scaler loader_epochs"
+# The optimizer, file by file (`optim` names all four): its step and accumulation
+# (mod.rs) under every test that trains through it; its kernels under the tests that
+# compare updates with torch.optim, tch and closed forms; its state under the
+# checkpoint tests; ZeRO under the ZeRO tests.
+FILE[optim_mod]=sdk/src/optim/mod.rs;          TESTS[optim_mod]="ddp parity accumulation amp macro_behaviour optimizer_settings optimizer_parity optimizer_state zero grad_scaler loader_epochs"
+FILE[optim_kernels]=sdk/src/optim/kernels.rs;  TESTS[optim_kernels]="optimizer_parity optimizer_settings optimizer_state parity grad_scaler"
+FILE[optim_state]=sdk/src/optim/state.rs;      TESTS[optim_state]="optimizer_state optimizer_parity zero"
+FILE[optim_zero]=sdk/src/optim/zero.rs;        TESTS[optim_zero]="zero parity"
 FILE[amp]=sdk/src/amp.rs;                  TESTS[amp]="amp accumulation grad_scaler"
 FILE[sampler]=sdk/src/data/sampler.rs;     TESTS[sampler]="sampler data shuffles"
-FILE[loader]=sdk/src/data/loader.rs;       TESTS[loader]="data accumulation checkpoint loader_epochs"
+FILE[loader]=sdk/src/data/loader.rs;       TESTS[loader]="data accumulation checkpoint loader_epochs progress"
 FILE[state]=sdk/src/checkpoint/state.rs;   TESTS[state]="checkpoint grad_scaler preemption"
 # Not in ALL (not the correctness core, and the multi-host tests need root): which
 # address Gloo binds across hosts, and how a failed connection is named.
 FILE[network]=sdk/src/process_group/network.rs; TESTS[network]="multi_host error_hints launch"
-ALL=(ddp optim amp sampler loader state)
+ALL=(ddp optim_mod optim_kernels optim_state optim_zero amp sampler loader state)
+# A NAME that stands for several.
+declare -A GROUP
+GROUP[optim]="optim_mod optim_kernels optim_state optim_zero"
 # NAME -> tests of those targets to skip for it (they exercise none of its paths and
 # take long): the preemption-signal runs, which only deliver signals and check a
 # checkpoint that the other checkpoint tests check too.
@@ -51,7 +62,11 @@ if [ "${1:-}" = --list ]; then
 fi
 names=()
 while [ $# -gt 0 ] && [ "$1" != -- ]; do
-  names+=("$1")
+  if [ -n "${GROUP[$1]:-}" ]; then
+    names+=(${GROUP[$1]})
+  else
+    names+=("$1")
+  fi
   shift
 done
 [ "${1:-}" != -- ] || shift
