@@ -9,8 +9,8 @@
 //! for the test to [`skip`](crate::skip).
 
 use std::process::Command;
-use std::time::Duration;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 /// A small network of hosts on one bridge; see the module's doc.
 pub struct Hosts {

@@ -61,7 +61,11 @@ for line in sys.stdin:
             );
         }
     }
-    assert_eq!(lines.next(), None, "PyTorch printed more ranks than asked for");
+    assert_eq!(
+        lines.next(),
+        None,
+        "PyTorch printed more ranks than asked for"
+    );
 }
 
 #[test]

@@ -54,7 +54,10 @@ pub fn load_var_store(ctx: &Context, vs: &mut VarStore, path: impl AsRef<Path>) 
 fn sync_file(path: &Path) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     let file = File::open(path).map_err(io("opening", path))?;
-    let mut permissions = file.metadata().map_err(io("reading the mode of", path))?.permissions();
+    let mut permissions = file
+        .metadata()
+        .map_err(io("reading the mode of", path))?
+        .permissions();
     if permissions.mode() & 0o002 != 0 {
         permissions.set_mode(permissions.mode() & !0o002);
         file.set_permissions(permissions)
@@ -122,7 +125,11 @@ mod tests {
         fs::set_permissions(&path, fs::Permissions::from_mode(0o666)).unwrap();
         sync_file(&path).unwrap();
         let mode = fs::metadata(&path).unwrap().permissions().mode();
-        assert_eq!(mode & 0o777, 0o664, "the umask's choice, less others' write: {mode:o}");
+        assert_eq!(
+            mode & 0o777,
+            0o664,
+            "the umask's choice, less others' write: {mode:o}"
+        );
         assert_eq!(fs::read(&path).unwrap(), b"bytes");
     }
 

@@ -948,7 +948,11 @@ mod tests {
         for (i, micro) in xs.chunk(4, 0).iter().enumerate() {
             opt.zero_grad().unwrap();
             assert_eq!(opt.backward(&loss(&net, micro)).unwrap(), i == 3);
-            assert_eq!(opt.step().unwrap(), i == 3, "micro-batch {i} steps only at the end");
+            assert_eq!(
+                opt.step().unwrap(),
+                i == 3,
+                "micro-batch {i} steps only at the end"
+            );
             if i < 3 {
                 assert_eq!(params(&vs), start, "no update inside the cycle ({i})");
             }
@@ -957,10 +961,18 @@ mod tests {
         let mut whole = nn::Sgd::default().build(&tvs, 0.1).unwrap();
         whole.backward_step(&loss(&tnet, &xs));
         let close = |a: &[Vec<f32>], b: &[Vec<f32>]| {
-            a.iter().flatten().zip(b.iter().flatten()).all(|(x, y)| (x - y).abs() <= 1e-6)
+            a.iter()
+                .flatten()
+                .zip(b.iter().flatten())
+                .all(|(x, y)| (x - y).abs() <= 1e-6)
         };
         assert_ne!(params(&vs), start);
-        assert!(close(&params(&vs), &params(&tvs)), "{:?} vs {:?}", params(&vs), params(&tvs));
+        assert!(
+            close(&params(&vs), &params(&tvs)),
+            "{:?} vs {:?}",
+            params(&vs),
+            params(&tvs)
+        );
 
         // The data ends after two micro-batches: the second ends the cycle.
         let after_first_cycle = params(&vs);
@@ -975,6 +987,23 @@ mod tests {
         assert!(ended, "the end of the data ends the cycle");
         assert!(opt.step().unwrap());
         assert_ne!(params(&vs), after_first_cycle);
+    }
+
+    #[test]
+    fn debug_shows_the_rule_the_variables_and_the_kernels() {
+        let (vs, _, _) = fixture();
+        let opt = ours("sgd", &vs);
+        let shown = format!("{opt:?}");
+        for part in [
+            "Optimizer",
+            "Sgd",
+            "momentum: 0.9",
+            "variables: 2",
+            "Tch",
+            "distributed: false",
+        ] {
+            assert!(shown.contains(part), "{part:?} not in {shown}");
+        }
     }
 
     #[test]
