@@ -989,6 +989,36 @@ mod tests {
         assert_ne!(params(&vs), after_first_cycle);
     }
 
+    /// A backward pass that did not go through the optimizer (`loss.backward()`, as
+    /// in a plain tch program) is followed by a step on its gradients: plain SGD's
+    /// `p - lr * g`, with or without accumulation configured.
+    #[test]
+    fn a_step_after_a_backward_outside_the_optimizer_updates() {
+        for accumulation in [1, 3] {
+            let (vs, net, xs) = fixture();
+            let mut opt = Optimizer::new(&nn::Sgd::default(), &vs, 0.1)
+                .unwrap()
+                .accumulate(accumulation);
+            let start = params(&vs);
+            opt.zero_grad().unwrap();
+            loss(&net, &xs).backward();
+            let grads: Vec<Vec<f32>> = vs
+                .trainable_variables()
+                .iter()
+                .map(|t| Vec::<f32>::try_from(t.grad().view([-1])).unwrap())
+                .collect();
+            assert!(opt.step().unwrap(), "accumulate({accumulation}): it steps");
+            for ((p, p0), g) in params(&vs).iter().zip(&start).zip(&grads) {
+                for ((x, x0), gx) in p.iter().zip(p0).zip(g) {
+                    assert!(
+                        (x - (x0 - 0.1 * gx)).abs() <= 1e-7,
+                        "{x} vs {x0} - 0.1 * {gx}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn debug_shows_the_rule_the_variables_and_the_kernels() {
         let (vs, _, _) = fixture();
