@@ -120,12 +120,14 @@ pub fn assert_model_equals_reference(dir: &Path, world: usize) -> compare::Diffe
     // The worker computes in f32: its rounding against this f64 arithmetic, measured
     // at 2.4e-7 at most (a bit or two of parameters around 1) on 1, 2 and 3 ranks.
     diff.assert_within(2e-6, "the model against one process's closed form");
-    // A step that did nothing would leave the parameters where they started. How far
-    // they move depends on the random initialisation (unseeded runs): 8e-3 has been
-    // seen, so the bar is 1e-3, still 500 times the tolerance above.
+    // A step that did nothing would leave the parameters where they started, which the
+    // comparison above tells from the closed form as long as training moves them by
+    // more than its tolerance. How far they move depends on the random initialisation
+    // (unseeded runs): 2.1e-4 has been seen (it failed a bar of 1e-3), so the bar is
+    // 25 times the tolerance.
     let moved = compare::named(&init, &expected);
     assert!(
-        moved.max_abs > 1e-3,
+        moved.max_abs > 5e-5,
         "training must move the parameters: {moved:?}"
     );
     diff
