@@ -5,10 +5,16 @@
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use tch::Tensor;
 pub use tch_distributed_tests::{compare, run_with, scratch_dir, tchrun, without_launcher, Run};
+
+/// Held while a test draws from the process's random generator (libtorch's global
+/// CPU generator, shared by a test binary's threads) where the draws must be
+/// reproducible, such as a seed followed by a model's initialisation.
+pub static RNG: Mutex<()> = Mutex::new(());
 
 /// Per run: multi-process runs on 2 CPU cores take seconds, a hang is killed here.
 pub const TIMEOUT: Duration = Duration::from_secs(240);
@@ -306,6 +312,7 @@ pub fn write_text_data(
     std::fs::write(&path, text).unwrap();
     let data = tch::data::TextData::new(&path).unwrap();
     let windows = data.data().unfold(0, window, 1);
+    let _rng = RNG.lock().unwrap_or_else(|e| e.into_inner());
     let n = windows.size()[0] as usize;
     assert_eq!(n, chars + 1 - window as usize, "windows of {window}");
     let first = data.iter_shuffle(window, batch as i64).next().unwrap();
