@@ -84,14 +84,16 @@ fi
 summary=""
 for name in "${names[@]}"; do
   file="${FILE[$name]:?unknown name $name: use one of ${ALL[*]}}"
-  # Builds and tests the SDK's own unit tests (--lib) and the tests package (its
-  # test targets and workers), not the examples, the book's listings or the
-  # benchmarks, which no covering test runs.
+  # Builds and tests the SDK's own unit tests (--lib) and, of the tests package, the
+  # covering test targets (and the workers they start), not its other targets, the
+  # examples, the book's listings or the benchmarks: --cargo-arg reaches the build
+  # (`cargo test --no-run`) as well as the test run, so each mutant's build links only
+  # those.
   args=(--dir "$TREE" --file "$file" --package tch-distributed
     --test-package tch-distributed --test-package tch-distributed-tests
-    --cargo-test-arg=--lib)
+    --cargo-arg=--lib)
   for t in ${TESTS[$name]}; do
-    args+=("--cargo-test-arg=--test=$t")
+    args+=("--cargo-arg=--test=$t")
   done
   # After cargo-mutants' own `--`, its arguments go to `cargo test` as they are: the
   # second `--` sends the skips on to the test binaries.

@@ -491,6 +491,16 @@ mod tests {
     }
 
     #[test]
+    fn each_mode_displays_as_the_attribute_spells_it() {
+        // The note that an environment variable overrides the attribute's value
+        // quotes the attribute's value with this.
+        for spelled in ["no", "bf16", "fp16", "auto"] {
+            let mode: MixedPrecisionMode = spelled.parse().unwrap();
+            assert_eq!(mode.to_string(), spelled);
+        }
+    }
+
+    #[test]
     fn auto_and_parsing() {
         assert_eq!(
             MixedPrecision::auto(Device::Cpu).unwrap().0,
