@@ -41,7 +41,7 @@ FILE[optim_zero]=sdk/src/optim/zero.rs;        TESTS[optim_zero]="zero parity"
 FILE[amp]=sdk/src/amp.rs;                  TESTS[amp]="amp accumulation grad_scaler"
 FILE[sampler]=sdk/src/data/sampler.rs;     TESTS[sampler]="sampler data shuffles"
 FILE[loader]=sdk/src/data/loader.rs;       TESTS[loader]="data accumulation checkpoint loader_epochs progress"
-FILE[state]=sdk/src/checkpoint/state.rs;   TESTS[state]="checkpoint grad_scaler preemption"
+FILE[state]=sdk/src/checkpoint/state.rs;   TESTS[state]="checkpoint grad_scaler preemption zero"
 # Not in ALL (not the correctness core, and the multi-host tests need root): which
 # address Gloo binds across hosts, and how a failed connection is named.
 FILE[network]=sdk/src/process_group/network.rs; TESTS[network]="multi_host error_hints launch"
