@@ -182,3 +182,25 @@ fn zero_in_a_world_of_one_shards_nothing() {
         .unwrap();
     assert_eq!(opt.zero_stage(), None);
 }
+
+#[test]
+fn a_variable_created_after_a_zero_optimizer_without_ddp_joins_the_partition() {
+    // Through the optimizer's own API, without DDP (so not refused as under DDP): the
+    // late variable must be owned by some rank, which updates it and shares it.
+    let dir = scratch_dir("zero-late");
+    let mut cmd = std::process::Command::new(tchrun());
+    cmd.args([
+        "--nproc-per-node",
+        "2",
+        env!("CARGO_BIN_EXE_ddp_worker"),
+        "zero_late",
+    ]);
+    let run = run_with(cmd, &dir, TIMEOUT, |_, _| {});
+    run.assert_success();
+    assert_eq!(
+        run.stdout.matches("ok zero_late").count(),
+        2,
+        "{}",
+        run.stdout
+    );
+}

@@ -13,6 +13,11 @@
 //! - `unused`: a model with a parameter the loss never uses trains with
 //!   `find_unused_parameters`, to the parameters of one process on the global batch
 //!   (the unused one unchanged).
+//! - `zero_late`: ZeRO stage 1 through the optimizer's own API, without DDP (every
+//!   rank on the same whole batch, so no averaging is needed), with a variable created
+//!   after the optimizer: one SGD step must move every variable, the late one too, to
+//!   `p - LR·g` on every rank (the late one joins the partition, so some rank owns,
+//!   updates and shares it).
 //!
 //! Prints `ok …` lines and `max_diff …`; exits non-zero on a failed check (an error,
 //! or a panic of `tch_distributed_tests::compare` on NaN, infinity or mismatched
@@ -428,6 +433,39 @@ fn main() -> anyhow::Result<()> {
                  (max |diff| {:e}), the used layer moved {moved:e}, the unused one not at all",
                 diff.max_abs
             );
+        }
+        "zero_late" => {
+            ensure!(world > 1, "mode zero_late runs on several ranks");
+            tch::manual_seed(5);
+            let vs = nn::VarStore::new(Device::Cpu);
+            let net = mlp(&vs.root());
+            let mut opt = tch_distributed::Optimizer::new(&nn::Sgd::default(), &vs, LR)?.zero(1)?;
+            ensure!(
+                opt.zero_stage() == Some(1),
+                "ZeRO shards over {world} ranks"
+            );
+            // Larger than any of the MLP's: partitioned first, to the rank that owns
+            // the fewest elements.
+            let late = vs.root().var("late", &[64], nn::Init::Const(0.5));
+            let (xs, ys) = batch(16, 4);
+            let l = loss(&net, &xs, &ys) + late.square().sum(Kind::Float) * 0.01;
+            // No zero_grad (the gradients start undefined): the step is the first
+            // call that sees the late variable, and must partition it there.
+            l.backward();
+            // SGD without momentum: p - LR·g, computed here before the step.
+            let expected: Vec<(String, Tensor)> = vs
+                .variables()
+                .into_iter()
+                .map(|(n, p)| (n, p.detach() - p.grad() * LR))
+                .collect();
+            opt.step()?;
+            let diff = compare::named(&named_copy(&vs), &expected);
+            ensure!(
+                diff.max_abs <= 1e-7,
+                "ZeRO without DDP: the parameters are not one SGD step on: {diff:?}"
+            );
+            assert_identical(pg, &flat_params(&vs), "parameters after a ZeRO step")?;
+            println!("ok zero_late: every variable, the late one too, took one SGD step");
         }
         "single" => {
             // The same training twice from the same seed: through DDP, and as plain tch.
