@@ -1020,6 +1020,45 @@ mod tests {
     }
 
     #[test]
+    fn a_variable_without_a_gradient_is_left_alone_with_no_state() {
+        // As in tch and torch.optim: a parameter the loss does not use is skipped,
+        // and gets no state, with every kernel implementation.
+        for implementation in [
+            Implementation::Fused,
+            Implementation::Foreach,
+            Implementation::Tch,
+        ] {
+            let (vs, net, xs) = fixture();
+            let unused = vs.root().var("unused", &[4], nn::Init::Const(0.5));
+            let mut opt = Optimizer::new(&nn::Adam::default(), &vs, 0.1)
+                .unwrap()
+                .with_implementation(implementation)
+                .unwrap();
+            let used = opt.state_bytes();
+            assert_eq!(
+                used, 0,
+                "{implementation:?}: no state before the first step"
+            );
+            opt.zero_grad().unwrap();
+            loss(&net, &xs).backward();
+            assert!(!unused.grad().defined());
+            assert!(opt.step().unwrap(), "{implementation:?}: it steps");
+            assert_eq!(
+                Vec::<f32>::try_from(&unused).unwrap(),
+                [0.5; 4],
+                "{implementation:?}: the unused variable moved"
+            );
+            // Adam's two moments (and the step count) for the linear layer's 8
+            // elements, nothing for the unused variable's 4.
+            let with_state = opt.state_bytes();
+            assert!(
+                with_state >= 2 * 8 * 4 && with_state < 2 * 12 * 4,
+                "{implementation:?}: {with_state} bytes of state"
+            );
+        }
+    }
+
+    #[test]
     fn debug_shows_the_rule_the_variables_and_the_kernels() {
         let (vs, _, _) = fixture();
         let opt = ours("sgd", &vs);
