@@ -76,21 +76,16 @@ fn char_rnn_on_2_and_3_ranks() {
         );
         if ranks == 2 {
             let reference = one_process_on_the_global_batches(&input, &dir, ranks);
-            let list = |m: &BTreeMap<String, Tensor>| -> Vec<(String, Tensor)> {
-                m.iter()
-                    .map(|(n, t)| (n.clone(), t.shallow_clone()))
-                    .collect()
-            };
-            let diff = compare::named(&list(&trained), &list(&reference));
-            eprintln!("2 ranks vs one process on the global batches: {diff:?}");
-            diff.assert_within(
+            assert_close(
+                &trained,
+                &reference,
                 REFERENCE_TOLERANCE,
                 "2 ranks vs one process on the global batches",
             );
             // A run that did not train (or averaged nothing) is far from it: the
             // reference moved the parameters by much more than the tolerance.
             let start = initial_model(&input).1;
-            let moved = compare::named(&list(&start), &list(&reference));
+            let moved = assert_close(&start, &reference, f64::INFINITY, "training's moves");
             assert!(
                 moved.max_abs > 100.0 * REFERENCE_TOLERANCE,
                 "training must move the parameters: {moved:?}"

@@ -22,19 +22,16 @@
 mod common;
 
 use std::collections::HashSet;
-use std::sync::Mutex;
 
 use common::*;
 use tch::{Device, Kind, Tensor};
 
-/// The programs draw their data from libtorch's generator after `manual_seed`; this
-/// test draws the same to know every sample, one test at a time (the generator is the
+/// The fingerprints of the 64 samples that a program seeded with `seed` trains on:
+/// the programs draw their data from libtorch's generator after `manual_seed`, and
+/// this draws the same, under the test binary's `RNG` lock (the generator is the
 /// process's).
-static GENERATOR: Mutex<()> = Mutex::new(());
-
-/// The fingerprints of the 64 samples that a program seeded with `seed` trains on.
 fn universe(seed: i64) -> HashSet<u64> {
-    let _one = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
+    let _one = RNG.lock().unwrap_or_else(|e| e.into_inner());
     tch::manual_seed(seed);
     fingerprints(&Tensor::randn([64, 8], (Kind::Float, Device::Cpu)))
 }
@@ -72,14 +69,9 @@ fn check(name: &str, program: &str, plain: &str, seed: i64) -> (Run, Run) {
     let alone_run = run_alone(plain, &[reference.to_str().unwrap(), "16"], &alone);
     let ours = read_tensors(&out);
     let theirs = read_tensors(&reference);
-    let list = |m: &std::collections::BTreeMap<String, Tensor>| -> Vec<(String, Tensor)> {
-        m.iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect()
-    };
-    let diff = compare::named(&list(&ours), &list(&theirs));
-    eprintln!("{name}: 2 ranks against one process: {diff:?}");
-    diff.assert_within(
+    assert_close(
+        &ours,
+        &theirs,
         1e-5,
         &format!("{name}: 2 ranks × 8 against one process × 16"),
     );

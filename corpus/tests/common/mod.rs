@@ -264,18 +264,33 @@ pub fn assert_single_process_matches_plain_within(
         "one process with the attribute (tch's arithmetic) vs without",
     );
     let fused = run("distributed", program, None);
-    let (a, b) = (read_tensors(&fused.1), read_tensors(&plain_run.1));
+    assert_close(
+        &read_tensors(&fused.1),
+        &read_tensors(&plain_run.1),
+        tolerance,
+        "one process with the attribute (default optimizer) vs without",
+    );
+}
+
+/// Asserts that two sets of named tensors are within `tolerance` of each other (the
+/// largest difference of an element, through `tch_distributed_tests::compare`: NaN,
+/// infinity, a missing name or a shape mismatch fail); prints and returns the
+/// difference.
+pub fn assert_close(
+    a: &BTreeMap<String, Tensor>,
+    b: &BTreeMap<String, Tensor>,
+    tolerance: f64,
+    what: &str,
+) -> compare::Difference {
     let list = |m: &BTreeMap<String, Tensor>| -> Vec<(String, Tensor)> {
         m.iter()
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
             .collect()
     };
-    let diff = compare::named(&list(&a), &list(&b));
-    eprintln!("one process, the default optimizer against tch's: {diff:?}");
-    diff.assert_within(
-        tolerance,
-        "one process with the attribute (default optimizer) vs without",
-    );
+    let diff = compare::named(&list(a), &list(b));
+    eprintln!("{what}: {diff:?}");
+    diff.assert_within(tolerance, what);
+    diff
 }
 
 /// The fingerprints of the rows of `t` (see `tch_distributed::record`).
