@@ -961,10 +961,12 @@ mod tests {
         let mut whole = nn::Sgd::default().build(&tvs, 0.1).unwrap();
         whole.backward_step(&loss(&tnet, &xs));
         let close = |a: &[Vec<f32>], b: &[Vec<f32>]| {
-            a.iter()
-                .flatten()
-                .zip(b.iter().flatten())
-                .all(|(x, y)| (x - y).abs() <= 1e-6)
+            let shape = |v: &[Vec<f32>]| v.iter().map(Vec::len).collect::<Vec<_>>();
+            shape(a) == shape(b)
+                && a.iter()
+                    .flatten()
+                    .zip(b.iter().flatten())
+                    .all(|(x, y)| (x - y).abs() <= 1e-6)
         };
         assert_ne!(params(&vs), start);
         assert!(
