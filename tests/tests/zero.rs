@@ -11,7 +11,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use tch_distributed_tests::compare::files as compare;
-use tch_distributed_tests::{run_with, scratch_dir, tchrun, without_launcher};
+use tch_distributed_tests::{run_tchrun, run_with, scratch_dir, tchrun, without_launcher};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_zero_worker");
 const TIMEOUT: Duration = Duration::from_secs(120);
@@ -188,14 +188,13 @@ fn a_variable_created_after_a_zero_optimizer_without_ddp_joins_the_partition() {
     // Through the optimizer's own API, without DDP (so not refused as under DDP): the
     // late variable must be owned by some rank, which updates it and shares it.
     let dir = scratch_dir("zero-late");
-    let mut cmd = std::process::Command::new(tchrun());
-    cmd.args([
+    let args = [
         "--nproc-per-node",
         "2",
         env!("CARGO_BIN_EXE_ddp_worker"),
         "zero_late",
-    ]);
-    let run = run_with(cmd, &dir, TIMEOUT, |_, _| {});
+    ];
+    let run = run_tchrun(&dir, &args, TIMEOUT, |_, _| {});
     run.assert_success();
     assert_eq!(
         run.stdout.matches("ok zero_late").count(),

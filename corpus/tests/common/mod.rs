@@ -76,13 +76,8 @@ pub fn read_tensors(path: &Path) -> BTreeMap<String, Tensor> {
 /// (`tch_distributed_tests::compare`), for which NaN or infinity on either side is a
 /// failure, never a match.
 pub fn assert_same_tensors(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>, what: &str) {
-    fn list(m: &BTreeMap<String, Tensor>) -> Vec<(&String, &Tensor)> {
-        m.iter().collect()
-    }
     // The comparison's own panic (printed above this one) says which tensor and why.
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        compare::named(&list(a), &list(b))
-    }));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| difference(a, b)));
     let diff = result.unwrap_or_else(|_| panic!("{what}: the comparison failed (above)"));
     assert!(diff.is_exact(), "{what}: not bit for bit equal: {diff:?}");
 }
@@ -272,9 +267,19 @@ pub fn assert_single_process_matches_plain_within(
     );
 }
 
+/// How far apart two sets of named tensors are, tensor by tensor under the same name,
+/// through `tch_distributed_tests::compare`: panics on NaN, infinity, a missing name
+/// or a shape mismatch.
+pub fn difference(
+    a: &BTreeMap<String, Tensor>,
+    b: &BTreeMap<String, Tensor>,
+) -> compare::Difference {
+    let list = |m| -> Vec<(&String, &Tensor)> { BTreeMap::iter(m).collect() };
+    compare::named(&list(a), &list(b))
+}
+
 /// Asserts that two sets of named tensors are within `tolerance` of each other (the
-/// largest difference of an element, through `tch_distributed_tests::compare`: NaN,
-/// infinity, a missing name or a shape mismatch fail); prints and returns the
+/// largest difference of an element, by [`difference`]); prints and returns the
 /// difference.
 pub fn assert_close(
     a: &BTreeMap<String, Tensor>,
@@ -282,12 +287,7 @@ pub fn assert_close(
     tolerance: f64,
     what: &str,
 ) -> compare::Difference {
-    let list = |m: &BTreeMap<String, Tensor>| -> Vec<(String, Tensor)> {
-        m.iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect()
-    };
-    let diff = compare::named(&list(a), &list(b));
+    let diff = difference(a, b);
     eprintln!("{what}: {diff:?}");
     diff.assert_within(tolerance, what);
     diff
