@@ -191,6 +191,7 @@ fn main() {
         .flag("-DGLOG_USE_GLOG_EXPORT")
         .flag("-DUSE_C10D_GLOO")
         .file("csrc/shim.cpp")
+        .file("csrc/sealed_store.cpp")
         .file("csrc/optim.cpp")
         .file("csrc/nccl.cpp");
 
@@ -221,6 +222,7 @@ fn main() {
     println!("cargo:libtorch_lib={}", lib_dir.display());
     for f in [
         "shim.cpp",
+        "sealed_store.cpp",
         "optim.cpp",
         "shim.h",
         "internal.hpp",

@@ -1,4 +1,4 @@
-// Shared between the shim's translation units (shim.cpp and nccl.cpp).
+// Shared between the shim's translation units (shim.cpp, sealed_store.cpp, nccl.cpp).
 #pragma once
 #include <torch/headeronly/version.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>

@@ -199,6 +199,21 @@ int tdc_store_add(tdc_store* store, const char* key, int64_t delta, int64_t* res
   })
 }
 
+int tdc_store_list_keys(tdc_store* store, char** data, size_t* len) {
+  TDC_PROTECT(1, {
+    QuietStoreWarnings quiet;
+    std::string all;
+    for (const auto& key : store->store->listKeys()) {
+      all += key;
+      all.push_back('\0');
+    }
+    *len = all.size();
+    *data = static_cast<char*>(malloc(all.empty() ? 1 : all.size()));
+    if (!all.empty()) memcpy(*data, all.data(), all.size());
+    return 0;
+  })
+}
+
 tdc_pg* tdc_pg_new(
     tdc_store* store, int rank, int size, int64_t timeout_ms, int gloo, int nccl,
     int cuda_device, const char* gloo_interfaces, const char* gloo_address) {

@@ -34,6 +34,19 @@ tdc_store* tdc_tcp_store_new(
 // An in-process store, for a world of one process (no network).
 tdc_store* tdc_hash_store_new(void);
 tdc_store* tdc_prefix_store_new(const char* prefix, tdc_store* base);
+// A job's sealed view of `base` (sealed_store.cpp): keys under `prefix` (joined with
+// '/', as PrefixStore), each value sealed by `seal` with the TDC_SECRET_BYTES-byte
+// `secret`, the full key as associated data, into `len + overhead` bytes at `out`;
+// `open` reverses it into `len - overhead` bytes. Both return 0, or non-zero when the
+// value cannot be sealed or does not open (not sealed with this secret and key).
+#define TDC_SECRET_BYTES 32
+typedef int (*tdc_seal_fn)(
+    const uint8_t* secret, const char* key, const uint8_t* plain, size_t len, uint8_t* out);
+typedef int (*tdc_open_fn)(
+    const uint8_t* secret, const char* key, const uint8_t* sealed, size_t len, uint8_t* out);
+tdc_store* tdc_sealed_store_new(
+    const char* prefix, tdc_store* base, const uint8_t* secret, size_t overhead,
+    tdc_seal_fn seal, tdc_open_fn open);
 void tdc_store_free(tdc_store* store);
 // A second connection to the same store (c10d's Store::clone: a new TCP client for a
 // TCPStore, the same prefix over a clone of the base for a PrefixStore), so that one
@@ -47,6 +60,9 @@ int tdc_store_set(tdc_store* store, const char* key, const uint8_t* data, size_t
 // *data is malloc'ed; the caller frees it.
 int tdc_store_get(tdc_store* store, const char* key, uint8_t** data, size_t* len);
 int tdc_store_add(tdc_store* store, const char* key, int64_t delta, int64_t* result);
+// Every key of the store (c10d's listKeys), each followed by a NUL, in *data
+// (malloc'ed; the caller frees it) of *len bytes in all.
+int tdc_store_list_keys(tdc_store* store, char** data, size_t* len);
 
 // ---- process group ----
 // Builds a ProcessGroup over `store`: Gloo for CPU tensors when `gloo` is set, NCCL

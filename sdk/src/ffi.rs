@@ -20,6 +20,30 @@ pub struct Reducer {
     _private: [u8; 0],
 }
 
+/// The length of a sealed store's secret (`TDC_SECRET_BYTES`).
+pub const SECRET_BYTES: usize = 32;
+
+/// Seals `len` bytes at `plain` with `secret` ([`SECRET_BYTES`]) and `key` (a C string,
+/// the associated data) into `len + overhead` bytes at `out`; 0 on success
+/// (`tdc_seal_fn`).
+pub type SealFn = unsafe extern "C" fn(
+    secret: *const u8,
+    key: *const c_char,
+    plain: *const u8,
+    len: usize,
+    out: *mut u8,
+) -> c_int;
+
+/// Opens `len` sealed bytes into `len - overhead` bytes at `out`; 0 when they were
+/// sealed with this secret and key, else non-zero (`tdc_open_fn`).
+pub type OpenFn = unsafe extern "C" fn(
+    secret: *const u8,
+    key: *const c_char,
+    sealed: *const u8,
+    len: usize,
+    out: *mut u8,
+) -> c_int;
+
 extern "C" {
     pub fn tdc_last_error() -> *mut c_char;
     pub fn tdc_nccl_compiled() -> c_int;
@@ -33,6 +57,14 @@ extern "C" {
     ) -> *mut Store;
     pub fn tdc_hash_store_new() -> *mut Store;
     pub fn tdc_prefix_store_new(prefix: *const c_char, base: *mut Store) -> *mut Store;
+    pub fn tdc_sealed_store_new(
+        prefix: *const c_char,
+        base: *mut Store,
+        secret: *const u8,
+        overhead: usize,
+        seal: SealFn,
+        open: OpenFn,
+    ) -> *mut Store;
     pub fn tdc_store_free(store: *mut Store);
     pub fn tdc_store_clone(store: *mut Store) -> *mut Store;
     pub fn tdc_store_set_timeout(store: *mut Store, timeout_ms: i64) -> c_int;
@@ -55,6 +87,7 @@ extern "C" {
         delta: i64,
         result: *mut i64,
     ) -> c_int;
+    pub fn tdc_store_list_keys(store: *mut Store, data: *mut *mut c_char, len: *mut usize) -> c_int;
 
     pub fn tdc_pg_new(
         store: *mut Store,

@@ -374,7 +374,7 @@ impl Context {
             },
             other => other,
         };
-        // The job's keys live under its token's prefix, when it has one (`job_token`).
+        // The job's keys live under its token's prefix, sealed, when it has one (`job_token`).
         let token = JobToken::from_env();
         let (store, master) = if env.world_size == 1 && env.master_port == 0 {
             (Store::in_process()?, None)
@@ -390,7 +390,7 @@ impl Context {
             .served_by_launcher();
             job_token::agree(&client, token.as_ref(), env.rank).map_err(place)?;
             (
-                client.with_prefix(&job_token::under_job(token.as_ref(), prefix))?,
+                job_token::view(&client, token.as_ref(), prefix)?,
                 Some((env.master_addr.clone(), env.master_port)),
             )
         } else {
@@ -416,7 +416,7 @@ impl Context {
             .map_err(place)?;
             job_token::agree(&store, token.as_ref(), env.rank).map_err(place)?;
             let store = match &token {
-                Some(token) => store.with_prefix(&token.prefix())?,
+                Some(token) => job_token::view(&store, Some(token), "")?,
                 None => store,
             };
             (store, Some((env.master_addr.clone(), env.master_port)))

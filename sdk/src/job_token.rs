@@ -1,21 +1,28 @@
-//! A per-job secret for the rendezvous store: every key the job's ranks use lives
-//! under a prefix derived from it, so that a client without it (another job pointed at
-//! the wrong port, a script that writes c10d's usual key names) cannot read or
-//! overwrite them by name, and a rank started with another token is refused at
-//! rendezvous.
+//! A per-job secret for the rendezvous store. With a token, the job's ranks see the
+//! store through a sealed view (`Store::sealed`): every key under a prefix derived from
+//! the token, every value encrypted and authenticated (XChaCha20-Poly1305, a key
+//! derived from the token, the full key name as associated data). So a client without
+//! the token (another job pointed at the wrong port, a script that writes c10d's usual
+//! key names, one that lists the keys and reads or overwrites them) can neither read
+//! the job's values nor write one that the job accepts: what it writes counts as
+//! absent. A rank started with another token is refused at rendezvous.
 //!
 //! `tchrun` (and a program that starts its own ranks) makes one for a job on one node
 //! and gives it to its ranks in `TCH_DISTRIBUTED_JOB_TOKEN`; across nodes, or under
 //! SLURM, MPI or torchrun, the user sets that variable on every node (the same value),
-//! and without it nothing changes. The store itself has no credentials: a client that
-//! reaches its port can still list the keys (c10d's `listKeys`) and so find the prefix
-//! (see the book's Security chapter).
+//! and without it nothing changes. What the token does not hide: the keys' names and
+//! sizes, and a client can still delete keys or flood the port (the book's Security
+//! chapter).
 
+use std::ffi::{c_char, c_int};
 use std::io::Read;
 
+use chacha20poly1305::aead::{AeadCore, AeadInPlace, KeyInit, OsRng};
+use chacha20poly1305::{Tag, XChaCha20Poly1305, XNonce};
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
+use crate::ffi::SECRET_BYTES;
 use crate::store::Store;
 
 /// The variable that carries the job's token to its ranks.
@@ -68,23 +75,107 @@ impl JobToken {
         format!("job-{}", self.digest("prefix"))
     }
 
+    /// The key that seals the job's store values: a hash of the token, apart from the
+    /// prefix's and the check value's.
+    pub(crate) fn secret(&self) -> [u8; SECRET_BYTES] {
+        self.hash("seal").into()
+    }
+
     fn digest(&self, purpose: &str) -> String {
+        hex(&self.hash(purpose)[..16])
+    }
+
+    fn hash(&self, purpose: &str) -> sha2::digest::Output<Sha256> {
         let mut hash = Sha256::new();
         hash.update(b"tch-distributed job token\0");
         hash.update(purpose.as_bytes());
         hash.update(b"\0");
         hash.update(self.0.as_bytes());
-        hex(&hash.finalize()[..16])
+        hash.finalize()
     }
 }
 
-/// `prefix` under the job's own prefix when the job has a token (`job-…/worker/…`),
-/// else `prefix` as it is.
-pub(crate) fn under_job(token: Option<&JobToken>, prefix: &str) -> String {
+/// The job's view of `store`: its keys under `prefix`, after the token's own prefix
+/// and sealed when the job has a token ([`Store::sealed`]), else under `prefix` alone
+/// as they are.
+pub(crate) fn view(store: &Store, token: Option<&JobToken>, prefix: &str) -> Result<Store> {
     match token {
-        Some(token) => format!("{}{prefix}", token.prefix()),
-        None => prefix.to_string(),
+        Some(token) => store.sealed(&format!("{}{prefix}", token.prefix()), token),
+        None => store.with_prefix(prefix),
     }
+}
+
+/// How many bytes sealing adds to a value: the random nonce and the tag.
+pub(crate) const SEAL_OVERHEAD: usize = 24 + 16;
+
+/// Seals a store value (`tdc_seal_fn`): `out` gets the nonce, the ciphertext and the
+/// tag. A fresh random nonce each time (192 bits, so random ones never repeat in
+/// practice).
+///
+/// # Safety
+/// `secret` holds [`SECRET_BYTES`] bytes, `key` is a C string, `plain` holds `len`
+/// bytes and `out` has room for `len + SEAL_OVERHEAD`.
+pub(crate) unsafe extern "C" fn seal(
+    secret: *const u8,
+    key: *const c_char,
+    plain: *const u8,
+    len: usize,
+    out: *mut u8,
+) -> c_int {
+    let cipher = cipher(secret);
+    let key = std::ffi::CStr::from_ptr(key).to_bytes();
+    let out = std::slice::from_raw_parts_mut(out, len + SEAL_OVERHEAD);
+    let (nonce, rest) = out.split_at_mut(24);
+    let (body, tag) = rest.split_at_mut(len);
+    body.copy_from_slice(std::slice::from_raw_parts(plain, len));
+    let fresh = XChaCha20Poly1305::generate_nonce(&mut OsRng);
+    nonce.copy_from_slice(&fresh);
+    match cipher.encrypt_in_place_detached(&fresh, key, body) {
+        Ok(t) => {
+            tag.copy_from_slice(&t);
+            0
+        }
+        Err(_) => 1,
+    }
+}
+
+/// Opens a sealed store value (`tdc_open_fn`): 0 when it was sealed with this secret
+/// under this key, 1 otherwise.
+///
+/// # Safety
+/// `secret` holds [`SECRET_BYTES`] bytes, `key` is a C string, `sealed` holds `len`
+/// bytes (at least `SEAL_OVERHEAD`) and `out` has room for `len - SEAL_OVERHEAD`.
+pub(crate) unsafe extern "C" fn open(
+    secret: *const u8,
+    key: *const c_char,
+    sealed: *const u8,
+    len: usize,
+    out: *mut u8,
+) -> c_int {
+    let Some(body_len) = len.checked_sub(SEAL_OVERHEAD) else {
+        return 1;
+    };
+    let cipher = cipher(secret);
+    let key = std::ffi::CStr::from_ptr(key).to_bytes();
+    let sealed = std::slice::from_raw_parts(sealed, len);
+    let (nonce, rest) = sealed.split_at(24);
+    let (body, tag) = rest.split_at(body_len);
+    let out = std::slice::from_raw_parts_mut(out, body_len);
+    out.copy_from_slice(body);
+    let opened = cipher.decrypt_in_place_detached(
+        XNonce::from_slice(nonce),
+        key,
+        out,
+        Tag::from_slice(tag),
+    );
+    c_int::from(opened.is_err())
+}
+
+/// # Safety
+/// `secret` holds [`SECRET_BYTES`] bytes.
+unsafe fn cipher(secret: *const u8) -> XChaCha20Poly1305 {
+    let secret = std::slice::from_raw_parts(secret, SECRET_BYTES);
+    XChaCha20Poly1305::new_from_slice(secret).expect("a 32-byte key")
 }
 
 /// At rendezvous, on `store` (the job's store, before its prefix): rank 0 publishes
@@ -117,6 +208,8 @@ fn hex(bytes: &[u8]) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     #[test]
@@ -136,11 +229,8 @@ mod tests {
         assert_ne!(a.prefix(), b.prefix());
         assert!(a.prefix().starts_with("job-") && a.prefix().len() == 36);
         assert_ne!(a.digest("check"), a.digest("prefix"));
-        assert_eq!(
-            under_job(Some(&a), "/worker/attempt_0"),
-            format!("{}/worker/attempt_0", a.prefix())
-        );
-        assert_eq!(under_job(None, "/worker/attempt_0"), "/worker/attempt_0");
+        assert_ne!(a.secret(), b.secret());
+        assert_eq!(a.secret(), JobToken("one".into()).secret());
     }
 
     #[test]
@@ -154,5 +244,92 @@ mod tests {
         let error = agree(&store, Some(&theirs), 1).unwrap_err().to_string();
         assert!(error.contains("job token"), "{error}");
         assert!(!error.contains("secret"), "a token shown: {error}");
+    }
+
+    /// An in-process store and the job's sealed view of it under `/worker/attempt_0`,
+    /// whose reads give up after `timeout`.
+    fn sealed(token: &str, timeout: Duration) -> (Store, Store) {
+        let raw = Store::in_process().unwrap();
+        let token = JobToken(token.into());
+        let view = view(&raw, Some(&token), "/worker/attempt_0").unwrap();
+        view.set_timeout(timeout).unwrap();
+        (raw, view)
+    }
+
+    fn full(token: &str, key: &str) -> String {
+        format!("{}/worker/attempt_0/{key}", JobToken(token.into()).prefix())
+    }
+
+    #[test]
+    fn the_sealed_view_keeps_values_under_the_prefix_and_unreadable_without_the_token() {
+        let (raw, view) = sealed("ours", Duration::from_secs(5));
+        view.set("gloo/addr", b"127.0.0.1:29500").unwrap();
+        assert_eq!(view.get("gloo/addr").unwrap(), b"127.0.0.1:29500");
+        assert_eq!(raw.list_keys().unwrap(), [full("ours", "gloo/addr")]);
+        let stored = raw.get(&full("ours", "gloo/addr")).unwrap();
+        assert_eq!(stored.len(), b"127.0.0.1:29500".len() + SEAL_OVERHEAD);
+        assert!(
+            !stored.windows(9).any(|w| w == b"127.0.0.1"),
+            "stored in the clear: {stored:?}"
+        );
+        // Sealed twice, the same value looks different (a fresh nonce each time).
+        view.set("gloo/addr", b"127.0.0.1:29500").unwrap();
+        assert_ne!(raw.get(&full("ours", "gloo/addr")).unwrap(), stored);
+        // Counters count, and reading one (add 0) does not create it.
+        assert_eq!(view.add("count", 1).unwrap(), 1);
+        assert_eq!(view.add("count", 2).unwrap(), 3);
+        assert_eq!(view.add("count", 0).unwrap(), 3);
+        assert_eq!(view.add("absent", 0).unwrap(), 0);
+        assert_eq!(view.get("count").unwrap(), b"3");
+        assert_eq!(raw.list_keys().unwrap().len(), 2);
+        // Without a token, the same prefix reads the sealed bytes, not the value.
+        let bare = view_without_token(&raw);
+        assert_eq!(bare.get("count").unwrap().len(), 1 + SEAL_OVERHEAD);
+    }
+
+    fn view_without_token(raw: &Store) -> Store {
+        view(raw, None, &format!("{}/worker/attempt_0", JobToken("ours".into()).prefix()))
+            .unwrap()
+    }
+
+    #[test]
+    fn a_value_written_without_the_token_counts_as_absent() {
+        let (raw, view) = sealed("ours", Duration::from_millis(300));
+        // Forged in the clear at the full key, as a client that listed the keys would.
+        raw.set(&full("ours", "verdict"), b"size 0=3").unwrap();
+        raw.add(&full("ours", "count"), 5).unwrap();
+        let error = view.get("verdict").unwrap_err().to_string();
+        assert!(
+            error.contains("failed authentication with the job's token"),
+            "{error}"
+        );
+        // A counter starts again from 0 over the forged one.
+        assert_eq!(view.add("count", 0).unwrap(), 0);
+        assert_eq!(view.add("count", 1).unwrap(), 1);
+        // A sealed value moved to another key does not open there.
+        view.set("mine", b"value").unwrap();
+        let moved = raw.get(&full("ours", "mine")).unwrap();
+        raw.set(&full("ours", "other"), &moved).unwrap();
+        assert!(view.get("other").is_err());
+        // Nor does a value sealed at our key with another token's secret.
+        let ours = format!("{}/worker/attempt_0", JobToken("ours".into()).prefix());
+        let theirs = raw.sealed(&ours, &JobToken("theirs".into())).unwrap();
+        theirs.set("mine", b"theirs").unwrap();
+        assert!(view.get("mine").is_err());
+    }
+
+    #[test]
+    fn a_read_waits_past_a_forged_value_for_the_jobs_own() {
+        let (raw, view) = sealed("ours", Duration::from_secs(20));
+        raw.set(&full("ours", "addr"), b"forged").unwrap();
+        let writer = view.clone_connection().unwrap();
+        let started = std::time::Instant::now();
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            writer.set("addr", b"real").unwrap();
+        });
+        assert_eq!(view.get("addr").unwrap(), b"real");
+        assert!(started.elapsed() >= Duration::from_millis(200));
+        late.join().unwrap();
     }
 }

@@ -1,5 +1,5 @@
 //! Key-value stores for rendezvous: libtorch's `c10d::TCPStore`, `HashStore` and
-//! `PrefixStore`.
+//! `PrefixStore`, and a job's sealed view (`sealed_store.cpp`).
 
 use std::ffi::CString;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::ffi;
+use crate::job_token::{self, JobToken};
 use crate::process_group::network::resolve_master;
 
 /// A c10d key-value store shared by all ranks; the process group rendezvous through
@@ -214,6 +215,34 @@ impl Store {
             .map_err(Error::Torch)
     }
 
+    /// The job's sealed view of this store (`sealed_store.cpp`): every key under
+    /// `prefix` (joined with `/`, as [`with_prefix`](Self::with_prefix)), every value
+    /// encrypted and authenticated with a key derived from `token` and bound to its
+    /// full key ([`job_token`](crate::job_token)). A value that does not open (written
+    /// without the token, or moved from another key) counts as absent: `get` waits on
+    /// for one that opens, up to the timeout, then errors saying so; `add` replaces it.
+    pub(crate) fn sealed(&self, prefix: &str, token: &JobToken) -> Result<Store> {
+        let cprefix = cstring(prefix, "prefix")?;
+        let secret = token.secret();
+        let raw = unsafe {
+            ffi::tdc_sealed_store_new(
+                cprefix.as_ptr(),
+                self.raw,
+                secret.as_ptr(),
+                job_token::SEAL_OVERHEAD,
+                job_token::seal,
+                job_token::open,
+            )
+        };
+        ffi::check_ptr(raw)
+            .map(|raw| Store {
+                raw,
+                host: self.host,
+                endpoint: self.endpoint.clone(),
+            })
+            .map_err(Error::Torch)
+    }
+
     /// A second connection to the same store (for a TCP store, a new client; keys and
     /// prefix are the same), so that a thread can wait on it, with a timeout of its
     /// own, without holding up the other users of this one.
@@ -269,6 +298,25 @@ impl Store {
         ffi::check(unsafe { ffi::tdc_store_add(self.raw, ckey.as_ptr(), delta, &mut result) })
             .map_err(Error::Torch)?;
         Ok(result)
+    }
+
+    /// Every key in the store, as the server holds them (prefixes included; c10d's
+    /// `listKeys`). Anyone who reaches a TCP store's port can list its keys: a job's
+    /// token hides its values, not their names (the book's Security chapter).
+    ///
+    /// Errors with [`Error::Torch`] when the store cannot be read.
+    pub fn list_keys(&self) -> Result<Vec<String>> {
+        let mut data = std::ptr::null_mut();
+        let mut len = 0usize;
+        ffi::check(unsafe { ffi::tdc_store_list_keys(self.raw, &mut data, &mut len) })
+            .map_err(Error::Torch)?;
+        let bytes = unsafe { std::slice::from_raw_parts(data as *const u8, len).to_vec() };
+        unsafe { libc::free(data as *mut libc::c_void) };
+        Ok(bytes
+            .split(|&b| b == 0)
+            .filter(|k| !k.is_empty())
+            .map(|k| String::from_utf8_lossy(k).into_owned())
+            .collect())
     }
 
     /// This store, marked as served by the launcher (the ranks joined its agent store).

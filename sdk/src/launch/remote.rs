@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::LaunchConfig;
-use crate::job_token::{under_job, JobToken};
+use crate::job_token::{self, JobToken};
 use crate::store::Store;
 
 /// The attempt's key space for failures, below the ranks' own prefix.
@@ -73,8 +73,10 @@ pub(super) struct Remote {
     /// Where the store is: node 0's launcher, at `master_addr:port`.
     master: (String, u16),
     world_size: usize,
-    /// The attempt's key space for failures.
+    /// The attempt's key space for failures, in the job's view of the store
+    /// (`job_token::view`).
     prefix: String,
+    token: Option<JobToken>,
     /// `node K, ADDRESS`: this node as the others' lines name it.
     node: String,
     /// The store under the attempt's failure prefix, once connected.
@@ -101,10 +103,8 @@ impl Remote {
             connected: Arc::new(AtomicBool::new(false)),
             master: (config.master_addr.clone(), port),
             world_size: config.world_size(),
-            prefix: under_job(
-                token,
-                &format!("/worker/attempt_{attempt}/{FAILURE_PREFIX}"),
-            ),
+            prefix: format!("/worker/attempt_{attempt}/{FAILURE_PREFIX}"),
+            token: token.cloned(),
             node: format!("node {}", config.node_rank),
             store: Arc::clone(&store),
             reported: None,
@@ -121,7 +121,7 @@ impl Remote {
         let (tx, rx) = mpsc::channel();
         remote.reported = Some(rx);
         let (addr, world_size) = (config.master_addr.clone(), config.world_size());
-        let prefix = remote.prefix.clone();
+        let (prefix, token) = (remote.prefix.clone(), remote.token.clone());
         let connected = Arc::clone(&remote.connected);
         let own_node = config.node_rank;
         let spawned = std::thread::Builder::new()
@@ -137,9 +137,8 @@ impl Remote {
                         Err(_) => std::thread::sleep(POLL),
                     }
                 };
-                let (Ok(view), Ok(reader)) =
-                    (client.with_prefix(&prefix), client.with_prefix(&prefix))
-                else {
+                let view = || job_token::view(&client, token.as_ref(), &prefix);
+                let (Ok(view), Ok(reader)) = (view(), view()) else {
                     return;
                 };
                 // Unless `report` connected first.
@@ -189,7 +188,7 @@ impl Remote {
         if guard.is_none() {
             let (addr, port) = (&self.master.0, self.master.1);
             *guard = Store::tcp(addr, port, self.world_size, false, REPORT_TIMEOUT)
-                .and_then(|client| client.with_prefix(&self.prefix))
+                .and_then(|client| job_token::view(&client, self.token.as_ref(), &self.prefix))
                 .ok();
         }
         let Some(store) = guard.as_ref() else {
