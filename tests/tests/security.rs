@@ -5,8 +5,9 @@
 //!   its Gloo pairs listen on loopback only, read from the kernel's socket tables
 //!   (`/proc/PID/net/tcp` and `tcp6`) while the job trains;
 //! - who can touch its keys: with a job token (`TCH_DISTRIBUTED_JOB_TOKEN`), a client
-//!   that writes the job's usual key names changes nothing, and a rank with another
-//!   token is refused. These tests host the store themselves, as torchrun's agent does,
+//!   that lists the keys reads none of the job's values, one that writes the job's
+//!   usual key names, even under the job's prefix, changes nothing, and a rank with
+//!   another token is refused. These tests host the store themselves, as torchrun's agent does,
 //!   so that they know its port without a race and write into it before the ranks start.
 
 use std::net::SocketAddr;
@@ -116,29 +117,65 @@ fn agent_store() -> Store {
     Store::tcp("127.0.0.1", 0, 3, true, Duration::from_secs(30)).unwrap()
 }
 
-/// What a foreign client writes before the ranks come: the names under which the
+/// What a foreign client writes before the ranks come, under `prefix` (the store's
+/// root, or the job's prefix found by listing the keys): the names under which the
 /// ranks of attempt 0 count themselves at rendezvous (`tchd/join/…`), as if rank 1
 /// had joined already, and a verdict for a job of 3.
-fn write_the_usual_names(store: &Store) {
-    let keys = "/worker/attempt_0/tchd/join";
+fn write_the_usual_names(store: &Store, prefix: &str) {
+    let keys = format!("{prefix}/worker/attempt_0/tchd/join");
     store.add(&format!("{keys}/rank/1"), 1).unwrap();
     store.add(&format!("{keys}/count"), 1).unwrap();
     store.set(&format!("{keys}/all"), b"size 0=3").unwrap();
 }
 
+/// The one prefix (`job-…`) of the keys listed from a job's store, beside the token's
+/// check value; asserts that every other key is under it, and that no value under it
+/// reads in the clear: no counter's digits, no rendezvous verdict (`size …`), no
+/// loopback address (Gloo's, as text or as bytes).
+fn the_job_prefix_hiding_every_value(store: &Store) -> String {
+    let keys = store.list_keys().unwrap();
+    let job: Vec<&String> = keys.iter().filter(|k| k.starts_with("job-")).collect();
+    let prefix = job[0].split('/').next().unwrap().to_string();
+    let counters = job.iter().filter(|k| k.ends_with("/count")).count();
+    assert!(counters > 0, "no join counter under the prefix: {keys:?}");
+    for key in &keys {
+        assert!(
+            key.starts_with(&format!("{prefix}/")) || key == "tch-distributed/job-token-check",
+            "a key outside the job's prefix: {key} (all: {keys:?})"
+        );
+    }
+    for key in job {
+        let value = store.get(key).unwrap();
+        let text = String::from_utf8_lossy(&value);
+        assert!(
+            text.parse::<i64>().is_err()
+                && !text.contains("size ")
+                && !text.contains("127.0.0.1")
+                && !value.windows(4).any(|w| w == [127, 0, 0, 1]),
+            "{key} reads in the clear: {value:?}"
+        );
+    }
+    prefix
+}
+
 #[test]
-fn with_a_job_token_a_foreign_client_writing_the_usual_key_names_changes_nothing() {
+fn with_a_job_token_a_foreign_client_writing_the_usual_key_names_even_under_its_prefix_changes_nothing() {
     let token = Some("a-token-for-this-test");
-    // Undisturbed.
+    // Undisturbed. A foreign client that lists the keys finds the job's prefix, and
+    // nothing it can read under it.
     let calm = scratch_dir("token-calm");
-    let runs = two_ranks_of_the_agent_store(&agent_store(), [token, token], &calm);
+    let calm_store = agent_store();
+    let runs = two_ranks_of_the_agent_store(&calm_store, [token, token], &calm);
     for run in &runs {
         run.assert_success();
     }
-    // The same job after a foreign client wrote its usual key names.
+    let prefix = the_job_prefix_hiding_every_value(&calm_store);
+    // The same job after a foreign client wrote its usual key names, at the root and
+    // under the job's prefix.
     let written = scratch_dir("token-written");
     let store = agent_store();
-    write_the_usual_names(&store);
+    write_the_usual_names(&store, "");
+    write_the_usual_names(&store, &prefix);
     let runs = two_ranks_of_the_agent_store(&store, [token, token], &written);
     for run in &runs {
         run.assert_success();
@@ -162,7 +199,7 @@ fn with_a_job_token_a_foreign_client_writing_the_usual_key_names_changes_nothing
     // second rank 1 (what the token prevents).
     let bare = scratch_dir("token-none");
     let store = agent_store();
-    write_the_usual_names(&store);
+    write_the_usual_names(&store, "");
     let runs = two_ranks_of_the_agent_store(&store, [None, None], &bare);
     assert!(
         runs.iter().any(|r| !r.status.success()),
@@ -209,7 +246,7 @@ fn a_rank_with_another_job_token_is_refused_without_showing_either() {
 #[test]
 fn tchrun_gives_its_ranks_a_token_of_its_own() {
     // The ranks' keys live under the token's prefix: none of them at the store's root
-    // under c10d's usual `/worker/attempt_0/` names.
+    // under c10d's usual `/worker/attempt_0/` names, and their values sealed.
     let dir = scratch_dir("token-tchrun");
     let d = dir.to_str().unwrap().to_string();
     let mut keys = Vec::new();
@@ -229,6 +266,8 @@ fn tchrun_gives_its_ranks_a_token_of_its_own() {
                 .next()
                 .expect("tchrun hosts the store");
             let client = Store::tcp("127.0.0.1", port, 3, false, Duration::from_secs(10)).unwrap();
+            // Listing the keys mid-run finds their prefix, and no value to read.
+            the_job_prefix_hiding_every_value(&client);
             keys.push(client.add("/worker/attempt_0/tchd/join/count", 0).unwrap());
             keys.push(client.add("/worker/attempt_0/tchd/join/rank/0", 0).unwrap());
             unsafe { libc::kill(pid as i32, libc::SIGTERM) };
