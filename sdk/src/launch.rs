@@ -173,7 +173,8 @@ impl LaunchConfig {
 /// store listens on the address `master_addr` resolves to (loopback for the default
 /// `127.0.0.1`). The ranks get the job's token in `TCH_DISTRIBUTED_JOB_TOKEN`: the
 /// launcher's own, else, for a job on one node, a fresh random one; their keys in the
-/// store live under a prefix derived from it (the book's Security chapter). Each rank is
+/// store live under a prefix derived from it, their values sealed with it (the book's
+/// Security chapter). Each rank is
 /// killed (`SIGKILL`) by the kernel if the launcher dies, even by `SIGKILL`: none
 /// outlives it. Handlers for those signals stay installed (doing nothing) after
 /// this returns, so call it once and exit with its result.
