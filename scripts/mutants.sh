@@ -45,6 +45,8 @@ FILE[state]=sdk/src/checkpoint/state.rs;   TESTS[state]="checkpoint grad_scaler 
 # Not in ALL (not the correctness core, and the multi-host tests need root): which
 # address Gloo binds across hosts, and how a failed connection is named.
 FILE[network]=sdk/src/process_group/network.rs; TESTS[network]="multi_host error_hints launch"
+# The job token: its prefix, check value and the sealing of the store's values.
+FILE[job_token]=sdk/src/job_token.rs;      TESTS[job_token]="security multi_host"
 ALL=(ddp optim_mod optim_kernels optim_state optim_zero amp sampler loader state)
 # A NAME that stands for several.
 declare -A GROUP

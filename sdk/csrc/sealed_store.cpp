@@ -37,7 +37,9 @@ class SealedStore : public c10d::Store {
         secret_(secret, secret + TDC_SECRET_BYTES),
         overhead_(overhead),
         seal_(seal),
-        open_(open) {}
+        open_(open) {
+    timeout_ = base_->getTimeout();
+  }
 
   c10::intrusive_ptr<c10d::Store> clone() override {
     return c10::make_intrusive<SealedStore>(
@@ -123,6 +125,7 @@ class SealedStore : public c10d::Store {
 
   void setTimeout(const std::chrono::milliseconds& timeout) override {
     base_->setTimeout(timeout);
+    timeout_ = timeout;  // what Store's own helpers (2.13's `barrier`) read
   }
 
  private:
