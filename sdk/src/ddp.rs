@@ -8,7 +8,7 @@ use std::ffi::CString;
 use tch::nn::{Optimizer, VarStore};
 use tch::Tensor;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, TorchText};
 use crate::ffi;
 use crate::process_group::{ranks_text, ProcessGroup};
 
@@ -119,6 +119,8 @@ pub struct DistributedDataParallel {
     options: DdpOptions,
     require_grad_sync: Cell<bool>,
     stats: Cell<DdpStats>,
+    /// The Reducer's variables' names, in its order (the indices of its errors).
+    names: Vec<String>,
 }
 
 impl DistributedDataParallel {
@@ -191,18 +193,19 @@ impl DistributedDataParallel {
         group.verify_same_shapes(&all)?;
         group.broadcast_coalesced(&all, BROADCAST_BUCKET_BYTES, 0)?;
 
+        let names: Vec<String> = params
+            .iter()
+            .map(|t| {
+                let name = name_of.get(&(t.data_ptr() as usize));
+                name.map(|s| s.as_str()).unwrap_or("?").to_string()
+            })
+            .collect();
         let reducer = if group.world_size() > 1 {
-            let names: Vec<CString> = params
+            let cnames: Vec<CString> = names
                 .iter()
-                .map(|t| {
-                    let name = name_of
-                        .get(&(t.data_ptr() as usize))
-                        .map(|s| s.as_str())
-                        .unwrap_or("?");
-                    CString::new(name).unwrap_or_default()
-                })
+                .map(|n| CString::new(n.as_str()).unwrap_or_default())
                 .collect();
-            let name_ptrs: Vec<_> = names.iter().map(|n| n.as_ptr()).collect();
+            let name_ptrs: Vec<_> = cnames.iter().map(|n| n.as_ptr()).collect();
             let ptrs = ffi::tensors(&params);
             let raw = unsafe {
                 ffi::tdc_reducer_new(
@@ -228,6 +231,7 @@ impl DistributedDataParallel {
             options,
             require_grad_sync: Cell::new(true),
             stats: Cell::new(DdpStats::default()),
+            names,
         })
     }
 
@@ -252,9 +256,11 @@ impl DistributedDataParallel {
     ///
     /// Errors: [`Error::Timeout`] when the gradient all-reduce times out (naming the
     /// ranks that did not arrive: each synchronized backward pass is recorded in the
-    /// store, see [`ProcessGroup`]); [`Error::Torch`] when backward fails otherwise
-    /// (including a Reducer error such as unused parameters without
-    /// `find_unused_parameters`); [`Error::Collective`] when broadcasting buffers fails.
+    /// store, see [`ProcessGroup`]); [`Error::UnusedParameters`], naming them, when
+    /// variables got no gradient in the last backward pass without
+    /// `find_unused_parameters` (the Reducer notices at the next one);
+    /// [`Error::Torch`] when backward fails otherwise; [`Error::Collective`] when
+    /// broadcasting buffers fails.
     pub fn backward(&self, loss: &Tensor) -> Result<()> {
         let mut stats = self.stats.get();
         // The collective this backward pass is, as recorded in the store: a timeout
@@ -268,16 +274,16 @@ impl DistributedDataParallel {
                 );
                 entered = Some((self.group.enter(&what), what));
                 let r = reducer.0;
-                reducer_call(unsafe { ffi::tdc_reducer_prepare_for_forward(r) })?;
+                self.reducer_call(unsafe { ffi::tdc_reducer_prepare_for_forward(r) })?;
                 let mut rebuilt = 0;
-                reducer_call(unsafe { ffi::tdc_reducer_rebuild_buckets(r, &mut rebuilt) })?;
+                self.reducer_call(unsafe { ffi::tdc_reducer_rebuild_buckets(r, &mut rebuilt) })?;
                 stats.bucket_rebuilds += rebuilt as u64;
                 let outputs = if self.options.find_unused_parameters {
                     vec![ffi::tensor(loss)]
                 } else {
                     vec![]
                 };
-                reducer_call(unsafe {
+                self.reducer_call(unsafe {
                     ffi::tdc_reducer_prepare_for_backward(r, outputs.as_ptr(), outputs.len() as i32)
                 })?;
                 stats.synced_backward_passes += 1;
@@ -305,9 +311,9 @@ impl DistributedDataParallel {
                         op: "backward",
                         message: format!("{what}: {cause}\n{}", text.message()),
                     },
-                    None => reducer_error(text.message()),
+                    None => self.reducer_error(text),
                 },
-                None => reducer_error(text.message()),
+                None => self.reducer_error(text),
             }
         })?;
         // After the backward pass, never between a forward pass and its backward:
@@ -393,11 +399,11 @@ impl DistributedDataParallel {
             return Ok(vec![]);
         };
         let mut count = 0;
-        reducer_call(unsafe {
+        self.reducer_call(unsafe {
             ffi::tdc_reducer_buckets(reducer.0, std::ptr::null_mut(), 0, &mut count)
         })?;
         let mut sizes = vec![0i64; count as usize];
-        reducer_call(unsafe {
+        self.reducer_call(unsafe {
             ffi::tdc_reducer_buckets(reducer.0, sizes.as_mut_ptr(), count, &mut count)
         })?;
         Ok(sizes.into_iter().map(|s| s as usize).collect())
@@ -526,17 +532,125 @@ const MODELS_HINT: &str = "hint: every rank must create the same variables, with
      names, shapes and dtypes, before `.build(&vs, lr)` (or DistributedDataParallel::new); \
      look for model sizes that depend on the rank or on rank-local data";
 
-fn reducer_call(status: i32) -> Result<()> {
-    ffi::check(status).map_err(reducer_error)
+impl DistributedDataParallel {
+    fn reducer_call(&self, status: i32) -> Result<()> {
+        ffi::check_text(status).map_err(|text| self.reducer_error(text))
+    }
+
+    /// A Reducer error as the SDK's: variables that got no gradient named (their
+    /// indices in the Reducer's text, "Parameter indices which did not receive grad for
+    /// rank R: 2 3", mapped to the store's names), else libtorch's message, with the
+    /// option's name in tch-distributed when it names `find_unused_parameters`.
+    fn reducer_error(&self, text: TorchText) -> Error {
+        let message = text.message();
+        if !self.options.find_unused_parameters {
+            if let Some(variables) = unused_variables(&self.names, &message) {
+                return Error::UnusedParameters {
+                    variables,
+                    source: text,
+                };
+            }
+        }
+        if message.contains("find_unused_parameters") {
+            Error::Torch(format!(
+                "{message}\nhint: in tch-distributed this is DdpOptions::find_unused_parameters \
+                 (#[distributed(find_unused_parameters = true)])"
+            ))
+        } else {
+            Error::Torch(message)
+        }
+    }
 }
 
-fn reducer_error(message: String) -> Error {
-    if message.contains("find_unused_parameters") {
-        Error::Torch(format!(
-            "{message}\nhint: in tch-distributed this is DdpOptions::find_unused_parameters \
-             (#[distributed(find_unused_parameters = true)])"
-        ))
-    } else {
-        Error::Torch(message)
+/// The names of the variables that the Reducer's `message` lists as having no
+/// gradient, by their indices into `names`; `None` when it lists none, or an index
+/// out of range.
+fn unused_variables(names: &[String], message: &str) -> Option<Vec<String>> {
+    const LISTING: &str = "Parameter indices which did not receive grad for rank ";
+    let line = message
+        .lines()
+        .find_map(|l| l.trim().strip_prefix(LISTING))?;
+    let (_, indices) = line.split_once(": ")?;
+    let variables: Option<Vec<String>> = indices
+        .split_whitespace()
+        .map(|i| names.get(i.parse::<usize>().ok()?).cloned())
+        .collect();
+    variables.filter(|v| !v.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The Reducer's text (PyTorch 2.11), C++ frames cut.
+    const REDUCER: &str = "Expected to have finished reduction in the prior iteration before \
+        starting a new one. This error indicates that your module has parameters that were \
+        not used in producing loss. You can enable unused parameter detection by passing the \
+        keyword argument `find_unused_parameters=True` to \
+        `torch.nn.parallel.DistributedDataParallel`, and by \nmaking sure all `forward` \
+        function outputs participate in calculating loss.\nParameter indices which did not \
+        receive grad for rank 1: 0 2\n In addition, you can set the environment variable \
+        TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL to print out information about \
+        which particular parameters did not receive gradient on this rank as part of this error";
+
+    fn names() -> Vec<String> {
+        ["a.weight", "b.weight", "c.bias"]
+            .map(String::from)
+            .to_vec()
+    }
+
+    #[test]
+    fn the_reducers_unused_indices_become_the_variables_names() {
+        assert_eq!(
+            unused_variables(&names(), REDUCER),
+            Some(vec!["a.weight".to_string(), "c.bias".to_string()])
+        );
+        // Not the listing, or an index the SDK did not give: libtorch's text stays.
+        assert_eq!(
+            unused_variables(&names(), "Expected to have finished reduction"),
+            None
+        );
+        let beyond = REDUCER.replace("rank 1: 0 2", "rank 1: 0 3");
+        assert_eq!(unused_variables(&names(), &beyond), None);
+        let none = REDUCER.replace("rank 1: 0 2", "rank 1: ");
+        assert_eq!(unused_variables(&names(), &none), None);
+    }
+
+    #[test]
+    fn the_unused_parameters_error_names_them_and_both_fixes_with_libtorchs_text_as_source() {
+        let e = Error::UnusedParameters {
+            variables: vec!["unused.weight".into()],
+            source: TorchText::new(REDUCER),
+        };
+        let shown = e.to_string();
+        assert!(
+            shown.starts_with(
+                "variable \"unused.weight\" got no gradient in the last backward pass"
+            ),
+            "{shown}"
+        );
+        for fix in [
+            "#[distributed(find_unused_parameters = true)]",
+            "if it should not train, freeze it (set_requires_grad(false))",
+        ] {
+            assert!(shown.contains(fix), "{fix} not in {shown}");
+        }
+        assert!(!shown.contains("Expected to have finished"), "{shown}");
+        let source = std::error::Error::source(&e).unwrap().to_string();
+        assert!(
+            source.contains("Expected to have finished reduction"),
+            "{source}"
+        );
+        // Many: the first 10, and how many more.
+        let e = Error::UnusedParameters {
+            variables: (0..12).map(|i| format!("l{i}.weight")).collect(),
+            source: TorchText::new(REDUCER),
+        };
+        let shown = e.to_string();
+        assert!(
+            shown.contains("\"l9.weight\", and 2 more got no gradient"),
+            "{shown}"
+        );
+        assert!(!shown.contains("l10.weight"), "{shown}");
     }
 }

@@ -68,6 +68,18 @@ pub enum Error {
         source: TorchText,
     },
 
+    /// DDP could not finish averaging the gradients: `variables` (their names in the
+    /// model's variable store) got no gradient in the last backward pass on this rank,
+    /// as PyTorch's Reducer reports it ("Expected to have finished reduction in the
+    /// prior iteration"), without `find_unused_parameters`. libtorch's own message is
+    /// the error's [source](std::error::Error::source).
+    #[error("{}", unused_parameters(variables))]
+    UnusedParameters {
+        variables: Vec<String>,
+        #[source]
+        source: TorchText,
+    },
+
     /// The NCCL backend was asked for but is not available.
     #[error("{0}")]
     BackendUnavailable(String),
@@ -88,6 +100,33 @@ impl From<tch::TchError> for Error {
 pub(crate) fn io(what: &str, path: &std::path::Path) -> impl FnOnce(std::io::Error) -> Error {
     let context = format!("{what} {}", path.display());
     move |source| Error::Io { context, source }
+}
+
+/// [`Error::UnusedParameters`]'s message: the variables (the first 10) and the fixes.
+fn unused_parameters(variables: &[String]) -> String {
+    const LISTED: usize = 10;
+    let mut names: Vec<String> = variables
+        .iter()
+        .take(LISTED)
+        .map(|n| format!("\"{n}\""))
+        .collect();
+    if variables.len() > LISTED {
+        names.push(format!("and {} more", variables.len() - LISTED));
+    }
+    let (noun, they, them) = if variables.len() == 1 {
+        ("variable", "it", "it")
+    } else {
+        ("variables", "they", "them")
+    };
+    format!(
+        "{noun} {} got no gradient in the last backward pass, so DDP could not finish \
+         averaging the gradients (each step waits for every trainable variable's): if the \
+         loss leaves {them} out on purpose, turn on find_unused_parameters \
+         (#[distributed(find_unused_parameters = true)], or \
+         DdpOptions::find_unused_parameters); if {they} should not train, freeze {them} \
+         (set_requires_grad(false)) before the optimizer is built",
+        names.join(", ")
+    )
 }
 
 /// A duration as the messages write it: `3 s`, `2.5 s`.

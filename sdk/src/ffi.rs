@@ -87,7 +87,8 @@ extern "C" {
         delta: i64,
         result: *mut i64,
     ) -> c_int;
-    pub fn tdc_store_list_keys(store: *mut Store, data: *mut *mut c_char, len: *mut usize) -> c_int;
+    pub fn tdc_store_list_keys(store: *mut Store, data: *mut *mut c_char, len: *mut usize)
+        -> c_int;
 
     pub fn tdc_pg_new(
         store: *mut Store,

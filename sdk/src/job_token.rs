@@ -162,12 +162,8 @@ pub(crate) unsafe extern "C" fn open(
     let (body, tag) = rest.split_at(body_len);
     let out = std::slice::from_raw_parts_mut(out, body_len);
     out.copy_from_slice(body);
-    let opened = cipher.decrypt_in_place_detached(
-        XNonce::from_slice(nonce),
-        key,
-        out,
-        Tag::from_slice(tag),
-    );
+    let opened =
+        cipher.decrypt_in_place_detached(XNonce::from_slice(nonce), key, out, Tag::from_slice(tag));
     c_int::from(opened.is_err())
 }
 
@@ -288,8 +284,12 @@ mod tests {
     }
 
     fn view_without_token(raw: &Store) -> Store {
-        view(raw, None, &format!("{}/worker/attempt_0", JobToken("ours".into()).prefix()))
-            .unwrap()
+        view(
+            raw,
+            None,
+            &format!("{}/worker/attempt_0", JobToken("ours".into()).prefix()),
+        )
+        .unwrap()
     }
 
     #[test]

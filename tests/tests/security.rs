@@ -159,7 +159,8 @@ fn the_job_prefix_hiding_every_value(store: &Store) -> String {
 }
 
 #[test]
-fn with_a_job_token_a_foreign_client_writing_the_usual_key_names_even_under_its_prefix_changes_nothing() {
+fn with_a_job_token_a_foreign_client_writing_the_usual_key_names_even_under_its_prefix_changes_nothing(
+) {
     let token = Some("a-token-for-this-test");
     // Undisturbed. A foreign client that lists the keys finds the job's prefix, and
     // nothing it can read under it.
