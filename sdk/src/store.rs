@@ -206,13 +206,7 @@ impl Store {
     pub fn with_prefix(&self, prefix: &str) -> Result<Store> {
         let cprefix = cstring(prefix, "prefix")?;
         let raw = unsafe { ffi::tdc_prefix_store_new(cprefix.as_ptr(), self.raw) };
-        ffi::check_ptr(raw)
-            .map(|raw| Store {
-                raw,
-                host: self.host,
-                endpoint: self.endpoint.clone(),
-            })
-            .map_err(Error::Torch)
+        self.view(raw)
     }
 
     /// The job's sealed view of this store (`sealed_store.cpp`): every key under
@@ -234,13 +228,7 @@ impl Store {
                 job_token::open,
             )
         };
-        ffi::check_ptr(raw)
-            .map(|raw| Store {
-                raw,
-                host: self.host,
-                endpoint: self.endpoint.clone(),
-            })
-            .map_err(Error::Torch)
+        self.view(raw)
     }
 
     /// A second connection to the same store (for a TCP store, a new client; keys and
@@ -248,6 +236,12 @@ impl Store {
     /// own, without holding up the other users of this one.
     pub(crate) fn clone_connection(&self) -> Result<Store> {
         let raw = unsafe { ffi::tdc_store_clone(self.raw) };
+        self.view(raw)
+    }
+
+    /// `raw`, a view of this store that the shim made (NULL when it failed), served by
+    /// the same process at the same endpoint.
+    fn view(&self, raw: *mut ffi::Store) -> Result<Store> {
         ffi::check_ptr(raw)
             .map(|raw| Store {
                 raw,
