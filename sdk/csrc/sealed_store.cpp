@@ -10,6 +10,7 @@
 // timeout; `add`, `compareSet` and `append` replace it.
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <optional>
 #include <stdexcept>
