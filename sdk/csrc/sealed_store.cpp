@@ -59,36 +59,29 @@ class SealedStore : public c10d::Store {
 
   Bytes compareSet(const std::string& key, const Bytes& expected, const Bytes& desired)
       override {
-    auto full = join(key);
-    for (;;) {
-      auto [raw, current] = read(full);
-      if (current ? *current != expected : !expected.empty()) {
-        return current ? *current : expected;
-      }
-      if (swapped(full, raw, desired)) return desired;
-    }
+    auto written = update(join(key), [&](const std::optional<Bytes>& current) {
+      bool matches = current ? *current == expected : expected.empty();
+      return matches ? std::optional<Bytes>(desired) : std::nullopt;
+    });
+    return written.value_or(expected);
   }
 
   int64_t add(const std::string& key, int64_t delta) override {
     auto full = join(key);
-    for (;;) {
-      auto [raw, current] = read(full);
-      int64_t value = current ? parse(full, *current) : 0;
-      if (delta == 0) return value;
-      value += delta;
-      auto text = std::to_string(value);
-      if (swapped(full, raw, Bytes(text.begin(), text.end()))) return value;
-    }
+    auto now = update(full, [&](const std::optional<Bytes>& current) -> std::optional<Bytes> {
+      if (delta == 0) return std::nullopt;  // a read: nothing written, nothing created
+      auto text = std::to_string((current ? parse(full, *current) : 0) + delta);
+      return Bytes(text.begin(), text.end());
+    });
+    return now ? parse(full, *now) : 0;
   }
 
   void append(const std::string& key, const Bytes& value) override {
-    auto full = join(key);
-    for (;;) {
-      auto [raw, current] = read(full);
-      Bytes joined = current ? *current : Bytes();
+    update(join(key), [&](const std::optional<Bytes>& current) {
+      Bytes joined = current.value_or(Bytes());
       joined.insert(joined.end(), value.begin(), value.end());
-      if (swapped(full, raw, joined)) return;
-    }
+      return std::optional<Bytes>(std::move(joined));
+    });
   }
 
   bool deleteKey(const std::string& key) override {
@@ -160,11 +153,19 @@ class SealedStore : public c10d::Store {
     return {std::move(raw), std::move(plain)};
   }
 
-  // Replaces `raw` (empty: absent) at `full` with `plain` sealed, atomically; false
-  // when another writer came first.
-  bool swapped(const std::string& full, const Bytes& raw, const Bytes& plain) {
-    auto desired = sealed(full, plain);
-    return base_->compareSet(full, raw, desired) == desired;
+  // Replaces the value at `full` with `next(current)` sealed, atomically (c10d's
+  // compareSet against the raw value read, again while another writer comes first);
+  // `current` is none when absent or not the job's. Returns what it wrote, or, when
+  // `next` gives none, `current` (nothing written).
+  template <typename Next>
+  std::optional<Bytes> update(const std::string& full, Next next) {
+    for (;;) {
+      auto [raw, current] = read(full);
+      std::optional<Bytes> plain = next(current);
+      if (!plain) return current;
+      auto desired = sealed(full, *plain);
+      if (base_->compareSet(full, raw, desired) == desired) return plain;
+    }
   }
 
   // Waits up to `timeout` for a value at `full` that opens.

@@ -135,7 +135,10 @@ fn write_the_usual_names(store: &Store, prefix: &str) {
 fn the_job_prefix_hiding_every_value(store: &Store) -> String {
     let keys = store.list_keys().unwrap();
     let job: Vec<&String> = keys.iter().filter(|k| k.starts_with("job-")).collect();
-    let prefix = job[0].split('/').next().unwrap().to_string();
+    let first = job
+        .first()
+        .unwrap_or_else(|| panic!("no key under a job- prefix: {keys:?}"));
+    let prefix = first.split('/').next().unwrap().to_string();
     let counters = job.iter().filter(|k| k.ends_with("/count")).count();
     assert!(counters > 0, "no join counter under the prefix: {keys:?}");
     for key in &keys {

@@ -137,8 +137,8 @@ impl Remote {
                         Err(_) => std::thread::sleep(POLL),
                     }
                 };
-                let view = || job_token::view(&client, token.as_ref(), &prefix);
-                let (Ok(view), Ok(reader)) = (view(), view()) else {
+                let open_view = || job_token::view(&client, token.as_ref(), &prefix);
+                let (Ok(view), Ok(reader)) = (open_view(), open_view()) else {
                     return;
                 };
                 // Unless `report` connected first.
