@@ -47,6 +47,9 @@ FILE[state]=sdk/src/checkpoint/state.rs;   TESTS[state]="checkpoint grad_scaler 
 FILE[network]=sdk/src/process_group/network.rs; TESTS[network]="multi_host error_hints launch"
 # The job token: its prefix, check value and the sealing of the store's values.
 FILE[job_token]=sdk/src/job_token.rs;      TESTS[job_token]="security multi_host"
+# The store's views (prefix, sealed, clone) and key listing; the errors' messages.
+FILE[store]=sdk/src/store.rs;              TESTS[store]="security multi_host launch"
+FILE[error]=sdk/src/error.rs;              TESTS[error]="error_hints"
 ALL=(ddp optim_mod optim_kernels optim_state optim_zero amp sampler loader state)
 # A NAME that stands for several.
 declare -A GROUP

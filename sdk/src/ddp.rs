@@ -652,5 +652,12 @@ mod tests {
             "{shown}"
         );
         assert!(!shown.contains("l10.weight"), "{shown}");
+        // Exactly 10: all listed, no "and 0 more".
+        let e = Error::UnusedParameters {
+            variables: (0..10).map(|i| format!("l{i}.weight")).collect(),
+            source: TorchText::new(REDUCER),
+        };
+        let shown = e.to_string();
+        assert!(shown.contains("\"l9.weight\" got no gradient"), "{shown}");
     }
 }
