@@ -15,8 +15,6 @@ struct Rewrite {
     /// What the function's names are: the optimizers it built, the loops that
     /// train.
     analysis: Analysis,
-    /// Whether `let`s that run a forward pass go under autocast.
-    autocast: bool,
     /// Identifies the function's `for` loops, the same in every rank's binary: a hash
     /// of the function's name, and how many loops came before.
     loop_site: u64,
@@ -264,9 +262,9 @@ impl VisitMut for Rewrite {
 
     fn visit_local_mut(&mut self, local: &mut syn::Local) {
         visit_mut::visit_local_mut(self, local);
-        if !self.autocast {
-            return;
-        }
+        // Always there, whatever the attribute says: the precision is a run-time
+        // setting (attribute, `tchrun --mixed-precision`, the variable, the file), and
+        // the guard does nothing when it is `no`.
         if let Some(init) = &mut local.init {
             if calls(&init.expr, FORWARD_METHODS, None) {
                 let k = &self.krate;
@@ -381,7 +379,6 @@ pub fn expand(options: Options, analysis: Analysis, mut func: ItemFn) -> syn::Re
             .fold(0xcbf2_9ce4_8422_2325, |h, b| {
                 (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
             }),
-        autocast: options.mixed_precision.as_ref().is_some_and(|p| p != "No"),
         errors: Vec::new(),
     };
     rewrite.visit_block_mut(&mut func.block);

@@ -509,6 +509,13 @@ int tdc_autocast_enter(int device_type, int dtype, int* prev_enabled, int* prev_
   })
 }
 
+int tdc_set_onednn_enabled(int enabled) {
+  TDC_PROTECT(1, {
+    at::globalContext().setUserEnabledMkldnn(enabled != 0);
+    return 0;
+  })
+}
+
 int tdc_autocast_exit(int device_type, int prev_enabled, int prev_dtype) {
   TDC_PROTECT(1, {
     const auto device = device_type == 1 ? at::kCUDA : at::kCPU;

@@ -158,6 +158,10 @@ int tdc_amp_unscale(tdc_tensor* grads, int n, tdc_tensor found_inf, tdc_tensor i
  * enter returns the previous setting, which exit restores; leaving the outermost
  * level clears the cast cache. */
 int tdc_autocast_enter(int device_type, int dtype, int* prev_enabled, int* prev_dtype);
+
+/* Turns libtorch's use of oneDNN (MKL-DNN) on or off for the whole process, as
+ * Python's `torch.backends.mkldnn.enabled`. */
+int tdc_set_onednn_enabled(int enabled);
 int tdc_autocast_exit(int device_type, int prev_enabled, int prev_dtype);
 /* The compute capability of CUDA device `device` (fails without CUDA support). */
 int tdc_cuda_capability(int device, int* major, int* minor);

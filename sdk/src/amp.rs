@@ -80,6 +80,13 @@ impl MixedPrecisionMode {
     /// Errors with [`Error::Torch`] when `Auto` cannot read the device's properties.
     pub fn resolve(self, device: Device) -> Result<(MixedPrecision, String)> {
         match self {
+            MixedPrecisionMode::Exactly(p)
+                if p != MixedPrecision::No
+                    && !device.is_cuda()
+                    && !onednn_runs_lower_precision() =>
+            {
+                Ok((p, "asked for; oneDNN off: this CPU has no AVX-512".into()))
+            }
             MixedPrecisionMode::Exactly(p) => Ok((p, "asked for".into())),
             MixedPrecisionMode::Auto => MixedPrecision::auto(device),
         }
@@ -154,6 +161,12 @@ pub struct Autocast {
 }
 
 impl Autocast {
+    /// A guard that leaves autocast as it is: [`Autocast::enter`] with
+    /// [`MixedPrecision::No`], without a device.
+    pub(crate) fn off() -> Self {
+        Autocast { restore: None }
+    }
+
     /// Turns autocast on until the guard drops.
     ///
     /// Errors with [`Error::Torch`] when libtorch rejects the setting.
@@ -165,6 +178,15 @@ impl Autocast {
             MixedPrecision::Bf16 => 15,
         };
         let device_type = i32::from(device.is_cuda());
+        if device_type == 0 && !onednn_runs_lower_precision() {
+            // Once per process: later entries find it done.
+            static ONEDNN_OFF: std::sync::OnceLock<std::result::Result<(), String>> =
+                std::sync::OnceLock::new();
+            ONEDNN_OFF
+                .get_or_init(|| ffi::check(unsafe { ffi::tdc_set_onednn_enabled(0) }))
+                .clone()
+                .map_err(Error::Torch)?;
+        }
         let (mut enabled, mut dtype) = (0, 0);
         ffi::check(unsafe {
             ffi::tdc_autocast_enter(device_type, dtype_code, &mut enabled, &mut dtype)
@@ -173,6 +195,24 @@ impl Autocast {
         Ok(Autocast {
             restore: Some((device_type, enabled, dtype)),
         })
+    }
+}
+
+/// Whether this CPU runs oneDNN's bf16 and fp16 kernels. oneDNN's LSTM (which
+/// libtorch's CPU autocast casts to the lower precision, `mkldnn_rnn_layer`) needs
+/// AVX-512: on an AVX2-only x86 CPU it fails with "could not create a primitive
+/// descriptor for the LSTM forward propagation primitive", in PyTorch too. Where it
+/// cannot, [`Autocast::enter`] turns oneDNN off for the process on its first CPU entry
+/// (as `torch.backends.mkldnn.enabled = False`): the LSTM then runs libtorch's own
+/// kernels in float32, and the matmuls and convolutions autocast as usual.
+pub(crate) fn onednn_runs_lower_precision() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512bw")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        true
     }
 }
 

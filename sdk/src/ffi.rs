@@ -222,6 +222,7 @@ extern "C" {
         prev_dtype: *mut c_int,
     ) -> c_int;
     pub fn tdc_autocast_exit(device_type: c_int, prev_enabled: c_int, prev_dtype: c_int) -> c_int;
+    pub fn tdc_set_onednn_enabled(enabled: c_int) -> c_int;
     pub fn tdc_cuda_capability(device: c_int, major: *mut c_int, minor: *mut c_int) -> c_int;
 
     pub fn tdc_amp_unscale(

@@ -78,7 +78,7 @@ fn mixed_precision_autocasts_the_forward_pass_and_says_why() {
     for (mode, banner, kinds) in [
         (
             "bf16",
-            "mixed precision bf16 (asked for)",
+            "mixed precision bf16 (asked for",
             "output BFloat16 loss Float params Float scaler None",
         ),
         (
@@ -91,7 +91,7 @@ fn mixed_precision_autocasts_the_forward_pass_and_says_why() {
         // as `torch.amp.GradScaler` does.
         (
             "fp16",
-            "mixed precision fp16 with loss scaling (asked for)",
+            "mixed precision fp16 with loss scaling (asked for",
             "output Half loss Float params Float scaler Some(32768.0)",
         ),
     ] {

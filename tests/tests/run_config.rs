@@ -320,7 +320,7 @@ fn flags_over_environment_over_file_over_the_attribute() {
         &banner,
         &[
             "world size 2,",
-            "mixed precision bf16 (asked for)",
+            "mixed precision bf16 (asked for",
             "gradient accumulation 2 steps",
         ],
     );
@@ -343,7 +343,7 @@ fn flags_over_environment_over_file_over_the_attribute() {
         &banner,
         &[
             "backend gloo, world size 3,",
-            "mixed precision fp16 with loss scaling (asked for)",
+            "mixed precision fp16 with loss scaling (asked for",
             "gradient accumulation 3 steps",
         ],
     );

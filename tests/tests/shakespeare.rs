@@ -2,10 +2,11 @@
 //! `#[distributed]`), as a short real 2-rank run that launches its own ranks.
 
 use std::fs;
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{children, example, run_with, scratch_dir, tchrun};
+use tch_distributed_tests::{children, example, run_with, scratch_dir, tchrun, Scratch};
 
 #[test]
 fn launches_two_ranks_itself_trains_and_writes_one_checkpoint() {
@@ -132,4 +133,103 @@ fn a_killed_rank_under_max_restarts_resumes_from_the_newest_checkpoint() {
         "{}",
         run.stdout
     );
+}
+
+/// The main job's global loss at each step (rank 0's `metrics.jsonl`), and the
+/// run's directory, with `tchrun` given `flags` and the ranks `env`.
+fn main_job_losses(name: &str, flags: &[&str], env: &[(&str, &str)]) -> (Vec<f64>, Scratch) {
+    let dir = scratch_dir(name);
+    let text = dir.join("input.txt");
+    fs::write(
+        &text,
+        "First Citizen:\nBefore we proceed any further, hear me speak.\n".repeat(200),
+    )
+    .unwrap();
+    let mut cmd = Command::new(tchrun());
+    cmd.args(["--nproc-per-node", "2"])
+        .args(flags)
+        .arg(example("shakespeare"))
+        .arg("--data")
+        .arg(&text)
+        .arg("--checkpoint")
+        .arg(dir.join("model.safetensors"))
+        .arg("--runs")
+        .arg(dir.join("runs"))
+        .arg("--checkpoint-dir")
+        .arg(dir.join("ckpt"))
+        .args([
+            "--steps",
+            "4",
+            "--checkpoint-every",
+            "2",
+            "--log-every",
+            "4",
+        ])
+        .args(["--batch-size", "4", "--seq-len", "16", "--hidden", "32"])
+        .envs(env.iter().copied());
+    let run = run_with(cmd, &dir, Duration::from_secs(120), |_, _| {});
+    run.assert_success();
+    let metrics = fs::read_to_string(dir.join("runs").join("metrics.jsonl")).unwrap();
+    let losses = metrics
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["loss"]
+                .as_f64()
+                .unwrap_or_else(|| panic!("no loss in {l}"))
+        })
+        .collect::<Vec<_>>();
+    assert_eq!(losses.len(), 4, "{metrics}");
+    (losses, dir)
+}
+
+/// The fp16 loss scaler's state in the main job's step-2 checkpoint, if it has one.
+fn grad_scaler_in_checkpoint(dir: &Path) -> serde_json::Value {
+    let state = fs::read_to_string(dir.join("ckpt/step-0000000002/state.json")).unwrap();
+    let state: serde_json::Value = serde_json::from_str(&state).unwrap();
+    state["grad_scaler"].clone()
+}
+
+/// A mixed precision given at run time reaches the forward pass of a program whose
+/// attribute names none, as one written in the attribute does: `tchrun
+/// --mixed-precision bf16` (or the variable) changes the main job's losses (bf16
+/// autocast on the CPU), and `fp16` adds the loss scaler, whose state the checkpoint
+/// holds. Until the macro wrote the autocast guard only for an attribute that named a
+/// precision, the banner said "bf16 (asked for)" and the losses were fp32's, bit for bit.
+#[test]
+fn a_mixed_precision_given_to_tchrun_changes_the_main_jobs_losses() {
+    let (fp32, fp32_dir) = main_job_losses("mp-fp32", &[], &[]);
+    let (bf16, _bf16_dir) = main_job_losses("mp-bf16", &["--mixed-precision", "bf16"], &[]);
+    let (bf16_env, _env_dir) = main_job_losses(
+        "mp-bf16-env",
+        &[],
+        &[("TCH_DISTRIBUTED_MIXED_PRECISION", "bf16")],
+    );
+    let (fp16, fp16_dir) = main_job_losses("mp-fp16", &["--mixed-precision", "fp16"], &[]);
+    for (step, (a, b)) in fp32.iter().zip(&bf16).enumerate() {
+        assert_ne!(
+            a,
+            b,
+            "step {}: bf16's loss is fp32's: {fp32:?} {bf16:?}",
+            step + 1
+        );
+        // The same model, trained in a lower precision: close, not equal.
+        assert!(
+            (a - b).abs() < 0.05 * a.abs(),
+            "step {}: {fp32:?} {bf16:?}",
+            step + 1
+        );
+    }
+    assert_eq!(bf16, bf16_env, "the flag and the variable are one setting");
+    assert_ne!(fp16, fp32, "fp16's losses are fp32's");
+    assert_eq!(
+        grad_scaler_in_checkpoint(&fp32_dir),
+        serde_json::Value::Null
+    );
+    let scaler = grad_scaler_in_checkpoint(&fp16_dir);
+    // (scale, growth tracker): GradScaler's initial scale is 2^16.
+    let scale = scaler[0]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no loss scaler: {scaler}"));
+    assert!(scale >= 1.0, "{scaler}");
 }

@@ -69,10 +69,18 @@ pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Opti
     Ok(opt)
 }
 
-/// A `let` whose value comes from a forward pass, under `mixed_precision`: autocast
-/// while it is evaluated.
+/// A `let` whose value comes from a forward pass: autocast while it is evaluated, in
+/// the mixed precision the run resolved at the function's entry (from the attribute,
+/// `tchrun --mixed-precision`, `TCH_DISTRIBUTED_MIXED_PRECISION` or the configuration
+/// file). The macro writes the guard whatever the attribute says; with precision `no`
+/// it does nothing (no FFI call, no autocast state touched).
 pub fn autocast() -> Autocast {
-    Autocast::enter(context().device(), entry::precision()).unwrap_or_else(|e| fail("autocast", e))
+    match entry::precision() {
+        MixedPrecision::No => Autocast::off(),
+        precision => {
+            Autocast::enter(context().device(), precision).unwrap_or_else(|e| fail("autocast", e))
+        }
+    }
 }
 
 /// The optimizer's methods that return a `Result` in the SDK and nothing in tch:
