@@ -341,32 +341,48 @@ pub fn expand(options: Options, analysis: Analysis, mut func: ItemFn) -> syn::Re
         Some(path) => quote!(#path),
         None => quote!(::tch_distributed),
     };
-    let opt = |o: Option<TokenStream>| match o {
-        Some(t) => quote!(::std::option::Option::Some(#t)),
-        None => quote!(::std::option::Option::None),
+    // The options written, as typed values spanned at the user's literals: nothing
+    // is parsed at run time. The rest of the run's settings come from the environment
+    // (`tch_distributed::settings`).
+    let mut given: Vec<TokenStream> = Vec::new();
+    let mut give = |key: &str, value: TokenStream| {
+        let key = syn::Ident::new(key, proc_macro2::Span::call_site());
+        given.push(quote!(#key: ::std::option::Option::Some(#value)));
     };
-    let nproc = opt(options.nproc_per_node.map(|n| quote!(#n)));
-    let bucket = opt(options.bucket_cap_mb.map(|n| quote!(#n)));
-    let timeout = opt(options.timeout.map(|n| quote!(#n)));
-    let find_unused = options.find_unused_parameters;
-    // Typed values, spanned at the user's literals: nothing is parsed at run time.
-    let backend = opt(options
-        .backend
-        .as_ref()
-        .map(|b| quote!(#krate::__private::Backend::#b)));
-    let precision = opt(options.mixed_precision.as_ref().map(|p| {
-        if p == "Auto" {
-            quote!(#krate::__private::MixedPrecisionMode::#p)
-        } else {
-            quote!(#krate::__private::MixedPrecisionMode::Exactly(#krate::__private::MixedPrecision::#p))
-        }
-    }));
-    let grad_accum = opt(options.grad_accum.map(|n| quote!(#n)));
-    let zero = opt(options.zero.map(|z| quote!(#z)));
-    let optimizer = opt(options
-        .optimizer
-        .as_ref()
-        .map(|i| quote!(#krate::__private::Implementation::#i)));
+    if let Some(b) = &options.backend {
+        give("backend", quote!(#krate::__private::Backend::#b));
+    }
+    if let Some(n) = options.nproc_per_node {
+        give("nproc_per_node", quote!(#n));
+    }
+    if let Some(mb) = options.bucket_cap_mb {
+        give("bucket_cap_mb", quote!(#mb));
+    }
+    if let Some(f) = options.find_unused_parameters {
+        give("find_unused_parameters", quote!(#f));
+    }
+    if let Some(t) = options.timeout {
+        give("timeout", quote!(#t));
+    }
+    if let Some(p) = &options.mixed_precision {
+        give(
+            "mixed_precision",
+            if p == "Auto" {
+                quote!(#krate::__private::MixedPrecisionMode::#p)
+            } else {
+                quote!(#krate::__private::MixedPrecisionMode::Exactly(#krate::__private::MixedPrecision::#p))
+            },
+        );
+    }
+    if let Some(n) = options.grad_accum {
+        give("grad_accum", quote!(#n));
+    }
+    if let Some(z) = options.zero {
+        give("zero", quote!(#z));
+    }
+    if let Some(i) = &options.optimizer {
+        give("optimizer", quote!(#krate::__private::Implementation::#i));
+    }
 
     let mut rewrite = Rewrite {
         krate: krate.clone(),
@@ -401,16 +417,9 @@ pub fn expand(options: Options, analysis: Analysis, mut func: ItemFn) -> syn::Re
             StepKnown as _, StepOther as _, Steps as _, VarStoreMutKnown as _,
             VarStoreMutOther as _, VarStoreRefKnown as _, VarStoreRefOther as _,
         };
-        let __tchd_session = #krate::__private::enter(#krate::__private::Options {
-            backend: #backend,
-            nproc_per_node: #nproc,
-            bucket_cap_mb: #bucket,
-            find_unused_parameters: #find_unused,
-            timeout_secs: #timeout,
-            mixed_precision: #precision,
-            grad_accum: #grad_accum,
-            optimizer: #optimizer,
-            zero: #zero,
+        let __tchd_session = #krate::__private::enter(#krate::__private::Settings {
+            #(#given,)*
+            ..::std::default::Default::default()
         });
         let __tchd_out = #block;
         #finish

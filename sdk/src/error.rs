@@ -11,6 +11,12 @@ pub enum Error {
     #[error("{0}")]
     Config(String),
 
+    /// A run setting's value is not allowed: `given` is the setting as it was given
+    /// (`--grad-accum 0`, `TCH_DISTRIBUTED_GRAD_ACCUM="0"`, `grad_accum = "0" in
+    /// FILE`), `allowed` what it takes (see [`crate::settings`]).
+    #[error("{given}: {allowed}")]
+    Setting { given: String, allowed: String },
+
     /// An I/O operation failed; `context` names the operation and path.
     #[error("{context}: {source}")]
     Io {

@@ -6,20 +6,23 @@ use std::time::Duration;
 
 use tch::Device;
 
+use crate::amp::{MixedPrecision, MixedPrecisionMode};
 use crate::devices;
 use crate::env::LaunchEnv;
 use crate::error::{Error, Result};
 use crate::job_token::{self, JobToken};
 use crate::process_group::{Backend, GlooAddress, ProcessGroup};
 use crate::rng::RandomState;
+use crate::settings::Settings;
 use crate::store::Store;
 
 /// The timeout of collectives and rendezvous when none is given: 30 minutes, as
 /// `torch.distributed`'s `default_pg_timeout`.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1800);
 
-/// Options for [`init_with`]. `None` fields come from the environment
-/// (`TCH_DISTRIBUTED_BACKEND`, `TCH_DISTRIBUTED_TIMEOUT` in seconds) or defaults.
+/// Options for [`init_with`]. They win over the environment; `None` fields come from
+/// the environment (`TCH_DISTRIBUTED_BACKEND`, `TCH_DISTRIBUTED_TIMEOUT` in seconds:
+/// [`crate::settings`]) or defaults.
 #[derive(Clone, Debug, Default)]
 pub struct InitOptions {
     /// The backend; default NCCL when this rank has a CUDA device and NCCL was built,
@@ -47,6 +50,10 @@ pub struct Context {
     random: RandomState,
     /// GPUs this rank sees (0 on the CPU).
     gpus: usize,
+    /// The run's settings, resolved (see [`crate::settings`]).
+    settings: Settings,
+    /// The mixed precision resolved on `device`, and why.
+    precision: (MixedPrecision, String),
 }
 
 static CONTEXT: Mutex<Option<Context>> = Mutex::new(None);
@@ -78,13 +85,32 @@ pub fn init() -> Result<Context> {
 /// `WORLD_SIZE` or the same `RANK`,
 /// [`Error::BackendUnavailable`] when NCCL is asked for and cannot be used.
 pub fn init_with(options: InitOptions) -> Result<Context> {
+    init_with_settings(options.over_env()?, options.device)
+}
+
+/// [`init_with`] for the run's resolved settings (the `#[distributed]` entry's: the
+/// environment over the attribute), which the context keeps.
+pub(crate) fn init_with_settings(settings: Settings, device: Option<Device>) -> Result<Context> {
     let mut slot = CONTEXT.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(ctx) = slot.as_ref() {
         return Ok(ctx.clone());
     }
-    let ctx = Context::join(LaunchEnv::from_env()?, options)?;
+    let ctx = Context::join_with(LaunchEnv::from_env()?, settings, device)?;
     *slot = Some(ctx.clone());
     Ok(ctx)
+}
+
+impl InitOptions {
+    /// The options given, over the environment's settings (`TCH_DISTRIBUTED_BACKEND`,
+    /// `TCH_DISTRIBUTED_TIMEOUT`, …: [`crate::settings`]).
+    fn over_env(&self) -> Result<Settings> {
+        let given = Settings {
+            backend: self.backend,
+            timeout: self.timeout.map(|t| t.as_secs_f64()),
+            ..Settings::default()
+        };
+        Ok(given.or(Settings::from_env()?))
+    }
 }
 
 /// The context built by [`init`], if any.
@@ -109,23 +135,6 @@ pub(crate) fn all_reduce_scalar(value: i64, op: crate::ReduceOp) -> Result<i64> 
             Ok(t.int64_value(&[0]))
         }
         _ => Ok(value),
-    }
-}
-
-fn env_timeout() -> Result<Option<Duration>> {
-    match std::env::var("TCH_DISTRIBUTED_TIMEOUT") {
-        Ok(v) => v
-            .trim()
-            .parse::<f64>()
-            .ok()
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map(|s| Some(Duration::from_secs_f64(s)))
-            .ok_or_else(|| {
-                Error::Config(format!(
-                    "TCH_DISTRIBUTED_TIMEOUT={v:?} is not a positive number of seconds"
-                ))
-            }),
-        Err(_) => Ok(None),
     }
 }
 
@@ -333,6 +342,15 @@ impl Context {
     /// Builds a context for `env` (a single process when `None`); see [`init_with`].
     /// Unlike `init`, this does not register the context as the process's current one.
     pub fn join(env: Option<LaunchEnv>, options: InitOptions) -> Result<Context> {
+        Context::join_with(env, options.over_env()?, options.device)
+    }
+
+    /// [`Context::join`] with the run's settings, which the context keeps.
+    fn join_with(
+        env: Option<LaunchEnv>,
+        settings: Settings,
+        device: Option<Device>,
+    ) -> Result<Context> {
         let env = env.unwrap_or(LaunchEnv {
             rank: 0,
             local_rank: 0,
@@ -342,23 +360,21 @@ impl Context {
             master_port: 0,
             agent_store_prefix: None,
         });
-        let timeout = match options.timeout {
-            Some(t) => t,
-            None => env_timeout()?.unwrap_or(DEFAULT_TIMEOUT),
-        };
+        let timeout = settings
+            .timeout
+            .map_or(DEFAULT_TIMEOUT, Duration::from_secs_f64);
         let gpus = devices::visible_gpus();
-        let device = options
-            .device
-            .unwrap_or_else(|| devices::local_device(env.local_rank, gpus));
-        let asked = match options.backend {
-            Some(b) => Some(b),
-            None => match std::env::var("TCH_DISTRIBUTED_BACKEND") {
-                Ok(name) => Some(Backend::parse(&name)?),
-                Err(_) => None,
-            },
-        };
-        let (backend, note) =
-            choose_backend(asked, device, Backend::nccl_available(), env.world_size)?;
+        let device = device.unwrap_or_else(|| devices::local_device(env.local_rank, gpus));
+        let (backend, note) = choose_backend(
+            settings.backend,
+            device,
+            Backend::nccl_available(),
+            env.world_size,
+        )?;
+        let precision = settings
+            .mixed_precision
+            .unwrap_or(MixedPrecisionMode::Exactly(MixedPrecision::No))
+            .resolve(device)?;
         if let (Some(note), 0) = (note, env.rank) {
             crate::log::warn(note);
         }
@@ -451,7 +467,21 @@ impl Context {
             master,
             random,
             gpus,
+            settings,
+            precision,
         })
+    }
+
+    /// The run's settings, as resolved when this rank joined: for a `#[distributed]`
+    /// function, the environment's (and `tchrun`'s) over the attribute's options.
+    pub(crate) fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    /// The mixed precision the run resolved on this rank's device (`auto` decided),
+    /// and why, for the banner.
+    pub(crate) fn precision(&self) -> (MixedPrecision, &str) {
+        (self.precision.0, &self.precision.1)
     }
 
     /// Global rank, in `0..world_size`.

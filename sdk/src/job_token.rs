@@ -44,10 +44,7 @@ impl std::fmt::Debug for JobToken {
 impl JobToken {
     /// The token in `TCH_DISTRIBUTED_JOB_TOKEN`, if set and not empty.
     pub(crate) fn from_env() -> Option<JobToken> {
-        std::env::var(JOB_TOKEN_ENV)
-            .ok()
-            .filter(|t| !t.trim().is_empty())
-            .map(JobToken)
+        crate::settings::var("job_token").map(JobToken)
     }
 
     /// A fresh token: 128 random bits from the system (`/dev/urandom`), in hex.

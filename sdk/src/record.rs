@@ -30,9 +30,7 @@ use crate::init;
 pub const RECORD_ENV: &str = "TCH_DISTRIBUTED_RECORD";
 
 fn dir() -> Option<PathBuf> {
-    std::env::var_os(RECORD_ENV)
-        .filter(|d| !d.is_empty())
-        .map(PathBuf::from)
+    crate::settings::var("record").map(PathBuf::from)
 }
 
 /// One 64-bit fingerprint per row of `t` (per index of its first dimension): FNV-1a

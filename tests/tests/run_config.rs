@@ -209,12 +209,12 @@ fn bad_settings_name_their_source() {
         (
             &["--gpus", "0,x", "true"],
             &[],
-            "--gpus 0,x: \"x\" is not a GPU id",
+            "invalid value '0,x' for '--gpus <IDS>': \"x\" is not a GPU id",
         ),
         (
             &["true"],
             &[("TCH_DISTRIBUTED_GRAD_ACCUM", "0")],
-            "TCH_DISTRIBUTED_GRAD_ACCUM=\"0\": it counts the micro-batches",
+            "TCH_DISTRIBUTED_GRAD_ACCUM=\"0\": at least 1 is needed",
         ),
         (
             &["true"],
@@ -490,8 +490,28 @@ fn without_a_launcher_the_environment_wins_over_the_attribute() {
     assert_eq!(run.status.code(), Some(1), "{}", run.stderr);
     assert!(
         run.stderr
-            .contains("Error: TCH_DISTRIBUTED_GRAD_ACCUM: \"many\" is not a number"),
+            .contains("Error: reading the run's settings: TCH_DISTRIBUTED_GRAD_ACCUM=\"many\": a whole number is needed"),
         "{}",
         run.stderr
+    );
+}
+
+/// The reference chapter's table of settings is the SDK's own table
+/// (`tch_distributed::settings::TABLE`), rendered: a setting added there shows up in
+/// the book, or this fails. `TCHD_BLESS=1` rewrites the chapter's file.
+#[test]
+fn the_reference_chapters_table_is_the_settings_table() {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../book/src/reference-settings.md");
+    let want = tch_distributed::settings::reference_table();
+    if std::env::var_os("TCHD_BLESS").is_some() {
+        std::fs::write(&path, &want).unwrap();
+    }
+    let have = std::fs::read_to_string(&path).unwrap_or_default();
+    assert_eq!(
+        have,
+        want,
+        "{} is not the settings table: rerun with TCHD_BLESS=1 to rewrite it",
+        path.display()
     );
 }

@@ -13,15 +13,15 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
-use tch_distributed::config::{default_path, Origin, RunConfig, CONFIG_ENV};
 use tch_distributed::launch::{launch_with_env, LaunchConfig, Launcher};
+use tch_distributed::settings::{default_path, Settings, CONFIG_ENV};
 
 /// What `tchrun --help` says after the options: where settings come from.
 const SETTINGS_HELP: &str = "\
-Settings: each of --nproc-per-node, --nnodes, --node-rank, --master-addr, --master-port,
---backend, --gpus, --mixed-precision and --grad-accum comes from the flag, else its
-environment variable (named in brackets), else the configuration file, else the
-program's #[distributed(...)] option of that name, else the default.
+Settings: each flag marked [env: ...] comes from the flag, else its environment variable
+(named in brackets), else the configuration file (its key is the flag's name with
+underscores), else the program's #[distributed(...)] option of that name, else the
+default. tchrun hands the result to every rank as those variables.
 
 Configuration file: --config FILE, else $TCH_DISTRIBUTED_CONFIG, else
 $XDG_CONFIG_HOME/tch-distributed/config.toml, else ~/.config/tch-distributed/config.toml
@@ -58,13 +58,6 @@ struct Args {
     #[arg(long, value_name = "SECONDS", default_value_t = 5.0)]
     stop_grace_seconds: f64,
 
-    /// When a rank fails, stop every rank and start them all again, up to K
-    /// times (as torchrun's --max-restarts). Each attempt gets a fresh
-    /// rendezvous and TORCHELASTIC_RESTART_COUNT; a program that loads its newest
-    /// checkpoint at start resumes from it. Give every node the same value.
-    #[arg(long, alias = "max_restarts", value_name = "K", default_value_t = 0)]
-    max_restarts: usize,
-
     /// The program to run and its arguments, taken verbatim.
     #[arg(
         value_name = "PROGRAM_AND_ARGS",
@@ -100,10 +93,13 @@ fn main() -> ExitCode {
         nproc_per_node: run.nproc_or_default(),
         nnodes: run.nnodes.unwrap_or(defaults.nnodes),
         node_rank: run.node_rank.unwrap_or(defaults.node_rank),
-        master_addr: run.master_addr.clone().unwrap_or(defaults.master_addr),
+        master_addr: run
+            .master_addr
+            .clone()
+            .unwrap_or(defaults.master_addr.clone()),
         master_port: run.master_port.unwrap_or(defaults.master_port),
         stop_grace,
-        max_restarts: args.max_restarts,
+        max_restarts: run.max_restarts.unwrap_or(defaults.max_restarts),
         launcher: Launcher::Tchrun,
     };
     let (program, rest) = match args.command.split_first() {
@@ -115,72 +111,6 @@ fn main() -> ExitCode {
         Err(err) => {
             tch_distributed::eprintln_whole!("tchrun: {err}");
             ExitCode::from(1)
-        }
-    }
-}
-
-/// The settings of a run, or of a configuration: one flag each, spelled as
-/// torchrun's and Accelerate's.
-#[derive(Debug, clap::Args)]
-struct Settings {
-    /// Number of ranks to start on this node [env: TCH_DISTRIBUTED_NPROC] [default: one
-    /// per --gpus id, else 1].
-    #[arg(long, alias = "nproc_per_node", value_name = "N")]
-    nproc_per_node: Option<usize>,
-
-    /// Number of nodes in the job [env: TCH_DISTRIBUTED_NNODES] [default: 1].
-    #[arg(long, value_name = "M")]
-    nnodes: Option<usize>,
-
-    /// Index of this node in 0..nnodes [env: TCH_DISTRIBUTED_NODE_RANK] [default: 0].
-    #[arg(long, alias = "node_rank", value_name = "R")]
-    node_rank: Option<usize>,
-
-    /// Address of the node running rank 0 [env: TCH_DISTRIBUTED_MASTER_ADDR] [default:
-    /// 127.0.0.1].
-    #[arg(long, alias = "master_addr", value_name = "ADDR")]
-    master_addr: Option<String>,
-
-    /// Port of the job's rendezvous store, which node 0's tchrun hosts; 0 picks a
-    /// free port (single node only) [env:
-    /// TCH_DISTRIBUTED_MASTER_PORT] [default: 0].
-    #[arg(long, alias = "master_port", value_name = "PORT")]
-    master_port: Option<u16>,
-
-    /// Process group backend of the ranks [env: TCH_DISTRIBUTED_BACKEND] [default:
-    /// NCCL on GPUs, else Gloo].
-    #[arg(long, value_name = "BACKEND", value_parser = ["gloo", "nccl"])]
-    backend: Option<String>,
-
-    /// The GPUs the ranks use, by id, as accelerate launch --gpu_ids: the ranks'
-    /// CUDA_VISIBLE_DEVICES; `all` leaves it as it is [env: TCH_DISTRIBUTED_GPUS].
-    #[arg(long, alias = "gpu_ids", value_name = "IDS")]
-    gpus: Option<String>,
-
-    /// Mixed precision of the forward pass, as the attribute's mixed_precision [env:
-    /// TCH_DISTRIBUTED_MIXED_PRECISION].
-    #[arg(long, alias = "mixed_precision", value_name = "MODE",
-          value_parser = ["no", "bf16", "fp16", "auto"])]
-    mixed_precision: Option<String>,
-
-    /// Micro-batches per optimizer step, as the attribute's grad_accum [env:
-    /// TCH_DISTRIBUTED_GRAD_ACCUM].
-    #[arg(long, alias = "gradient_accumulation_steps", value_name = "K")]
-    grad_accum: Option<usize>,
-}
-
-impl Settings {
-    fn to_run_config(&self) -> RunConfig {
-        RunConfig {
-            nproc_per_node: self.nproc_per_node,
-            nnodes: self.nnodes,
-            node_rank: self.node_rank,
-            master_addr: self.master_addr.clone(),
-            master_port: self.master_port,
-            backend: self.backend.clone(),
-            gpus: self.gpus.clone(),
-            mixed_precision: self.mixed_precision.clone(),
-            grad_accum: self.grad_accum,
         }
     }
 }
@@ -211,22 +141,20 @@ struct ConfigArgs {
 }
 
 /// The run's settings: the flags, else the environment, else the configuration file.
-fn resolve(settings: &Settings, config: Option<PathBuf>) -> tch_distributed::Result<RunConfig> {
-    let flags = settings.to_run_config();
-    flags.validate(&Origin::Flags)?;
-    let env = RunConfig::from_env()?;
+fn resolve(flags: &Settings, config: Option<PathBuf>) -> tch_distributed::Result<Settings> {
+    let env = Settings::from_env()?;
     // A file named by --config or TCH_DISTRIBUTED_CONFIG must exist; the default one
     // is read when it does.
     let named = config.is_some() || std::env::var_os(CONFIG_ENV).is_some_and(|v| !v.is_empty());
     let file = match config.or_else(default_path) {
         Some(path) if named || path.exists() => {
-            let file = RunConfig::load(&path)?;
+            let file = Settings::load(&path)?;
             tch_distributed::eprintln_whole!("tchrun: run configuration {}", path.display());
             file
         }
-        _ => RunConfig::default(),
+        _ => Settings::default(),
     };
-    Ok(flags.or(env).or(file))
+    Ok(flags.clone().or(env).or(file))
 }
 
 /// `tchrun config`: asks (on a terminal, with no flags) or takes the flags, and writes
@@ -239,24 +167,21 @@ fn write_config(args: ConfigArgs) -> ExitCode {
     let Some(path) = args.config.or_else(default_path) else {
         return fail(&"HOME is not set: give the file with --config FILE");
     };
-    let flags = args.settings.to_run_config();
-    if let Err(err) = flags.validate(&Origin::Flags) {
-        return fail(&err);
-    }
+    let flags = args.settings;
     let config = if !args.yes && flags.is_empty() && std::io::stdin().is_terminal() {
-        let current = match path.exists().then(|| RunConfig::load(&path)) {
+        let current = match path.exists().then(|| Settings::load(&path)) {
             Some(Ok(current)) => current,
             Some(Err(err)) => {
                 tch_distributed::eprintln_whole!("tchrun config: {err}; starting afresh");
-                RunConfig::default()
+                Settings::default()
             }
-            None => RunConfig::default(),
+            None => Settings::default(),
         };
         println!(
             "Writing {}. Enter keeps the answer in brackets.",
             path.display()
         );
-        match RunConfig::ask(
+        match Settings::ask(
             &mut std::io::stdin().lock(),
             &mut std::io::stdout(),
             &current,

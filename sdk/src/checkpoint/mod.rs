@@ -1,12 +1,12 @@
 //! Checkpoints from a data-parallel job: a `VarStore` file written by rank 0,
 //! atomically, between barriers; and whole training states (`Checkpointer`).
 
-use std::fs::{self, File};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use tch::nn::VarStore;
 
 use crate::error::{io, Error, Result};
+use crate::files::{self, sync_dir, sync_file};
 use crate::init::Context;
 
 mod preemption;
@@ -48,31 +48,6 @@ pub fn load_var_store(ctx: &Context, vs: &mut VarStore, path: impl AsRef<Path>) 
         .map_err(|e| Error::Torch(format!("loading {}: {e}", path.as_ref().display())))
 }
 
-/// Flushes a file that libtorch wrote to disk, and takes other users' write
-/// permission away from it: libtorch creates files with the process's umask alone,
-/// which (umask 000) may leave them world-writable.
-fn sync_file(path: &Path) -> Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    let file = File::open(path).map_err(io("opening", path))?;
-    let mut permissions = file
-        .metadata()
-        .map_err(io("reading the mode of", path))?
-        .permissions();
-    if permissions.mode() & 0o002 != 0 {
-        permissions.set_mode(permissions.mode() & !0o002);
-        file.set_permissions(permissions)
-            .map_err(io("taking other users' write permission from", path))?;
-    }
-    file.sync_all().map_err(io("syncing", path))
-}
-
-/// Makes renames and new entries in `dir` durable.
-fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io("syncing directory", dir))
-}
-
 /// `vs.save(path)` (the format follows the extension), flushed to disk.
 fn save_synced(vs: &VarStore, path: &Path) -> Result<()> {
     vs.save(path)
@@ -80,40 +55,19 @@ fn save_synced(vs: &VarStore, path: &Path) -> Result<()> {
     sync_file(path)
 }
 
-/// Writes `vs` to `path` through a temporary file beside it that replaces `path` only
-/// once complete and synced. The temporary file has a random name and is created
-/// exclusively (`tempfile`), so that no one can place a file or a link under its name
-/// first, even in a shared directory such as `/tmp`; it is created with mode 0644
-/// (less what the user's umask removes), never writable by other users.
+/// Writes `vs` to `path` through [`files::replace`]: `path` is replaced only once the
+/// new file is complete and synced.
 fn write_atomically(vs: &VarStore, path: &Path) -> Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let name = path
-        .file_name()
-        .ok_or_else(|| Error::Config(format!("{} names no file", path.display())))?;
-    // Keep the extension last: VarStore::save picks the format from it.
-    let tmp = tempfile::Builder::new()
-        .prefix(".tmp-")
-        .suffix(&format!("-{}", name.to_string_lossy()))
-        .permissions(fs::Permissions::from_mode(0o644))
-        .tempfile_in(&dir)
-        .map_err(io("creating a temporary file in", &dir))?
-        .into_temp_path();
-    // Removed when dropped, unless renamed onto `path`.
-    save_synced(vs, &tmp)?;
-    tmp.persist(path)
-        .map_err(|e| e.error)
-        .map_err(io("renaming the finished checkpoint onto", path))?;
-    // Make the rename itself durable.
-    sync_dir(&dir)
+    files::replace(path, |tmp| {
+        vs.save(tmp)
+            .map_err(|e| Error::Torch(format!("writing {}: {e}", tmp.display())))
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs;
     use std::os::unix::fs::PermissionsExt;
 
     #[test]

@@ -60,8 +60,9 @@ impl Tracker {
     ///
     /// The configuration it records from the start: world size, backend, each rank's
     /// device (as the banner prints it), the program's command line, tch's and
-    /// libtorch's versions and, inside a `#[distributed]` function, the attribute's
-    /// options (after the `TCH_DISTRIBUTED_*` overrides) and the mixed precision chosen.
+    /// libtorch's versions, the run's settings that were given (`settings`: the
+    /// attribute's options and the `TCH_DISTRIBUTED_*` variables over them, each as its
+    /// variable would hold it) and the mixed precision chosen.
     /// Add the batch size with [`batch_size`](Self::batch_size) and anything else
     /// with [`config`](Self::config).
     ///
@@ -86,20 +87,18 @@ impl Tracker {
         );
         config.insert("tch".into(), json!(crate::TCH_VERSION));
         config.insert("libtorch".into(), json!(crate::LIBTORCH_VERSION));
-        if let Some((options, precision)) = crate::__private::attribute_settings() {
-            config.insert("mixed_precision".into(), json!(precision.to_string()));
-            let attribute = json!({
-                "backend": options.backend.map(|b| b.to_string()),
-                "nproc_per_node": options.nproc_per_node,
-                "bucket_cap_mb": options.bucket_cap_mb,
-                "find_unused_parameters": options.find_unused_parameters,
-                "timeout_secs": options.timeout_secs,
-                "mixed_precision": options.mixed_precision.map(|m| m.to_string()),
-                "grad_accum": options.grad_accum,
-                "optimizer": options.optimizer.map(|o| o.to_string()),
-                "zero": options.zero,
-            });
-            config.insert("attribute".into(), attribute);
+        if let Some(ctx) = &ctx {
+            let settings = ctx.settings();
+            config.insert(
+                "mixed_precision".into(),
+                json!(ctx.precision().0.to_string()),
+            );
+            // Every setting the run was given, as its variable would hold it.
+            let given: Map<String, Value> = crate::settings::TABLE
+                .iter()
+                .filter_map(|row| Some((row.key.to_string(), json!(row.text(settings)?))))
+                .collect();
+            config.insert("settings".into(), Value::Object(given));
         }
         let files = if rank == 0 {
             fs::create_dir_all(&dir).map_err(io("creating", &dir))?;
@@ -145,8 +144,8 @@ impl Tracker {
     ///
     /// Errors as [`config`](Self::config).
     pub fn batch_size(&mut self, per_rank: usize) -> Result<()> {
-        let accumulation = crate::__private::attribute_settings()
-            .and_then(|(o, _)| o.grad_accum)
+        let accumulation = init::current()
+            .and_then(|c| c.settings().grad_accum)
             .unwrap_or(1);
         self.config
             .insert("batch_size_per_rank".into(), json!(per_rank));
@@ -185,10 +184,8 @@ impl Tracker {
             return Ok(());
         }
         let path = self.dir.join(CONFIG_FILE);
-        let part = self.dir.join(format!("{CONFIG_FILE}.part"));
         let text = serde_json::to_string_pretty(&self.config).expect("a JSON map");
-        fs::write(&part, text + "\n").map_err(io("writing", &part))?;
-        fs::rename(&part, &path).map_err(io("writing", &path))
+        crate::files::replace_with_bytes(&path, (text + "\n").as_bytes())
     }
 
     /// Logs `values` (name, value) at `step`: on rank 0, one line of

@@ -41,7 +41,8 @@ fn last_metrics() -> String {
 /// Whether this process draws bars: rank 0, standard error a terminal, and not
 /// turned off by `TCH_DISTRIBUTED_PROGRESS=0`.
 fn enabled() -> bool {
-    let off = std::env::var(PROGRESS_ENV).is_ok_and(|v| matches!(v.trim(), "0" | "false" | "off"));
+    let off = crate::settings::var("progress")
+        .is_some_and(|v| <bool as crate::settings::Value>::parse(&v) == Ok(false));
     !off && init::rank_and_world_size().0 == 0 && std::io::stderr().is_terminal()
 }
 

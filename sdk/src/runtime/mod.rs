@@ -2,8 +2,8 @@
 //! `tch_distributed::__private`. Not public API: it may change in any release. The
 //! macro emits calls to `::tch_distributed::__private::…` only.
 //!
-//! - [`entry`]: joining (or self-launching) at the function's entry, the banner, the
-//!   attribute's options with the environment over them, the exit barrier;
+//! - [`entry`]: joining (or self-launching) at the function's entry with the run's
+//!   settings (the environment's over the attribute's), the banner, the exit barrier;
 //! - [`rewrites`]: what the rewritten calls run (`build`, the backward steps and the
 //!   gradient averaging of optimizers the function did not build, `save`/`load`,
 //!   autocast, the device);
@@ -21,8 +21,8 @@ pub use crate::amp::{MixedPrecision, MixedPrecisionMode};
 pub use crate::error::Error;
 pub use crate::optim::Implementation;
 pub use crate::process_group::Backend;
-pub(crate) use entry::attribute_settings;
-pub use entry::{enter, Options, Session};
+pub use crate::settings::Settings;
+pub use entry::{enter, Session};
 pub use probes::*;
 pub use rewrites::*;
 pub use tch::nn::VarStore;

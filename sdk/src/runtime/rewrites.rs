@@ -13,7 +13,7 @@ use crate::ddp::{DdpOptions, DistributedDataParallel};
 use crate::init;
 use crate::optim::{Optimizer, OptimizerKind};
 
-use super::{context, entry, fail, fail_with_source};
+use super::{context, fail, fail_with_source};
 
 /// `Device::cuda_if_available()` / `Device::Cuda(i)` → this rank's device, in place
 /// of the one the single-GPU code asked for.
@@ -32,7 +32,7 @@ pub fn is_main_process() -> bool {
 /// accumulation and, for fp16, a loss scaler.
 pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Optimizer, TchError> {
     let ctx = context();
-    let options = entry::options();
+    let options = ctx.settings();
     let defaults = DdpOptions::default();
     // As PyTorch's DDP: a `bucket_cap_mb` given explicitly also caps the first bucket.
     let ddp_options = DdpOptions {
@@ -40,7 +40,7 @@ pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Opti
         first_bucket_cap_mb: options
             .bucket_cap_mb
             .unwrap_or(defaults.first_bucket_cap_mb),
-        find_unused_parameters: options.find_unused_parameters,
+        find_unused_parameters: options.find_unused_parameters.unwrap_or(false),
         ..defaults
     };
     // Failing to wrap the model ends the program with the cause and the fix: returned
@@ -63,7 +63,7 @@ pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Opti
             .with_implementation(implementation)
             .unwrap_or_else(|e| fail("the attribute's optimizer", e));
     }
-    if entry::precision() == MixedPrecision::Fp16 {
+    if ctx.precision().0 == MixedPrecision::Fp16 {
         opt = opt.grad_scaler(GradScaler::new());
     }
     Ok(opt)
@@ -75,10 +75,13 @@ pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Opti
 /// file). The macro writes the guard whatever the attribute says; with precision `no`
 /// it does nothing (no FFI call, no autocast state touched).
 pub fn autocast() -> Autocast {
-    match entry::precision() {
+    let Some(ctx) = init::current() else {
+        return Autocast::off();
+    };
+    match ctx.precision().0 {
         MixedPrecision::No => Autocast::off(),
         precision => {
-            Autocast::enter(context().device(), precision).unwrap_or_else(|e| fail("autocast", e))
+            Autocast::enter(ctx.device(), precision).unwrap_or_else(|e| fail("autocast", e))
         }
     }
 }

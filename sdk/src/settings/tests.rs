@@ -1,0 +1,292 @@
+use super::file::HEADER;
+use super::*;
+use crate::amp::MixedPrecision;
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    let map: HashMap<String, String> = pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    move |k| map.get(k).cloned()
+}
+
+fn full() -> Settings {
+    Settings {
+        nproc_per_node: Some(2),
+        nnodes: Some(2),
+        node_rank: Some(1),
+        master_addr: Some("10.0.0.1".into()),
+        master_port: Some(29500),
+        backend: Some(Backend::Nccl),
+        gpus: Some(Gpus("0,1".into())),
+        mixed_precision: Some(MixedPrecisionMode::Exactly(MixedPrecision::Bf16)),
+        grad_accum: Some(4),
+        ..Settings::default()
+    }
+}
+
+#[test]
+fn every_row_has_its_names_once_and_a_variable_under_the_prefix() {
+    for (i, row) in TABLE.iter().enumerate() {
+        assert!(row.var.starts_with("TCH_DISTRIBUTED_"), "{}", row.key);
+        assert!(
+            !row.doc.trim().is_empty() && !row.default.is_empty(),
+            "{}",
+            row.key
+        );
+        for other in &TABLE[..i] {
+            assert_ne!(row.key, other.key);
+            assert_ne!(row.var, other.var);
+            assert!(row.flag.is_none() || row.flag != other.flag, "{}", row.key);
+        }
+    }
+}
+
+/// The attribute's options, as the macro crate validates them at compile time, are
+/// the rows that say `attribute` (and `crate`, which is not a setting).
+#[test]
+fn the_attributes_options_are_the_tables() {
+    let mut macro_options: Vec<&str> = tch_distributed_macros::__attribute_options!()
+        .iter()
+        .copied()
+        .filter(|o| *o != "crate")
+        .collect();
+    let mut rows: Vec<&str> = TABLE
+        .iter()
+        .filter(|r| r.attribute)
+        .map(|r| r.key)
+        .collect();
+    macro_options.sort();
+    rows.sort();
+    assert_eq!(macro_options, rows);
+}
+
+#[test]
+fn every_value_written_back_reads_the_same() {
+    let mut all = full();
+    for row in TABLE {
+        if row.text(&all).is_none() {
+            let sample = match row.value_name {
+                "BOOL" => "true",
+                "SECONDS" | "MIB" => "2.5",
+                "IMPL" => "foreach",
+                _ => "1",
+            };
+            row.set(&mut all, sample).unwrap();
+        }
+    }
+    let env: HashMap<String, String> = all.rank_env().into_iter().collect();
+    assert_eq!(Settings::from_vars(|k| env.get(k).cloned()).unwrap(), all);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sub").join("config.toml");
+    all.save(&path).unwrap();
+    // The file leaves out the rows it does not take.
+    let mut in_file = Settings::default();
+    for row in TABLE.iter().filter(|r| r.file) {
+        row.set(&mut in_file, &row.text(&all).unwrap()).unwrap();
+    }
+    assert!(in_file.job_token.is_none() && in_file.record.is_none());
+    assert_eq!(Settings::load(&path).unwrap(), in_file);
+}
+
+#[test]
+fn the_file_round_trips() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sub").join("config.toml");
+    for config in [
+        full(),
+        Settings::default(),
+        Settings {
+            grad_accum: Some(3),
+            ..Settings::default()
+        },
+    ] {
+        config.save(&path).unwrap();
+        assert_eq!(Settings::load(&path).unwrap(), config);
+    }
+    assert_eq!(
+        full().to_toml(),
+        format!(
+            "{HEADER}nproc_per_node = 2\nnnodes = 2\nnode_rank = 1\nmaster_addr = \"10.0.0.1\"\n\
+             master_port = 29500\nbackend = \"nccl\"\ngpus = \"0,1\"\nmixed_precision = \"bf16\"\n\
+             grad_accum = 4\n"
+        )
+    );
+}
+
+#[test]
+fn bad_files_say_where() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.toml");
+    for (text, needle) in [
+        ("grad_acum = 2\n", "unknown field `grad_acum`"),
+        ("backend = \"mpi\"\n", "backend = \"mpi\" in "),
+        ("grad_accum = \"four\"\n", "grad_accum"),
+        ("grad_accum = 0\n", "grad_accum = \"0\" in "),
+        ("mixed_precision = \"fp8\"\n", "use no, bf16, fp16 or auto"),
+        ("gpus = \"0,zero\"\n", "\"zero\" is not a GPU id"),
+        ("zero = 2\n", "use 1 (optimizer-state sharding"),
+    ] {
+        std::fs::write(&path, text).unwrap();
+        let e = Settings::load(&path).unwrap_err().to_string();
+        assert!(e.contains(needle), "{text}: {e}");
+        assert!(e.contains(&path.display().to_string()), "{text}: {e}");
+    }
+}
+
+#[test]
+fn environment_variables() {
+    let env = Settings::from_vars(vars(&[
+        ("TCH_DISTRIBUTED_NPROC", "3"),
+        ("TCH_DISTRIBUTED_BACKEND", "Gloo"),
+        ("TCH_DISTRIBUTED_MIXED_PRECISION", "fp16"),
+        ("TCH_DISTRIBUTED_GRAD_ACCUM", "2"),
+        ("TCH_DISTRIBUTED_GPUS", "1,0"),
+        ("TCH_DISTRIBUTED_MASTER_PORT", "29501"),
+        ("TCH_DISTRIBUTED_TIMEOUT", " "),
+    ]))
+    .unwrap();
+    assert_eq!(env.nproc_per_node, Some(3));
+    assert_eq!(env.backend, Some(Backend::Gloo));
+    assert_eq!(env.master_port, Some(29501));
+    assert_eq!(env.timeout, None, "an empty variable is unset");
+    assert_eq!(
+        env.rank_env(),
+        [
+            ("TCH_DISTRIBUTED_NPROC", "3"),
+            ("TCH_DISTRIBUTED_MASTER_PORT", "29501"),
+            ("TCH_DISTRIBUTED_BACKEND", "gloo"),
+            ("TCH_DISTRIBUTED_GPUS", "1,0"),
+            ("TCH_DISTRIBUTED_MIXED_PRECISION", "fp16"),
+            ("TCH_DISTRIBUTED_GRAD_ACCUM", "2"),
+            ("CUDA_VISIBLE_DEVICES", "1,0"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+    );
+    let e = Settings::from_vars(vars(&[("TCH_DISTRIBUTED_GRAD_ACCUM", "x")]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("TCH_DISTRIBUTED_GRAD_ACCUM=\"x\""), "{e}");
+    let e = Settings::from_vars(vars(&[("TCH_DISTRIBUTED_GRAD_ACCUM", "0")]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("TCH_DISTRIBUTED_GRAD_ACCUM=\"0\": "), "{e}");
+    let e = Settings::from_vars(vars(&[("TCH_DISTRIBUTED_TIMEOUT", "-1")]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("TCH_DISTRIBUTED_TIMEOUT=\"-1\": a positive number"),
+        "{e}"
+    );
+}
+
+#[test]
+fn flags_over_environment_over_file() {
+    let flags = Settings {
+        backend: Some(Backend::Gloo),
+        ..Settings::default()
+    };
+    let env = Settings {
+        backend: Some(Backend::Nccl),
+        grad_accum: Some(3),
+        ..Settings::default()
+    };
+    let merged = flags.or(env).or(full());
+    assert_eq!(merged.backend, Some(Backend::Gloo));
+    assert_eq!(merged.grad_accum, Some(3));
+    assert_eq!(
+        merged.mixed_precision,
+        Some(MixedPrecisionMode::Exactly(MixedPrecision::Bf16))
+    );
+}
+
+#[test]
+fn gpus() {
+    let c = |gpus: &str| Settings {
+        gpus: Some(Gpus::parse(gpus).unwrap()),
+        ..Settings::default()
+    };
+    assert_eq!(c("0,1").nproc_or_default(), 2);
+    assert_eq!(c("all").nproc_or_default(), 1);
+    assert_eq!(
+        c("all").rank_env(),
+        [("TCH_DISTRIBUTED_GPUS".into(), "all".into())]
+    );
+    assert_eq!(Settings::default().nproc_or_default(), 1);
+    let three = Settings {
+        nproc_per_node: Some(3),
+        ..c("2,3")
+    };
+    assert_eq!(three.nproc_or_default(), 3);
+    assert!(Gpus::parse("GPU-8f2e,MIG-1").is_ok());
+    let row = row("gpus").unwrap();
+    let e = row.set(&mut Settings::default(), "0,0").unwrap_err();
+    assert_eq!(
+        Origin::Flags.bad(row, "0,0", &e).to_string(),
+        "--gpus 0,0: GPU 0 is named twice"
+    );
+    assert!(Gpus::parse("").is_err());
+}
+
+#[test]
+fn default_path() {
+    let p = |pairs: &[(&str, &str)]| default_path_from(vars(pairs));
+    assert_eq!(
+        p(&[("HOME", "/home/u")]),
+        Some(PathBuf::from("/home/u/.config/tch-distributed/config.toml"))
+    );
+    assert_eq!(
+        p(&[("HOME", "/home/u"), ("XDG_CONFIG_HOME", "/cfg")]),
+        Some(PathBuf::from("/cfg/tch-distributed/config.toml"))
+    );
+    // A relative XDG_CONFIG_HOME is ignored, as the XDG rule says.
+    assert_eq!(
+        p(&[("HOME", "/home/u"), ("XDG_CONFIG_HOME", "cfg")]),
+        Some(PathBuf::from("/home/u/.config/tch-distributed/config.toml"))
+    );
+    assert_eq!(
+        p(&[("HOME", "/home/u"), (CONFIG_ENV, "/etc/run.toml")]),
+        Some(PathBuf::from("/etc/run.toml"))
+    );
+    assert_eq!(p(&[]), None);
+}
+
+#[test]
+fn questions() {
+    let answers = "2\n5\n1\n10.0.0.1\n\n29500\n0,1\n\nNCCL\nbf16\nprogram\n";
+    let mut out = Vec::new();
+    let c = Settings::ask(&mut answers.as_bytes(), &mut out, &Settings::default()).unwrap();
+    let out = String::from_utf8(out).unwrap();
+    assert_eq!(
+        c,
+        Settings {
+            nnodes: Some(2),
+            node_rank: Some(1),
+            master_addr: Some("10.0.0.1".into()),
+            master_port: Some(29500),
+            gpus: Some(Gpus("0,1".into())),
+            nproc_per_node: None,
+            backend: Some(Backend::Nccl),
+            mixed_precision: Some(MixedPrecisionMode::Exactly(MixedPrecision::Bf16)),
+            grad_accum: None,
+            ..Settings::default()
+        },
+        "{out}"
+    );
+    // Out of range, then an empty port (required): asked again.
+    assert!(out.contains("the machines are numbered 0 to 1"), "{out}");
+    assert!(
+        out.contains("How many processes (ranks) per machine? [2]"),
+        "{out}"
+    );
+    // Enter keeps what the file had; the input ending is an error.
+    let mut out = Vec::new();
+    let kept = Settings::ask(&mut "\n\n\n\n\n\n\n\n\n".as_bytes(), &mut out, &full());
+    assert_eq!(kept.unwrap(), full());
+    let e = Settings::ask(&mut "1\n".as_bytes(), &mut Vec::new(), &Settings::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("the input ended"), "{e}");
+}
