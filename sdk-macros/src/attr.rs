@@ -4,7 +4,7 @@ use proc_macro2::Span;
 use syn::parse::{Parse, ParseStream};
 use syn::{LitBool, LitFloat, LitInt, LitStr, Token};
 
-pub const VALID: &str = "backend, nproc_per_node, bucket_cap_mb, find_unused_parameters, timeout, mixed_precision, grad_accum, optimizer, zero, crate";
+pub const VALID: &str = "backend, nproc_per_node, bucket_cap_mb, find_unused_parameters, static_graph, timeout, mixed_precision, grad_accum, optimizer, zero, crate";
 
 /// The options of `#[distributed(…)]`, validated.
 #[derive(Default)]
@@ -14,6 +14,7 @@ pub struct Options {
     pub nproc_per_node: Option<usize>,
     pub bucket_cap_mb: Option<f64>,
     pub find_unused_parameters: Option<bool>,
+    pub static_graph: Option<bool>,
     pub timeout: Option<f64>,
     /// `Auto`, or the variant of `MixedPrecision` (`No`, `Bf16`, `Fp16`), spanned at
     /// the user's literal.
@@ -132,6 +133,10 @@ impl Parse for Options {
                 "find_unused_parameters" => {
                     let lit: LitBool = expect(input, "find_unused_parameters = true or … = false")?;
                     options.find_unused_parameters = Some(lit.value);
+                }
+                "static_graph" => {
+                    let lit: LitBool = expect(input, "static_graph = true or … = false")?;
+                    options.static_graph = Some(lit.value);
                 }
                 "timeout" => {
                     let (secs, span) = number(input, "timeout", "600")?;

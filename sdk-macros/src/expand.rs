@@ -361,6 +361,9 @@ pub fn expand(options: Options, analysis: Analysis, mut func: ItemFn) -> syn::Re
     if let Some(f) = options.find_unused_parameters {
         give("find_unused_parameters", quote!(#f));
     }
+    if let Some(s) = options.static_graph {
+        give("static_graph", quote!(#s));
+    }
     if let Some(t) = options.timeout {
         give("timeout", quote!(#t));
     }

@@ -408,6 +408,20 @@ int tdc_reducer_prepare_for_forward(tdc_reducer* reducer) {
   })
 }
 
+int tdc_reducer_set_static_graph(tdc_reducer* reducer) {
+  TDC_PROTECT(1, {
+    reducer->reducer->set_static_graph();
+    return 0;
+  })
+}
+
+int tdc_reducer_delay_all_reduce(tdc_reducer* reducer) {
+  TDC_PROTECT(1, {
+    reducer->reducer->delay_all_reduce();
+    return 0;
+  })
+}
+
 int tdc_reducer_rebuild_buckets(tdc_reducer* reducer, int* rebuilt) {
   TDC_PROTECT(1, {
     *rebuilt = reducer->reducer->rebuild_buckets() ? 1 : 0;

@@ -100,6 +100,11 @@ tdc_reducer* tdc_reducer_new(
     int find_unused_parameters, int gradient_as_bucket_view);
 void tdc_reducer_free(tdc_reducer* reducer);
 int tdc_reducer_prepare_for_forward(tdc_reducer* reducer);
+// Static-graph mode (DDP's static_graph=True): the first synchronized backward only
+// records which variables get gradients; delay_all_reduce, called once it has ended,
+// all-reduces every bucket and finishes it, as PyTorch's _delayed_all_reduce.
+int tdc_reducer_set_static_graph(tdc_reducer* reducer);
+int tdc_reducer_delay_all_reduce(tdc_reducer* reducer);
 // *rebuilt is set to 1 when the buckets were rebuilt by this call.
 int tdc_reducer_rebuild_buckets(tdc_reducer* reducer, int* rebuilt);
 int tdc_reducer_prepare_for_backward(tdc_reducer* reducer, tdc_tensor* outputs, int n);

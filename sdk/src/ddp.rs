@@ -55,6 +55,13 @@ pub struct DdpOptions {
     /// backward, which gives the next forward pass the same values and never touches
     /// a tensor that a forward pass saved for a backward still to come.
     pub broadcast_buffers: bool,
+    /// The Reducer's static-graph mode, as PyTorch's `static_graph=True`: the set of
+    /// variables that get gradients, and the order they get them in, is the same every
+    /// step, so the Reducer learns it in the first synchronized backward pass (whose
+    /// all-reduce runs once that pass has ended) and then needs no graph walk for
+    /// variables the loss leaves out, which it may, without `find_unused_parameters`
+    /// (default false).
+    pub static_graph: bool,
 }
 
 impl Default for DdpOptions {
@@ -64,6 +71,7 @@ impl Default for DdpOptions {
             first_bucket_cap_mb: 1.0,
             find_unused_parameters: false,
             broadcast_buffers: true,
+            static_graph: false,
         }
     }
 }
@@ -220,7 +228,12 @@ impl DistributedDataParallel {
                     0,
                 )
             };
-            Some(Reducer(ffi::check_ptr(raw).map_err(Error::Torch)?))
+            let reducer = Reducer(ffi::check_ptr(raw).map_err(Error::Torch)?);
+            if options.static_graph {
+                ffi::check(unsafe { ffi::tdc_reducer_set_static_graph(reducer.0) })
+                    .map_err(Error::Torch)?;
+            }
+            Some(reducer)
         } else {
             None
         };
@@ -278,7 +291,8 @@ impl DistributedDataParallel {
                 let mut rebuilt = 0;
                 self.reducer_call(unsafe { ffi::tdc_reducer_rebuild_buckets(r, &mut rebuilt) })?;
                 stats.bucket_rebuilds += rebuilt as u64;
-                let outputs = if self.options.find_unused_parameters {
+                // As PyTorch's DDP: a static graph finds its unused variables itself.
+                let outputs = if self.options.find_unused_parameters && !self.options.static_graph {
                     vec![ffi::tensor(loss)]
                 } else {
                     vec![]
@@ -316,6 +330,11 @@ impl DistributedDataParallel {
                 None => self.reducer_error(text),
             }
         })?;
+        if synced && self.options.static_graph && stats.synced_backward_passes == 1 {
+            // The first pass of a static graph only recorded the gradients' order.
+            let r = self.reducer.as_ref().expect("synced with a reducer").0;
+            self.reducer_call(unsafe { ffi::tdc_reducer_delay_all_reduce(r) })?;
+        }
         // After the backward pass, never between a forward pass and its backward:
         // autograd saved the buffers (batch norm's running statistics) at the forward
         // pass and checks that they were not modified in place since.

@@ -141,6 +141,8 @@ extern "C" {
     ) -> *mut Reducer;
     pub fn tdc_reducer_free(r: *mut Reducer);
     pub fn tdc_reducer_prepare_for_forward(r: *mut Reducer) -> c_int;
+    pub fn tdc_reducer_set_static_graph(r: *mut Reducer) -> c_int;
+    pub fn tdc_reducer_delay_all_reduce(r: *mut Reducer) -> c_int;
     pub fn tdc_reducer_rebuild_buckets(r: *mut Reducer, rebuilt: *mut c_int) -> c_int;
     pub fn tdc_reducer_prepare_for_backward(
         r: *mut Reducer,

@@ -120,6 +120,7 @@ fn in_a_world_of_one_ddp_keeps_its_options_and_counts_its_backward_passes() {
         first_bucket_cap_mb: 2.0,
         find_unused_parameters: true,
         broadcast_buffers: false,
+        static_graph: false,
     };
     let ddp = DistributedDataParallel::new(&vs, ctx.process_group(), options.clone()).unwrap();
     assert_eq!(ddp.options(), &options);

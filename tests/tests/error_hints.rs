@@ -153,6 +153,38 @@ fn an_unused_parameter_error_names_the_variables_and_how_to_turn_on_find_unused_
     assert!(run.stdout.contains("step 3"), "{}", run.stdout);
 }
 
+/// The static-graph setting (`static_graph`, `tchrun --static-graph`,
+/// `TCH_DISTRIBUTED_STATIC_GRAPH`), as PyTorch DDP's `static_graph=True`: the same
+/// program whose unused layer stops it at the second step without the setting trains,
+/// and the Reducer averages its gradients from the first step on (that step's
+/// all-reduce runs once its backward pass has ended), so rank 0 ends with the weights
+/// that `find_unused_parameters = true` gives, each rank having its own batch.
+#[test]
+fn a_static_graph_trains_a_model_with_an_unused_layer_as_find_unused_parameters_does() {
+    let weights = |name: &str, flags: &[&str], env: &[(&str, &str)]| {
+        let dir = scratch_dir(name);
+        let mut cmd = Command::new(tch_distributed_tests::tchrun());
+        cmd.args(["--nproc-per-node", "2"]).args(flags);
+        cmd.envs(env.iter().copied());
+        let run = run_with(cmd, &dir, TIMEOUT, |_, _| {});
+        run.assert_success();
+        run.stdout
+            .lines()
+            .find(|l| l.starts_with("used.weight "))
+            .unwrap_or_else(|| panic!("no weights:\n{}", run.stdout))
+            .to_string()
+    };
+    let found = weights("static-found", &[WORKER, "unused-found"], &[]);
+    let flag = weights("static-flag", &["--static-graph", WORKER, "unused"], &[]);
+    let var = weights(
+        "static-var",
+        &[WORKER, "unused"],
+        &[("TCH_DISTRIBUTED_STATIC_GRAPH", "1")],
+    );
+    assert_eq!(flag, found);
+    assert_eq!(var, found);
+}
+
 /// An error of autograd's inside a synchronized backward pass (the gradient
 /// all-reduce was armed) is reported as itself, not as a collective that timed out.
 #[test]

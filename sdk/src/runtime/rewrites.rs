@@ -41,6 +41,7 @@ pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Opti
             .bucket_cap_mb
             .unwrap_or(defaults.first_bucket_cap_mb),
         find_unused_parameters: options.find_unused_parameters.unwrap_or(false),
+        static_graph: options.static_graph.unwrap_or(false),
         ..defaults
     };
     // Failing to wrap the model ends the program with the cause and the fix: returned

@@ -405,6 +405,12 @@ settings! {
         var: "TCH_DISTRIBUTED_FIND_UNUSED_PARAMETERS", file: true, value_name: "BOOL",
         values: "true or false", default: "false",
     }
+    /// The Reducer's static-graph mode, as DDP's static_graph=True: the variables that get gradients are the same every step.
+    static_graph: bool [any] {
+        attribute: true, flag: Some("static-graph"), alias: None,
+        var: "TCH_DISTRIBUTED_STATIC_GRAPH", file: true, value_name: "BOOL",
+        values: "true or false", default: "false",
+    }
     /// Restarts of every rank after one fails, as torchrun's --max-restarts.
     max_restarts: usize [any] {
         attribute: false, flag: Some("max-restarts"), alias: Some("max_restarts"),
@@ -622,8 +628,10 @@ pub fn reference_table() -> String {
             } else {
                 "–".into()
             },
-            row.flag
-                .map_or("–".into(), |f| code(format!("--{f} {}", row.value_name))),
+            row.flag.map_or("–".into(), |f| match row.value_name {
+                "BOOL" => code(format!("--{f}[=BOOL]")),
+                value => code(format!("--{f} {value}")),
+            }),
             row.var,
             if row.file {
                 code(row.key.to_string())
@@ -679,8 +687,12 @@ impl clap::Args for Settings {
                     row.default
                 ));
             if row.value_name == "BOOL" {
-                // `--find-unused-parameters` alone means true.
-                arg = arg.num_args(0..=1).default_missing_value("true");
+                // `--static-graph`, or `--static-graph=false`: with an `=`, so that
+                // the program's path after it is not taken for the value.
+                arg = arg
+                    .num_args(0..=1)
+                    .require_equals(true)
+                    .default_missing_value("true");
             }
             if let Some(alias) = row.alias {
                 arg = arg.alias(alias);

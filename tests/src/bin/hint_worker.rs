@@ -3,7 +3,8 @@
 //! - `hint_worker unused`: a model with a layer that the loss never uses, 3 steps,
 //!   without `find_unused_parameters`: on several ranks, c10d's Reducer fails at the
 //!   second backward pass, and the error must say how to turn the option on here.
-//! - `hint_worker unused-found`: the same with `find_unused_parameters = true`: trains.
+//! - `hint_worker unused-found`: the same with `find_unused_parameters = true`: trains,
+//!   and prints the used layer's weights (each rank's batch is its own).
 //! - `hint_worker nograd`: a loss cut from the graph (`detach`), so autograd fails
 //!   inside the first synchronized backward pass: the error is autograd's, not a
 //!   collective timeout.
@@ -22,16 +23,21 @@ macro_rules! unused_fn {
     ($name:ident, $($option:tt)*) => {
         #[tch_distributed::distributed($($option)*)]
         fn $name() -> anyhow::Result<()> {
+            tch::manual_seed(7);
             let vs = nn::VarStore::new(Device::cuda_if_available());
             let used = nn::linear(vs.root() / "used", 2, 1, Default::default());
             let _unused = nn::linear(vs.root() / "unused", 2, 1, Default::default());
             let mut opt = nn::Sgd::default().build(&vs, 0.1)?;
-            let x = Tensor::ones([4, 2], (Kind::Float, vs.device()));
+            // Each rank its own batch, so that averaging the gradients shows.
+            let rank = tch_distributed::current().map_or(0, |c| c.rank());
+            let x = Tensor::ones([4, 2], (Kind::Float, vs.device())) * (rank + 1) as f64;
             for step in 1..=3 {
                 let loss = used.forward(&x).mean(Kind::Float);
                 opt.backward_step(&loss);
                 println!("step {step}");
             }
+            let w = Vec::<f32>::try_from(used.ws.flatten(0, -1))?;
+            println!("used.weight {w:?}");
             Ok(())
         }
     };
