@@ -498,20 +498,20 @@ fn without_a_launcher_the_environment_wins_over_the_attribute() {
 
 /// The reference chapter's table of settings is the SDK's own table
 /// (`tch_distributed::settings::TABLE`), rendered: a setting added there shows up in
-/// the book, or this fails. `TCHD_BLESS=1` rewrites the chapter's file.
+/// the book, or this fails. `BLESS=1` rewrites the chapter's file.
 #[test]
 fn the_reference_chapters_table_is_the_settings_table() {
     let path =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../book/src/reference-settings.md");
     let want = tch_distributed::settings::reference_table();
-    if std::env::var_os("TCHD_BLESS").is_some() {
+    if std::env::var_os("BLESS").is_some() {
         std::fs::write(&path, &want).unwrap();
     }
     let have = std::fs::read_to_string(&path).unwrap_or_default();
     assert_eq!(
         have,
         want,
-        "{} is not the settings table: rerun with TCHD_BLESS=1 to rewrite it",
+        "{} is not the settings table: rerun with BLESS=1 to rewrite it",
         path.display()
     );
 }

@@ -411,7 +411,7 @@ settings! {
         var: "TCH_DISTRIBUTED_STATIC_GRAPH", file: true, value_name: "BOOL",
         values: "true or false", default: "false",
     }
-    /// Restarts of every rank after one fails, as torchrun's --max-restarts.
+    /// Restarts of every rank after one fails, as torchrun's --max-restarts: each attempt gets a fresh rendezvous, and a program that loads its newest checkpoint at start resumes from it; give every node the same value.
     max_restarts: usize [any] {
         attribute: false, flag: Some("max-restarts"), alias: Some("max_restarts"),
         var: "TCH_DISTRIBUTED_MAX_RESTARTS", file: true, value_name: "K",
@@ -681,8 +681,9 @@ impl clap::Args for Settings {
                 .value_name(row.value_name)
                 .value_parser(parse)
                 .help(format!(
-                    "{} [env: {}] [default: {}]",
+                    "{}: {} [env: {}] [default: {}]",
                     row.doc.trim().trim_end_matches('.'),
+                    row.values,
                     row.var,
                     row.default
                 ));
