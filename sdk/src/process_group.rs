@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use tch::{Device, Tensor};
 
+use crate::env::protocol;
 use crate::error::{Error, Result, TorchText};
 use crate::ffi;
 use crate::store::{millis, Store};
@@ -181,14 +182,10 @@ impl ProcessGroup {
             None
         };
         let nccl = backend == Backend::Nccl;
-        let gloo = GlooAddress::choose(std::env::var(network::GLOO_IFNAME).ok(), store.endpoint())
+        let gloo = GlooAddress::choose(protocol::gloo_socket_ifname(), store.endpoint())
             .map_err(rendezvous_error)?;
         if let (true, Some(name)) = (nccl, gloo.route_interface()) {
-            if std::env::var_os(network::NCCL_IFNAME).is_none() {
-                // Read by NCCL's bootstrap when the backend below starts; nothing else
-                // in this process reads or writes it.
-                std::env::set_var(network::NCCL_IFNAME, name);
-            }
+            protocol::default_nccl_socket_ifname(name);
         }
         let interfaces = CString::new(gloo.interfaces())
             .map_err(|_| Error::Config(format!("{} contains a NUL byte", network::GLOO_IFNAME)))?;

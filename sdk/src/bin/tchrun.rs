@@ -14,7 +14,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 use tch_distributed::launch::{launch_with_env, LaunchConfig, Launcher};
-use tch_distributed::settings::{default_path, Settings, CONFIG_ENV};
+use tch_distributed::settings::{default_path, Settings};
 
 /// What `tchrun --help` says after the options: where settings come from.
 const SETTINGS_HELP: &str = "\
@@ -145,7 +145,7 @@ fn resolve(flags: &Settings, config: Option<PathBuf>) -> tch_distributed::Result
     let env = Settings::from_env()?;
     // A file named by --config or TCH_DISTRIBUTED_CONFIG must exist; the default one
     // is read when it does.
-    let named = config.is_some() || std::env::var_os(CONFIG_ENV).is_some_and(|v| !v.is_empty());
+    let named = config.is_some() || tch_distributed::settings::config_named_by_env();
     let file = match config.or_else(default_path) {
         Some(path) if named || path.exists() => {
             let file = Settings::load(&path)?;

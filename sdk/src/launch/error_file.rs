@@ -29,7 +29,7 @@ pub(crate) const ERROR_FILE_ENV: &str = "TORCHELASTIC_ERROR_FILE";
 /// is unset; a file that cannot be written is skipped with a warning (the rank is
 /// failing already: its error must not be hidden behind this one).
 pub(crate) fn record(message: &str, details: Option<&str>) {
-    let Some(path) = std::env::var_os(ERROR_FILE_ENV).filter(|p| !p.is_empty()) else {
+    let Some(path) = crate::env::protocol::error_file() else {
         return;
     };
     let timestamp = SystemTime::now()
@@ -71,10 +71,7 @@ pub(crate) fn record_error(printed: &str) {
 /// generic message. Set up once per process.
 pub(crate) fn record_early_exit() {
     static ONCE: std::sync::Once = std::sync::Once::new();
-    if std::env::var_os(ERROR_FILE_ENV)
-        .filter(|p| !p.is_empty())
-        .is_none()
-    {
+    if crate::env::protocol::error_file().is_none() {
         return;
     }
     ONCE.call_once(|| {

@@ -24,8 +24,6 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs, UdpSocket};
 
 /// The variable that names Gloo's interfaces, as PyTorch reads it.
 pub(crate) const GLOO_IFNAME: &str = "GLOO_SOCKET_IFNAME";
-/// The variable that names NCCL's bootstrap interfaces.
-pub(crate) const NCCL_IFNAME: &str = "NCCL_SOCKET_IFNAME";
 
 /// Where a rank's Gloo device listens; see the module's doc.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -24,7 +24,7 @@ thread_local! {
 /// one, before the default report; installed once, at the outermost entry.
 fn record_panics() {
     static ONCE: std::sync::Once = std::sync::Once::new();
-    if std::env::var_os(crate::launch::error_file::ERROR_FILE_ENV).is_none() {
+    if crate::env::protocol::error_file().is_none() {
         return;
     }
     ONCE.call_once(|| {

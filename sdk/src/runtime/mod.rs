@@ -49,7 +49,7 @@ pub(crate) fn fail(what: &str, e: impl std::fmt::Display) -> ! {
 /// `TORCH_SHOW_CPP_STACKTRACES=1` asks for libtorch's details.
 pub(crate) fn fail_with_source(what: &str, e: &Error) -> ! {
     let mut message = e.to_string();
-    if std::env::var("TORCH_SHOW_CPP_STACKTRACES").is_ok_and(|v| v == "1") {
+    if crate::env::protocol::show_cpp_stacktraces() {
         let mut source = std::error::Error::source(e);
         while let Some(cause) = source {
             message += &format!("\ncaused by: {cause}");

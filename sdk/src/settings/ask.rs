@@ -33,14 +33,14 @@ pub(super) fn ask(
             "Address of machine 0, reachable from every machine?",
             "127.0.0.1",
         )?;
-        while q.answers.master_port.is_none_or(|p| p == 0) {
+        while q.answers.master_port.map_or(true, |p| p == 0) {
             q.answers.master_port = None;
             q.ask(
                 "master_port",
                 "Port of the rendezvous store on machine 0 (the same on every machine)?",
                 "none",
             )?;
-            if q.answers.master_port.is_none_or(|p| p == 0) {
+            if q.answers.master_port.map_or(true, |p| p == 0) {
                 q.say("  several machines need a fixed port, e.g. 29500")?;
             }
         }

@@ -95,6 +95,11 @@ pub fn default_path_from(var: impl Fn(&str) -> Option<String>) -> Option<PathBuf
     Some(base.join("tch-distributed").join("config.toml"))
 }
 
+/// Whether `TCH_DISTRIBUTED_CONFIG` names a file (which must then exist).
+pub fn config_named_by_env() -> bool {
+    std::env::var_os(CONFIG_ENV).is_some_and(|v| !v.is_empty())
+}
+
 /// [`default_path_from`] this process's environment.
 pub fn default_path() -> Option<PathBuf> {
     default_path_from(|name| std::env::var(name).ok())

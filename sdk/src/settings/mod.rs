@@ -34,7 +34,7 @@ use crate::process_group::Backend;
 mod ask;
 mod file;
 
-pub use file::{default_path, default_path_from, CONFIG_ENV};
+pub use file::{config_named_by_env, default_path, default_path_from, CONFIG_ENV};
 
 /// A setting's type: how a flag's, a variable's or the file's text becomes the value,
 /// and how the value is written back (for the ranks' variables and the file).
