@@ -377,11 +377,12 @@ fn tchrun_reports_a_failing_ranks_own_message() {
             &[],
             "panicked at tests/src/bin/error_file_worker.rs:",
         ),
-        // The SDK's own `Error:` line (here joining fails on every rank).
+        // The SDK's own `Error:` line (here joining fails on every rank: NCCL on the
+        // CPU, a setting tchrun accepts and only a rank can refuse).
         (
             "err",
-            &[("TCH_DISTRIBUTED_TIMEOUT", "abc")],
-            ": Error: joining the process group: TCH_DISTRIBUTED_TIMEOUT=\"abc\"",
+            &[("TCH_DISTRIBUTED_BACKEND", "nccl")],
+            ": Error: joining the process group: the NCCL backend needs a CUDA device",
         ),
     ];
     for (mode, env, needle) in cases {
