@@ -1,7 +1,5 @@
 //! Mixed precision: autocast and `GradScaler`, with the semantics of PyTorch's.
 
-use std::fmt;
-
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
@@ -9,70 +7,7 @@ use crate::ffi;
 use crate::init;
 use crate::optim::Optimizer;
 use crate::process_group::ReduceOp;
-
-/// The precision of the forward pass, as Accelerate's `mixed_precision`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MixedPrecision {
-    /// float32 throughout.
-    No,
-    /// bfloat16 autocast: float32's range, so no loss scaling.
-    Bf16,
-    /// float16 autocast, with a [`GradScaler`] against underflowing gradients.
-    Fp16,
-}
-
-/// `no`, `bf16` or `fp16`, as the attribute's `mixed_precision` spells them.
-impl fmt::Display for MixedPrecision {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            MixedPrecision::No => "no",
-            MixedPrecision::Bf16 => "bf16",
-            MixedPrecision::Fp16 => "fp16",
-        })
-    }
-}
-
-/// What a run asks for (the attribute's `mixed_precision`,
-/// `TCH_DISTRIBUTED_MIXED_PRECISION`): one precision, or `Auto`, which each rank
-/// resolves on its device ([`MixedPrecision::auto`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MixedPrecisionMode {
-    /// This precision on every device.
-    Exactly(MixedPrecision),
-    /// bf16 or fp16 by the GPU's compute capability; none on the CPU.
-    Auto,
-}
-
-/// `no`, `bf16`, `fp16` or `auto`, as the attribute spells them.
-impl fmt::Display for MixedPrecisionMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            MixedPrecisionMode::Exactly(p) => p.fmt(f),
-            MixedPrecisionMode::Auto => f.write_str("auto"),
-        }
-    }
-}
-
-impl std::str::FromStr for MixedPrecisionMode {
-    type Err = Error;
-
-    /// `"no"`, `"bf16"`, `"fp16"` or `"auto"`.
-    ///
-    /// Errors with [`Error::Config`] for any other value.
-    fn from_str(value: &str) -> Result<Self> {
-        Ok(match value {
-            "no" => MixedPrecisionMode::Exactly(MixedPrecision::No),
-            "bf16" => MixedPrecisionMode::Exactly(MixedPrecision::Bf16),
-            "fp16" => MixedPrecisionMode::Exactly(MixedPrecision::Fp16),
-            "auto" => MixedPrecisionMode::Auto,
-            other => {
-                return Err(Error::Config(format!(
-                    "mixed precision {other:?}: use \"no\", \"bf16\", \"fp16\" or \"auto\""
-                )))
-            }
-        })
-    }
-}
+pub use crate::settings::{MixedPrecision, MixedPrecisionMode};
 
 impl MixedPrecisionMode {
     /// The precision for `device`, and why, for the banner.

@@ -124,7 +124,7 @@ pub(crate) fn check_own_gpus(
     if backend != Backend::Nccl || world_size == 1 {
         return Ok(());
     }
-    let visible = crate::env::protocol::cuda_visible_devices();
+    let visible = crate::protocol::cuda_visible_devices();
     let mine = gpu_identity(&hostname(), visible.as_deref(), index);
     store.set(&format!("tch_distributed/gpu/{rank}"), mine.as_bytes())?;
     if local_world_size <= gpus {

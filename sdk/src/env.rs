@@ -32,7 +32,7 @@ impl LaunchEnv {
     ///
     /// Errors: [`Error::Config`] naming the variable when one is malformed or missing.
     pub fn from_env() -> Result<Option<LaunchEnv>> {
-        LaunchEnv::from_vars(|name| std::env::var(name).ok())
+        LaunchEnv::from_vars(crate::protocol::var)
     }
 
     /// As [`LaunchEnv::from_env`], reading variables through `var`.
@@ -337,59 +337,6 @@ fn first_host(list: &str) -> Option<String> {
         return Some(format!("{prefix}{first}"));
     }
     (!prefix.is_empty()).then(|| prefix.to_string())
-}
-
-/// The other launchers' and libraries' variables that the SDK reads (the protocol of
-/// torchrun, c10d, Gloo, NCCL and CUDA, not settings of ours: those are
-/// [`crate::settings`]). Each is read here only, set and not empty.
-pub(crate) mod protocol {
-    use std::path::PathBuf;
-
-    fn var(name: &str) -> Option<String> {
-        std::env::var(name).ok().filter(|v| !v.is_empty())
-    }
-
-    /// `TORCHELASTIC_ERROR_FILE`: where a failing rank writes its error (torchrun's and
-    /// tchrun's root cause).
-    pub(crate) fn error_file() -> Option<PathBuf> {
-        std::env::var_os(crate::launch::error_file::ERROR_FILE_ENV)
-            .filter(|p| !p.is_empty())
-            .map(PathBuf::from)
-    }
-
-    /// `TORCH_SHOW_CPP_STACKTRACES=1`: libtorch's own text and C++ frames are shown.
-    pub(crate) fn show_cpp_stacktraces() -> bool {
-        var("TORCH_SHOW_CPP_STACKTRACES").is_some_and(|v| v == "1")
-    }
-
-    /// `CUDA_VISIBLE_DEVICES`, as set.
-    pub(crate) fn cuda_visible_devices() -> Option<String> {
-        std::env::var("CUDA_VISIBLE_DEVICES").ok()
-    }
-
-    /// `GLOO_SOCKET_IFNAME`: the interfaces Gloo binds.
-    pub(crate) fn gloo_socket_ifname() -> Option<String> {
-        var("GLOO_SOCKET_IFNAME")
-    }
-
-    /// Sets `NCCL_SOCKET_IFNAME` to `interface` (the route to the master) unless the
-    /// user set it. NCCL reads it from the environment only, when its bootstrap
-    /// starts; this is the one variable the SDK sets in its own process.
-    pub(crate) fn default_nccl_socket_ifname(interface: &str) {
-        if std::env::var_os("NCCL_SOCKET_IFNAME").is_none() {
-            std::env::set_var("NCCL_SOCKET_IFNAME", interface);
-        }
-    }
-
-    /// Whether `tchrun` started this rank (it sets `TCHRUN=1`).
-    pub(crate) fn under_tchrun() -> bool {
-        std::env::var_os("TCHRUN").is_some()
-    }
-
-    /// Whether `OMP_NUM_THREADS` is set.
-    pub(crate) fn omp_num_threads_set() -> bool {
-        std::env::var_os("OMP_NUM_THREADS").is_some()
-    }
 }
 
 #[cfg(test)]

@@ -208,7 +208,7 @@ pub(crate) fn torch_text(e: tch::TchError) -> TorchText {
 /// (`Exception raised from … (most recent call first):` and the frames), as PyTorch
 /// shows errors unless `TORCH_SHOW_CPP_STACKTRACES=1` asks for the frames.
 pub(crate) fn without_cpp_frames(message: &str) -> String {
-    if crate::env::protocol::show_cpp_stacktraces() {
+    if crate::protocol::show_cpp_stacktraces() {
         return message.to_string();
     }
     let mut kept: Vec<&str> = Vec::new();
@@ -240,7 +240,7 @@ mod tests {
     /// anyhow's `{:#}` (and `{:?}`) shows, still without the C++ frames.
     #[test]
     fn libtorch_text_is_the_source_shown_only_when_asked_for() {
-        if crate::env::protocol::show_cpp_stacktraces() {
+        if crate::protocol::show_cpp_stacktraces() {
             return;
         }
         let raw = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete\nException raised from recv at /pytorch/gloo.cc:78 (most recent call first):\nframe #0: c10::Error::Error() + 0x8c";

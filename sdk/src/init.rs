@@ -257,7 +257,7 @@ fn join(
     });
     if let Some((other, size)) = differing {
         // Under tchrun the world size is --nnodes × --nproc-per-node of each host's.
-        let fix = if crate::env::protocol::under_tchrun() {
+        let fix = if crate::protocol::under_tchrun() {
             "start tchrun on every host with the same --nnodes and --nproc-per-node"
         } else {
             "start every rank with the same WORLD_SIZE (the number of processes of the whole job)"

@@ -211,7 +211,7 @@ pub fn launch_with_env(
         return Err(Error::Config(format!("no program given; usage: {USAGE}")));
     }
     let set_omp = config.nproc_per_node > 1
-        && !crate::env::protocol::omp_num_threads_set()
+        && !crate::protocol::omp_num_threads_set()
         && !extra_env.iter().any(|(k, _)| k == "OMP_NUM_THREADS");
     if set_omp {
         crate::eprintln_whole!(

@@ -34,6 +34,7 @@ mod log;
 mod observe;
 mod optim;
 mod process_group;
+mod protocol;
 mod rank_helpers;
 pub mod record;
 mod rng;

@@ -9,52 +9,22 @@ use std::time::Duration;
 
 use tch::{Device, Tensor};
 
-use crate::env::protocol;
 use crate::error::{Error, Result, TorchText};
 use crate::ffi;
+use crate::protocol;
 use crate::store::{millis, Store};
 
 pub(crate) mod network;
 mod progress;
+pub use crate::settings::Backend;
 pub use network::GlooAddress;
 use progress::Progress;
-
-/// A communication backend, as `torch.distributed`'s `backend` argument.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Backend {
-    /// Gloo: collectives on CPU tensors (and on CUDA tensors through host copies).
-    Gloo,
-    /// NCCL: collectives on CUDA tensors; CPU tensors still go through Gloo.
-    Nccl,
-}
 
 impl Backend {
     /// Whether the NCCL backend was compiled into this build (libtorch with CUDA and
     /// the CUDA/NCCL headers found by `build.rs`).
     pub fn nccl_available() -> bool {
         unsafe { ffi::tdc_nccl_compiled() != 0 }
-    }
-
-    /// Parses `"gloo"` or `"nccl"` (case-insensitive).
-    ///
-    /// Errors: [`Error::Config`] for any other name, listing the valid ones.
-    pub fn parse(name: &str) -> Result<Backend> {
-        match name.to_ascii_lowercase().as_str() {
-            "gloo" => Ok(Backend::Gloo),
-            "nccl" => Ok(Backend::Nccl),
-            other => Err(Error::Config(format!(
-                "unknown backend {other:?}: use \"gloo\" or \"nccl\""
-            ))),
-        }
-    }
-}
-
-impl fmt::Display for Backend {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Backend::Gloo => "gloo",
-            Backend::Nccl => "nccl",
-        })
     }
 }
 

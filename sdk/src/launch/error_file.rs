@@ -19,8 +19,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// The variable that names a rank's error file.
-pub(crate) const ERROR_FILE_ENV: &str = "TORCHELASTIC_ERROR_FILE";
+pub(crate) use crate::protocol::ERROR_FILE_ENV;
 
 /// Writes `message` (what the rank printed, e.g. `Error: …`) and `details` (a
 /// backtrace, shown by torchrun as the traceback; the message itself when there is
@@ -29,7 +28,7 @@ pub(crate) const ERROR_FILE_ENV: &str = "TORCHELASTIC_ERROR_FILE";
 /// is unset; a file that cannot be written is skipped with a warning (the rank is
 /// failing already: its error must not be hidden behind this one).
 pub(crate) fn record(message: &str, details: Option<&str>) {
-    let Some(path) = crate::env::protocol::error_file() else {
+    let Some(path) = crate::protocol::error_file() else {
         return;
     };
     let timestamp = SystemTime::now()
@@ -71,7 +70,7 @@ pub(crate) fn record_error(printed: &str) {
 /// generic message. Set up once per process.
 pub(crate) fn record_early_exit() {
     static ONCE: std::sync::Once = std::sync::Once::new();
-    if crate::env::protocol::error_file().is_none() {
+    if crate::protocol::error_file().is_none() {
         return;
     }
     ONCE.call_once(|| {

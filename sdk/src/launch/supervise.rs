@@ -212,7 +212,7 @@ impl Attempt<'_> {
             self.config.launcher.label()
         );
         let _ = std::io::Write::write_all(&mut std::io::stderr(), report.as_bytes());
-        if let Some(own) = crate::env::protocol::error_file() {
+        if let Some(own) = crate::protocol::error_file() {
             let _ = std::fs::copy(&path, own);
         }
     }

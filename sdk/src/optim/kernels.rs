@@ -8,6 +8,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
 use crate::ffi;
+pub use crate::settings::Implementation;
 
 /// An optimizer's update rule and its options, as tch's configurations give them
 /// (`nn::Sgd`, `nn::Adam`, `nn::AdamW`, `nn::RmsProp`), with libtorch's C++ meaning.
@@ -40,58 +41,6 @@ pub enum Algorithm {
         momentum: f64,
         centered: bool,
     },
-}
-
-/// Which kernels and arithmetic run the update. Each runs one ATen kernel per
-/// operation, or one for the whole update (fused), over all the parameters of a group
-/// that share a device and dtype; none is a loop of per-parameter kernels. An optimizer
-/// starts with [`Implementation::preferred`]: fused where libtorch has a fused kernel
-/// (SGD, Adam, AdamW), else foreach (RMSprop).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Implementation {
-    /// ATen's fused kernels (`_fused_sgd_`, `_fused_adam_`, `_fused_adamw_`), as
-    /// `torch.optim.{SGD,Adam,AdamW}(fused=True)`, bit for bit: one kernel for the
-    /// whole update of a group. RMSprop has none.
-    Fused,
-    /// `torch.optim`'s `foreach=True` arithmetic (its `_multi_tensor_*` functions), bit
-    /// for bit: one `_foreach_*` kernel per operation.
-    Foreach,
-    /// libtorch's C++ `torch::optim` arithmetic, what tch's `nn::Optimizer` runs, in
-    /// `_foreach_*` kernels: a program's results are the plain tch program's to the bit
-    /// on the CPU. It differs from `foreach` only where Python takes a running average
-    /// with `lerp_` (Adam's and AdamW's first moment, centered RMSprop's gradient
-    /// average) and C++ with `mul_` then `add_`: equal in exact arithmetic, rounded
-    /// differently in float32.
-    Tch,
-}
-
-impl std::str::FromStr for Implementation {
-    type Err = Error;
-
-    /// `fused`, `foreach` or `tch`.
-    ///
-    /// Errors with [`Error::Config`] for any other value.
-    fn from_str(value: &str) -> Result<Self> {
-        match value {
-            "fused" => Ok(Implementation::Fused),
-            "foreach" => Ok(Implementation::Foreach),
-            "tch" => Ok(Implementation::Tch),
-            other => Err(Error::Config(format!(
-                "optimizer implementation {other:?}: use \"fused\", \"foreach\" or \"tch\""
-            ))),
-        }
-    }
-}
-
-/// `fused`, `foreach` or `tch`.
-impl std::fmt::Display for Implementation {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Implementation::Fused => "fused",
-            Implementation::Foreach => "foreach",
-            Implementation::Tch => "tch",
-        })
-    }
 }
 
 impl Implementation {

@@ -24,7 +24,7 @@ thread_local! {
 /// one, before the default report; installed once, at the outermost entry.
 fn record_panics() {
     static ONCE: std::sync::Once = std::sync::Once::new();
-    if crate::env::protocol::error_file().is_none() {
+    if crate::protocol::error_file().is_none() {
         return;
     }
     ONCE.call_once(|| {

@@ -49,7 +49,7 @@ pub(crate) fn fail(what: &str, e: impl std::fmt::Display) -> ! {
 /// `TORCH_SHOW_CPP_STACKTRACES=1` asks for libtorch's details.
 pub(crate) fn fail_with_source(what: &str, e: &Error) -> ! {
     let mut message = e.to_string();
-    if crate::env::protocol::show_cpp_stacktraces() {
+    if crate::protocol::show_cpp_stacktraces() {
         let mut source = std::error::Error::source(e);
         while let Some(cause) = source {
             message += &format!("\ncaused by: {cause}");

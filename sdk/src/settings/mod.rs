@@ -26,13 +26,13 @@
 use std::fmt;
 use std::path::Path;
 
-use crate::amp::MixedPrecisionMode;
 use crate::error::{Error, Result};
-use crate::optim::Implementation;
-use crate::process_group::Backend;
 
 mod ask;
 mod file;
+mod values;
+
+pub use values::{Backend, Implementation, MixedPrecision, MixedPrecisionMode};
 
 pub use file::{config_named_by_env, default_path, default_path_from, CONFIG_ENV};
 

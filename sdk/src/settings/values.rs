@@ -1,0 +1,158 @@
+//! The value types of settings that several modules share: the backend, the mixed
+//! precision and the optimizer implementation, with their spellings. Their behaviour
+//! lives with their modules (`Backend::nccl_available` in the process group,
+//! `MixedPrecisionMode::resolve` in `amp`, `Implementation::preferred` in `optim`),
+//! so that the settings depend on nothing of the SDK but its errors.
+
+use std::fmt;
+
+use crate::error::{Error, Result};
+
+/// A communication backend, as `torch.distributed`'s `backend` argument.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// Gloo: collectives on CPU tensors (and on CUDA tensors through host copies).
+    Gloo,
+    /// NCCL: collectives on CUDA tensors; CPU tensors still go through Gloo.
+    Nccl,
+}
+
+impl Backend {
+    /// Parses `"gloo"` or `"nccl"` (case-insensitive).
+    ///
+    /// Errors: [`Error::Config`] for any other name, listing the valid ones.
+    pub fn parse(name: &str) -> Result<Backend> {
+        match name.to_ascii_lowercase().as_str() {
+            "gloo" => Ok(Backend::Gloo),
+            "nccl" => Ok(Backend::Nccl),
+            other => Err(Error::Config(format!(
+                "unknown backend {other:?}: use \"gloo\" or \"nccl\""
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Backend::Gloo => "gloo",
+            Backend::Nccl => "nccl",
+        })
+    }
+}
+
+/// The precision of the forward pass, as Accelerate's `mixed_precision`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MixedPrecision {
+    /// float32 throughout.
+    No,
+    /// bfloat16 autocast: float32's range, so no loss scaling.
+    Bf16,
+    /// float16 autocast, with a [`GradScaler`](crate::GradScaler) against underflowing gradients.
+    Fp16,
+}
+
+/// `no`, `bf16` or `fp16`, as the attribute's `mixed_precision` spells them.
+impl fmt::Display for MixedPrecision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            MixedPrecision::No => "no",
+            MixedPrecision::Bf16 => "bf16",
+            MixedPrecision::Fp16 => "fp16",
+        })
+    }
+}
+
+/// What a run asks for (the attribute's `mixed_precision`,
+/// `TCH_DISTRIBUTED_MIXED_PRECISION`): one precision, or `Auto`, which each rank
+/// resolves on its device ([`MixedPrecision::auto`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MixedPrecisionMode {
+    /// This precision on every device.
+    Exactly(MixedPrecision),
+    /// bf16 or fp16 by the GPU's compute capability; none on the CPU.
+    Auto,
+}
+
+/// `no`, `bf16`, `fp16` or `auto`, as the attribute spells them.
+impl fmt::Display for MixedPrecisionMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MixedPrecisionMode::Exactly(p) => p.fmt(f),
+            MixedPrecisionMode::Auto => f.write_str("auto"),
+        }
+    }
+}
+
+impl std::str::FromStr for MixedPrecisionMode {
+    type Err = Error;
+
+    /// `"no"`, `"bf16"`, `"fp16"` or `"auto"`.
+    ///
+    /// Errors with [`Error::Config`] for any other value.
+    fn from_str(value: &str) -> Result<Self> {
+        Ok(match value {
+            "no" => MixedPrecisionMode::Exactly(MixedPrecision::No),
+            "bf16" => MixedPrecisionMode::Exactly(MixedPrecision::Bf16),
+            "fp16" => MixedPrecisionMode::Exactly(MixedPrecision::Fp16),
+            "auto" => MixedPrecisionMode::Auto,
+            other => {
+                return Err(Error::Config(format!(
+                    "mixed precision {other:?}: use \"no\", \"bf16\", \"fp16\" or \"auto\""
+                )))
+            }
+        })
+    }
+}
+
+/// Which kernels and arithmetic run the update. Each runs one ATen kernel per
+/// operation, or one for the whole update (fused), over all the parameters of a group
+/// that share a device and dtype; none is a loop of per-parameter kernels. An optimizer
+/// starts with [`Implementation::preferred`]: fused where libtorch has a fused kernel
+/// (SGD, Adam, AdamW), else foreach (RMSprop).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Implementation {
+    /// ATen's fused kernels (`_fused_sgd_`, `_fused_adam_`, `_fused_adamw_`), as
+    /// `torch.optim.{SGD,Adam,AdamW}(fused=True)`, bit for bit: one kernel for the
+    /// whole update of a group. RMSprop has none.
+    Fused,
+    /// `torch.optim`'s `foreach=True` arithmetic (its `_multi_tensor_*` functions), bit
+    /// for bit: one `_foreach_*` kernel per operation.
+    Foreach,
+    /// libtorch's C++ `torch::optim` arithmetic, what tch's `nn::Optimizer` runs, in
+    /// `_foreach_*` kernels: a program's results are the plain tch program's to the bit
+    /// on the CPU. It differs from `foreach` only where Python takes a running average
+    /// with `lerp_` (Adam's and AdamW's first moment, centered RMSprop's gradient
+    /// average) and C++ with `mul_` then `add_`: equal in exact arithmetic, rounded
+    /// differently in float32.
+    Tch,
+}
+
+impl std::str::FromStr for Implementation {
+    type Err = Error;
+
+    /// `fused`, `foreach` or `tch`.
+    ///
+    /// Errors with [`Error::Config`] for any other value.
+    fn from_str(value: &str) -> Result<Self> {
+        match value {
+            "fused" => Ok(Implementation::Fused),
+            "foreach" => Ok(Implementation::Foreach),
+            "tch" => Ok(Implementation::Tch),
+            other => Err(Error::Config(format!(
+                "optimizer implementation {other:?}: use \"fused\", \"foreach\" or \"tch\""
+            ))),
+        }
+    }
+}
+
+/// `fused`, `foreach` or `tch`.
+impl std::fmt::Display for Implementation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Implementation::Fused => "fused",
+            Implementation::Foreach => "foreach",
+            Implementation::Tch => "tch",
+        })
+    }
+}
