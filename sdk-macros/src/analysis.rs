@@ -11,35 +11,7 @@ use quote::ToTokens;
 use syn::visit::{self, Visit};
 use syn::{parse_quote, Expr, ItemFn};
 
-/// Names whose value differs between ranks: a branch on them is taken by some ranks
-/// only.
-const RANK_NAMES: &[&str] = &[
-    "rank",
-    "local_rank",
-    "node_rank",
-    "global_rank",
-    "is_main_process",
-    "is_local_main_process",
-];
-
-/// The calls that make a loop a training loop: a backward pass, an optimizer step
-/// (also as the rewrites spell them: `__private::backward(…)`,
-/// `opt.__tchd_backward_step(…)`).
-const TRAINING_CALLS: &[&str] = &[
-    "backward",
-    "backward_step",
-    "backward_step_clip",
-    "backward_step_clip_norm",
-    "__tchd_backward_step",
-    "__tchd_backward_step_clip",
-    "__tchd_backward_step_clip_norm",
-    "step",
-    "zero_grad",
-];
-
-/// Calls that give the job's context or process group: `tch_distributed::current()`,
-/// `init()`, `init_with(…)`, `ctx.process_group()`.
-const GROUP_SOURCES: &[&str] = &["current", "init", "init_with", "process_group"];
+use crate::rules::{GROUP_SOURCES, HANDS_ON, RANK_NAMES, TRAINING_CALLS};
 
 /// What the function's names are, found once.
 pub struct Analysis {
@@ -105,9 +77,7 @@ impl Analysis {
             Expr::Reference(r) => self.handed_on(&r.expr),
             Expr::Paren(p) => self.handed_on(&p.expr),
             Expr::MethodCall(m)
-                if m.args.is_empty()
-                    && ["clone", "process_group", "as_ref", "as_mut", "unwrap"]
-                        .contains(&m.method.to_string().as_str()) =>
+                if m.args.is_empty() && HANDS_ON.contains(&m.method.to_string().as_str()) =>
             {
                 self.handed_on(&m.receiver)
             }
@@ -185,10 +155,7 @@ fn group_locals(block: &syn::Block, params: &[syn::Ident]) -> Vec<syn::Ident> {
             Expr::Paren(p) => source(&p.expr, known),
             Expr::Try(t) => source(&t.expr, known),
             Expr::MethodCall(m) if m.method == "process_group" => true,
-            Expr::MethodCall(m)
-                if ["unwrap", "expect", "clone", "as_ref"]
-                    .contains(&m.method.to_string().as_str()) =>
-            {
+            Expr::MethodCall(m) if HANDS_ON.contains(&m.method.to_string().as_str()) => {
                 source(&m.receiver, known)
             }
             Expr::Call(c) => matches!(&*c.func, Expr::Path(p)

@@ -8,6 +8,7 @@ use syn::{parse_quote, parse_quote_spanned, Expr, ItemFn};
 
 use crate::analysis::{calls, receiver_ident, Analysis};
 use crate::attr::Options;
+use crate::rules::{ADAPTORS, FORWARD_METHODS, RESULT_METHODS};
 
 /// The rewrites of DESIGN.md's table.
 struct Rewrite {
@@ -20,46 +21,6 @@ struct Rewrite {
     loop_site: u64,
     errors: Vec<syn::Error>,
 }
-
-/// The optimizer's methods that return a `Result` in the SDK and nothing (or a
-/// number) in tch: rewritten on the optimizers the function built.
-const RESULT_METHODS: &[&str] = &[
-    "zero_grad",
-    "step",
-    "backward",
-    "clip_grad_norm",
-    "clip_grad_value",
-    "set_lr",
-    "set_lr_group",
-    "set_momentum",
-    "set_momentum_group",
-    "set_weight_decay",
-    "set_weight_decay_group",
-];
-
-/// Method calls that run a model's forward pass.
-const FORWARD_METHODS: &[&str] = &["forward", "forward_t", "apply", "apply_t"];
-
-/// The iterator adaptors that a loop's data source may sit behind: `Iterator`'s
-/// methods that keep, drop or pair its items (not `rev`, `cycle`: a sharded source
-/// cannot).
-const ADAPTORS: &[&str] = &[
-    "enumerate",
-    "take",
-    "skip",
-    "zip",
-    "map",
-    "filter",
-    "filter_map",
-    "take_while",
-    "skip_while",
-    "map_while",
-    "step_by",
-    "inspect",
-    "peekable",
-    "fuse",
-    "chain",
-];
 
 /// The data source of a loop's iterator expression: the receiver under its chain of
 /// [`ADAPTORS`] (`Iter2::new(…).shuffle()` in `Iter2::new(…).shuffle().enumerate()`),

@@ -6,6 +6,7 @@ use proc_macro::TokenStream;
 mod analysis;
 mod attr;
 mod expand;
+mod rules;
 mod validate;
 
 // Documented where users see it, on the re-export `tch_distributed::distributed`

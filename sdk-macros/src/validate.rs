@@ -7,35 +7,7 @@ use syn::visit::{self, Visit};
 use syn::{Expr, ItemFn};
 
 use crate::analysis::{receiver_ident, Analysis};
-
-/// Calls that every rank must make together: `#[distributed]` turns them into (or
-/// they are) collectives, so a rank that skips one leaves the others waiting until
-/// the timeout.
-fn collective(method: &str, args: usize) -> Option<&'static str> {
-    Some(match (method, args) {
-        ("save", 1) => {
-            "`save` on a VarStore waits for every rank (rank 0 writes the file alone, between barriers)"
-        }
-        ("load", 1) => "`load` on a VarStore waits for every rank (a barrier comes first)",
-        ("build", 2) => {
-            "building the optimizer wraps the model in DDP, which broadcasts rank 0's parameters to every rank"
-        }
-        ("save_state", 3) | ("load_state", 2) => {
-            "every rank writes or reads its part of a checkpoint (the ranks agree on it with collectives)"
-        }
-        ("backward", 0 | 1)
-        | ("backward_step", 1)
-        | ("backward_step_clip", 2)
-        | ("backward_step_clip_norm", 2) => {
-            "the backward pass all-reduces the gradients with every rank"
-        }
-        ("step", 0) => "the optimizer's step averages the gradients over the ranks first",
-        ("barrier", 0) => "a barrier waits for every rank",
-        ("all_reduce" | "broadcast" | "all_gather" | "reduce_scatter", _)
-        | ("broadcast_coalesced", _) => "a collective waits for every rank",
-        _ => return None,
-    })
-}
+use crate::rules::collective;
 
 /// Rejects function shapes the attribute cannot serve, and collectives inside
 /// branches that only some ranks take. All errors are reported together.
