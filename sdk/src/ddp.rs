@@ -8,9 +8,9 @@ use std::ffi::CString;
 use tch::nn::{Optimizer, VarStore};
 use tch::Tensor;
 
-use crate::error::{Error, Result, TorchText};
+use crate::error::{ranks_text, Error, Result, TorchText};
 use crate::ffi;
-use crate::process_group::{ranks_text, ProcessGroup};
+use crate::process_group::ProcessGroup;
 
 const MIB: f64 = 1024.0 * 1024.0;
 

@@ -28,7 +28,6 @@ mod env;
 mod error;
 mod ffi;
 mod init;
-mod job_token;
 pub mod launch;
 mod log;
 mod observe;
@@ -36,8 +35,8 @@ mod optim;
 mod process_group;
 mod rank_helpers;
 pub mod record;
+mod rendezvous;
 mod rng;
-mod store;
 
 pub use amp::{autocast, Autocast, GradScaler, MixedPrecision, MixedPrecisionMode};
 pub use checkpoint::{
@@ -54,10 +53,10 @@ pub use error::{Error, Result};
 pub use init::{current, init, init_with, Context, InitOptions, DEFAULT_TIMEOUT};
 pub use observe::{Tracker, PROGRESS_ENV};
 pub use optim::{Algorithm, Implementation, Optimizer, OptimizerKind};
-pub use process_group::{Backend, GlooAddress, ProcessGroup, ReduceOp};
+pub use process_group::{Backend, ProcessGroup, ReduceOp};
 pub use rank_helpers::{local_main_process_first, main_process_first};
+pub use rendezvous::{GlooAddress, Store};
 pub use rng::AgreedSeed;
-pub use store::Store;
 
 #[doc(inline)]
 #[doc = include_str!("distributed.md")]

@@ -4,7 +4,7 @@
 use tch::{Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::store::Store;
+use crate::rendezvous::store::Store;
 use crate::{ffi, init};
 
 /// The generators a rank's random state covers: the CPU's, and its CUDA device's

@@ -11,11 +11,10 @@ use tch::{Device, Tensor};
 
 use crate::error::{Error, Result, TorchText};
 use crate::ffi;
-use crate::store::{millis, Store};
+use crate::rendezvous::network::{self, GlooAddress};
+use crate::rendezvous::store::{millis, Store};
 
-pub(crate) mod network;
 mod progress;
-pub use network::GlooAddress;
 use progress::Progress;
 
 /// A communication backend, as `torch.distributed`'s `backend` argument.
@@ -206,8 +205,9 @@ impl ProcessGroup {
                 address.as_ptr(),
             )
         };
-        let raw = ffi::check_ptr(raw)
-            .map_err(|text| rendezvous_error(network::connect_failure(rank, &text, store)))?;
+        let raw = ffi::check_ptr(raw).map_err(|text| {
+            rendezvous_error(network::connect_failure(rank, &text, store.endpoint()))
+        })?;
         Ok(ProcessGroup {
             shared: Arc::new(Shared {
                 progress,
@@ -488,34 +488,6 @@ impl ProcessGroup {
     }
 }
 
-/// `ranks` (in any order) as the messages write them: `rank 1`, `ranks 0 and 2`,
-/// `ranks 0-3, 5 and 7`.
-pub(crate) fn ranks_text(ranks: &[usize]) -> String {
-    let mut sorted = ranks.to_vec();
-    sorted.sort_unstable();
-    sorted.dedup();
-    let mut runs: Vec<String> = Vec::new();
-    let mut i = 0;
-    while i < sorted.len() {
-        let mut j = i;
-        while j + 1 < sorted.len() && sorted[j + 1] == sorted[j] + 1 {
-            j += 1;
-        }
-        if j >= i + 2 {
-            runs.push(format!("{}-{}", sorted[i], sorted[j]));
-        } else {
-            runs.extend(sorted[i..=j].iter().map(|r| r.to_string()));
-        }
-        i = j + 1;
-    }
-    let word = if sorted.len() == 1 { "rank" } else { "ranks" };
-    match runs.as_slice() {
-        [] => "no rank".to_string(),
-        [one] => format!("{word} {one}"),
-        [init @ .., last] => format!("{word} {} and {last}", init.join(", ")),
-    }
-}
-
 impl fmt::Debug for ProcessGroup {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ProcessGroup")
@@ -524,17 +496,5 @@ impl fmt::Debug for ProcessGroup {
             .field("backend", &self.backend)
             .field("timeout", &self.timeout)
             .finish()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn ranks_are_listed_with_runs() {
-        use super::ranks_text;
-        assert_eq!(ranks_text(&[1]), "rank 1");
-        assert_eq!(ranks_text(&[2, 0]), "ranks 0 and 2");
-        assert_eq!(ranks_text(&[0, 1, 2, 3, 5, 7]), "ranks 0-3, 5 and 7");
-        assert_eq!(ranks_text(&[0, 1, 4]), "ranks 0, 1 and 4");
     }
 }

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{seconds, Result};
 use crate::launch::remote::{Failure, FAILURE_PREFIX};
-use crate::store::{Host, Store};
+use crate::rendezvous::store::{Host, Store};
 
 /// How often a rank's heartbeat beats.
 const BEAT: Duration = Duration::from_secs(1);
@@ -307,10 +307,7 @@ fn what_to_check(stalled: &[usize], timeout: Duration) -> String {
         [] => ("every rank's output".to_string(), "a rank"),
         [r] => (format!("rank {r}'s own output"), "it"),
         _ => (
-            format!(
-                "the output of {}",
-                crate::process_group::ranks_text(stalled)
-            ),
+            format!("the output of {}", crate::error::ranks_text(stalled)),
             "they",
         ),
     };
