@@ -444,7 +444,7 @@ fn same_models(group: &ProcessGroup, description: &str) -> Result<()> {
     let model = group.next_model();
     let key = |rank: usize| format!("model/{model}/{rank}");
     records.set(&key(group.rank()), description.as_bytes())?;
-    let mine = Tensor::from_slice(&[crate::rng::fnv1a(description.bytes()) as i64]);
+    let mine = Tensor::from_slice(&[crate::random_state::fnv1a(description.bytes()) as i64]);
     let gathered: Vec<i64> = group
         .all_gather(&mine)?
         .iter()

@@ -10,10 +10,10 @@ use crate::devices;
 use crate::env::LaunchEnv;
 use crate::error::{Error, Result};
 use crate::process_group::{Backend, ProcessGroup};
+use crate::random_state::RandomState;
 use crate::rendezvous::job_token::{self, JobToken};
 use crate::rendezvous::store::Store;
 use crate::rendezvous::{self, GlooAddress};
-use crate::rng::RandomState;
 
 /// The timeout of collectives and rendezvous when none is given: 30 minutes, as
 /// `torch.distributed`'s `default_pg_timeout`.

@@ -33,6 +33,7 @@ mod log;
 mod observe;
 mod optim;
 mod process_group;
+mod random_state;
 mod rank_helpers;
 pub mod record;
 mod rendezvous;
