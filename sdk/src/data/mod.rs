@@ -5,7 +5,7 @@ use tch::Tensor;
 
 use crate::error::{Error, Result};
 use crate::init;
-use crate::observe::progress::Progress;
+use crate::observe::progress_bar::Progress;
 use crate::process_group::ReduceOp;
 
 mod batch_size;

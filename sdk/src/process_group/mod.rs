@@ -14,8 +14,8 @@ use crate::ffi;
 use crate::rendezvous::network::{self, GlooAddress};
 use crate::rendezvous::store::{millis, Store};
 
-mod progress;
-use progress::Progress;
+mod collective_record;
+use collective_record::CollectiveRecord;
 
 /// A communication backend, as `torch.distributed`'s `backend` argument.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -118,7 +118,7 @@ pub struct ProcessGroup {
 /// What the clones of a group share.
 struct Shared {
     /// Dropped before `raw`: stops the heartbeat.
-    progress: Option<Progress>,
+    collectives: Option<CollectiveRecord>,
     raw: Raw,
     /// Models wrapped in DDP over this group so far (their records' keys).
     models: AtomicU64,
@@ -171,9 +171,9 @@ impl ProcessGroup {
             message,
         };
         let group = GROUPS.fetch_add(1, Ordering::Relaxed);
-        let progress = if world_size > 1 {
+        let collectives = if world_size > 1 {
             Some(
-                Progress::start(store, group, rank, world_size)
+                CollectiveRecord::start(store, group, rank, world_size)
                     .map_err(|e| rendezvous_error(e.to_string()))?,
             )
         } else {
@@ -210,7 +210,7 @@ impl ProcessGroup {
         })?;
         Ok(ProcessGroup {
             shared: Arc::new(Shared {
-                progress,
+                collectives,
                 raw: Raw(raw),
                 models: AtomicU64::new(0),
             }),
@@ -254,7 +254,7 @@ impl ProcessGroup {
     /// Records in the store that this rank enters its next collective, `what` (see
     /// the type's doc); returns its number, 0 in a group of one.
     pub(crate) fn enter(&self, what: &str) -> u64 {
-        match &self.shared.progress {
+        match &self.shared.collectives {
             Some(p) => p.enter(what),
             None => 0,
         }
@@ -265,7 +265,7 @@ impl ProcessGroup {
     /// their records and heartbeats in the store (this takes a few seconds), and what
     /// to check.
     pub(crate) fn timed_out(&self, what: &str, n: u64, text: TorchText) -> Error {
-        let (stalled, report) = match &self.shared.progress {
+        let (stalled, report) = match &self.shared.collectives {
             Some(p) => {
                 let f = p.diagnose(n, what, self.timeout);
                 (f.stalled, f.report)
@@ -299,7 +299,7 @@ impl ProcessGroup {
         }
         let reported = self
             .shared
-            .progress
+            .collectives
             .as_ref()
             .and_then(|p| p.reported_failure(Duration::from_secs(3)));
         Some(match reported {
@@ -322,7 +322,7 @@ impl ProcessGroup {
 
     /// The store under this group's own prefix, in a group of several ranks.
     pub(crate) fn records(&self) -> Option<&Store> {
-        self.shared.progress.as_ref().map(|p| p.view())
+        self.shared.collectives.as_ref().map(|p| p.view())
     }
 
     /// A number for the next model wrapped in DDP over this group, the same on every

@@ -37,7 +37,7 @@ const STORE_WAIT: Duration = Duration::from_secs(5);
 const LISTED: usize = 8;
 
 /// This rank's record of its collectives, and its heartbeat; see the module's doc.
-pub(crate) struct Progress {
+pub(crate) struct CollectiveRecord {
     rank: usize,
     world_size: usize,
     entered: AtomicU64,
@@ -60,7 +60,7 @@ pub(crate) struct Findings {
 /// One rank's record: the number of the last collective it entered, and its name.
 type Record = (u64, String);
 
-impl Progress {
+impl CollectiveRecord {
     /// Starts the record of this rank (`rank` of `world_size`) in `store`, under a
     /// prefix of its own for the `group`-th process group of this process, and the
     /// heartbeat thread.
@@ -89,7 +89,7 @@ impl Progress {
                 "no heartbeat thread ({e}): a collective that times out cannot tell a stopped rank"
             ));
         }
-        Ok(Progress {
+        Ok(CollectiveRecord {
             rank,
             world_size,
             entered: AtomicU64::new(0),
