@@ -7,7 +7,8 @@
 #
 #   scripts/mutants.sh                 every file below
 #   scripts/mutants.sh ddp optim       some of them (by the names below; optim is its
-#                                      four files' entries)
+#                                      four files' entries, rendezvous the store's,
+#                                      job token's, network's and join's)
 #   scripts/mutants.sh --list [NAMES]  list the mutants only (no builds)
 #   scripts/mutants.sh NAMES -- ARGS   ARGS go to cargo-mutants (e.g. --shard 1/4)
 #
@@ -44,16 +45,19 @@ FILE[loader]=sdk/src/data/loader.rs;       TESTS[loader]="data accumulation chec
 FILE[state]=sdk/src/checkpoint/state.rs;   TESTS[state]="checkpoint grad_scaler preemption zero"
 # Not in ALL (not the correctness core, and the multi-host tests need root): which
 # address Gloo binds across hosts, and how a failed connection is named.
-FILE[network]=sdk/src/process_group/network.rs; TESTS[network]="multi_host error_hints launch"
+FILE[network]=sdk/src/rendezvous/network.rs;   TESTS[network]="multi_host error_hints launch"
 # The job token: its prefix, check value and the sealing of the store's values.
-FILE[job_token]=sdk/src/job_token.rs;      TESTS[job_token]="security multi_host"
+FILE[job_token]=sdk/src/rendezvous/job_token.rs; TESTS[job_token]="security multi_host"
 # The store's views (prefix, sealed, clone) and key listing; the errors' messages.
-FILE[store]=sdk/src/store.rs;              TESTS[store]="security multi_host launch"
+FILE[store]=sdk/src/rendezvous/store.rs;   TESTS[store]="security multi_host launch"
+# The count at rendezvous: who joined, who is missing, sizes that differ.
+FILE[join]=sdk/src/rendezvous/join.rs;     TESTS[join]="rendezvous_counts"
 FILE[error]=sdk/src/error.rs;              TESTS[error]="error_hints"
 ALL=(ddp optim_mod optim_kernels optim_state optim_zero amp sampler loader state)
 # A NAME that stands for several.
 declare -A GROUP
 GROUP[optim]="optim_mod optim_kernels optim_state optim_zero"
+GROUP[rendezvous]="store job_token network join"
 # NAME -> tests of those targets to skip for it (they exercise none of its paths and
 # take long): the preemption-signal runs, which only deliver signals and check a
 # checkpoint that the other checkpoint tests check too.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test suite: unit tests, multi-process integration tests (Gloo on CPU, 1-3
-# ranks, each run under a timeout), doc tests, the book.
+# ranks, each run under a timeout), doc tests, the module graph's check for cycles, the book.
 #
 #   scripts/test.sh [ARGS…]              tch 0.24 with torch 2.11.0, the workspace's Cargo.lock
 #   scripts/test.sh --tch 0.26 [ARGS…]   tch 0.26 with torch 2.13.0 (see below): without
@@ -69,6 +69,7 @@ else
   cargo test --workspace "$@"
 fi
 if [ "$TCH" = 0.24 ]; then
+  python3 scripts/modules.py --check  # no import cycle among sdk/src's modules (it names each)
   scripts/book.sh  # the guide: mdBook (pinned, installed on first use), fails on a broken include or link
 fi
 echo "test.sh: tch $TCH, torch $TORCH_VERSION: passed in $((SECONDS - start)) s" >&2

@@ -5,7 +5,6 @@ use tch::{Device, Kind, Tensor};
 use crate::error::{Error, Result};
 use crate::ffi;
 use crate::init;
-use crate::optim::Optimizer;
 use crate::process_group::ReduceOp;
 pub use crate::settings::{MixedPrecision, MixedPrecisionMode};
 
@@ -270,21 +269,14 @@ impl GradScaler {
         loss * &self.scale
     }
 
-    /// Divides the gradients of `opt`'s variables by the scale, in place, and records
-    /// whether one holds an inf or NaN on any rank (one all-reduce). Call it at most
-    /// once per step, after backward, to clip or inspect the true gradients;
-    /// [`step`](Self::step) calls it otherwise.
-    ///
-    /// Errors: [`Error::Config`] when called twice in a step; [`Error::Torch`] or
-    /// [`Error::Collective`] when the kernels or the all-reduce fail.
-    pub fn unscale(&mut self, opt: &Optimizer) -> Result<()> {
+    /// [`unscale`](Self::unscale) of the gradients of `variables` (an optimizer's).
+    pub(crate) fn unscale_gradients(&mut self, variables: &[Tensor]) -> Result<()> {
         if self.found_inf.is_some() {
             return Err(Error::Config(
                 "GradScaler::unscale was already called for this step: call it once, between backward and step".into(),
             ));
         }
-        let grads: Vec<Tensor> = opt
-            .trainable_variables()
+        let grads: Vec<Tensor> = variables
             .iter()
             .map(Tensor::grad)
             .filter(Tensor::defined)
@@ -331,26 +323,17 @@ impl GradScaler {
         Ok(())
     }
 
-    /// Whether this step's gradients held an inf or NaN on any rank, unscaling them
-    /// first unless [`unscale`](Self::unscale) already did this step.
-    pub(crate) fn overflowed(&mut self, opt: &Optimizer) -> Result<bool> {
+    /// Whether this step's gradients held an inf or NaN on any rank, unscaling the
+    /// gradients of `variables()` first unless [`unscale`](Self::unscale) already did
+    /// this step.
+    pub(crate) fn overflowed(&mut self, variables: impl FnOnce() -> Vec<Tensor>) -> Result<bool> {
         if self.found_inf.is_none() {
-            self.unscale(opt)?;
+            self.unscale_gradients(&variables())?;
         }
         Ok(self
             .found_inf
             .as_ref()
             .is_some_and(|f| f.double_value(&[0]) > 0.0))
-    }
-
-    /// Unscales (unless [`unscale`](Self::unscale) already did) and runs `opt.step()`
-    /// unless a gradient on any rank held an inf or NaN; returns whether it stepped.
-    pub fn step(&mut self, opt: &mut Optimizer) -> Result<bool> {
-        let overflow = self.overflowed(opt)?;
-        if !overflow {
-            opt.step()?;
-        }
-        Ok(!overflow)
     }
 
     /// Updates the scale for the next step from this step's found-inf flag: ×0.5

@@ -8,9 +8,9 @@ use std::ffi::CString;
 use tch::nn::{Optimizer, VarStore};
 use tch::Tensor;
 
-use crate::error::{Error, Result, TorchText};
+use crate::error::{ranks_text, Error, Result, TorchText};
 use crate::ffi;
-use crate::process_group::{ranks_text, ProcessGroup};
+use crate::process_group::ProcessGroup;
 
 const MIB: f64 = 1024.0 * 1024.0;
 
@@ -463,7 +463,7 @@ fn same_models(group: &ProcessGroup, description: &str) -> Result<()> {
     let model = group.next_model();
     let key = |rank: usize| format!("model/{model}/{rank}");
     records.set(&key(group.rank()), description.as_bytes())?;
-    let mine = Tensor::from_slice(&[crate::rng::fnv1a(description.bytes()) as i64]);
+    let mine = Tensor::from_slice(&[crate::random_state::fnv1a(description.bytes()) as i64]);
     let gathered: Vec<i64> = group
         .all_gather(&mine)?
         .iter()

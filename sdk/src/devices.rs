@@ -4,7 +4,7 @@ use tch::Device;
 
 use crate::error::{Error, Result};
 use crate::process_group::Backend;
-use crate::store::Store;
+use crate::rendezvous::store::Store;
 
 /// How many GPUs this process sees (0 without CUDA). libtorch's CUDA half,
 /// `libtorch_cuda.so`, registers CUDA when it is loaded, but a program links it only if

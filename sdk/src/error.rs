@@ -135,6 +135,34 @@ fn unused_parameters(variables: &[String]) -> String {
     )
 }
 
+/// `ranks` (in any order) as the messages write them: `rank 1`, `ranks 0 and 2`,
+/// `ranks 0-3, 5 and 7`.
+pub(crate) fn ranks_text(ranks: &[usize]) -> String {
+    let mut sorted = ranks.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut runs: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < sorted.len() {
+        let mut j = i;
+        while j + 1 < sorted.len() && sorted[j + 1] == sorted[j] + 1 {
+            j += 1;
+        }
+        if j >= i + 2 {
+            runs.push(format!("{}-{}", sorted[i], sorted[j]));
+        } else {
+            runs.extend(sorted[i..=j].iter().map(|r| r.to_string()));
+        }
+        i = j + 1;
+    }
+    let word = if sorted.len() == 1 { "rank" } else { "ranks" };
+    match runs.as_slice() {
+        [] => "no rank".to_string(),
+        [one] => format!("{word} {one}"),
+        [init @ .., last] => format!("{word} {} and {last}", init.join(", ")),
+    }
+}
+
 /// A duration as the messages write it: `3 s`, `2.5 s`.
 pub(crate) fn seconds(d: Duration) -> String {
     let s = d.as_secs_f64();
@@ -271,5 +299,14 @@ mod tests {
             );
         }
         assert!(e.downcast_ref::<super::Error>().is_some());
+    }
+
+    #[test]
+    fn ranks_are_listed_with_runs() {
+        use super::ranks_text;
+        assert_eq!(ranks_text(&[1]), "rank 1");
+        assert_eq!(ranks_text(&[2, 0]), "ranks 0 and 2");
+        assert_eq!(ranks_text(&[0, 1, 2, 3, 5, 7]), "ranks 0-3, 5 and 7");
+        assert_eq!(ranks_text(&[0, 1, 4]), "ranks 0, 1 and 4");
     }
 }

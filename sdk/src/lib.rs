@@ -28,18 +28,18 @@ mod error;
 mod ffi;
 mod files;
 mod init;
-mod job_token;
 pub mod launch;
 mod log;
 mod observe;
 mod optim;
 mod process_group;
 mod protocol;
+mod random_state;
 mod rank_helpers;
 pub mod record;
+mod rendezvous;
 mod rng;
 pub mod settings;
-mod store;
 
 pub use amp::{autocast, Autocast, GradScaler, MixedPrecision, MixedPrecisionMode};
 pub use checkpoint::{
@@ -56,10 +56,10 @@ pub use error::{Error, Result};
 pub use init::{current, init, init_with, Context, InitOptions, DEFAULT_TIMEOUT};
 pub use observe::{Tracker, PROGRESS_ENV};
 pub use optim::{Algorithm, Implementation, Optimizer, OptimizerKind};
-pub use process_group::{Backend, GlooAddress, ProcessGroup, ReduceOp};
+pub use process_group::{Backend, ProcessGroup, ReduceOp};
 pub use rank_helpers::{local_main_process_first, main_process_first};
+pub use rendezvous::{GlooAddress, Store};
 pub use rng::AgreedSeed;
-pub use store::Store;
 
 #[doc(inline)]
 #[doc = include_str!("distributed.md")]

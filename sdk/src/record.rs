@@ -44,7 +44,7 @@ pub fn fingerprint_rows(t: &Tensor) -> Vec<u64> {
     let width = values.len() / rows.max(1) as usize;
     (0..rows as usize)
         .map(|r| {
-            crate::rng::fnv1a(
+            crate::random_state::fnv1a(
                 values[r * width..(r + 1) * width]
                     .iter()
                     .flat_map(|v| v.to_bits().to_le_bytes()),

@@ -17,7 +17,7 @@ use crate::init;
 use crate::log;
 use crate::optim::Optimizer;
 use crate::process_group::ReduceOp;
-use crate::rng::{generators, rng_state, set_rng_state};
+use crate::random_state::{generators, rng_state, set_rng_state};
 
 /// The manifest that marks a checkpoint complete: every file's size and FNV-1a hash.
 const COMPLETE: &str = "COMPLETE";
@@ -104,7 +104,7 @@ pub struct Checkpointer {
 
 /// FNV-1a, 64 bits: detects torn and corrupted files.
 fn fnv1a(bytes: &[u8]) -> u64 {
-    crate::rng::fnv1a(bytes.iter().copied())
+    crate::random_state::fnv1a(bytes.iter().copied())
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {

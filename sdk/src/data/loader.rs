@@ -10,7 +10,7 @@ use super::dataset::{Batch, Dataset};
 use super::sampler::DistributedSampler;
 use crate::error::{Error, Result};
 use crate::init;
-use crate::observe::progress::Progress;
+use crate::observe::progress_bar::Progress;
 
 /// This rank's batches of a [`Dataset`], as PyTorch's `DataLoader` over a
 /// [`DistributedSampler`]: every rank gets the same number of batches

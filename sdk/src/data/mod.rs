@@ -5,7 +5,7 @@ use tch::Tensor;
 
 use crate::error::{Error, Result};
 use crate::init;
-use crate::observe::progress::Progress;
+use crate::observe::progress_bar::Progress;
 use crate::process_group::ReduceOp;
 
 mod batch_size;
@@ -141,10 +141,9 @@ impl<I: Iterator> Sharded<I> {
             return Ok(self);
         };
         let first = self.inner.peek().map(samples).unwrap_or_default();
-        let mine = first
-            .iter()
-            .fold(0xcbf2_9ce4_8422_2325u64, |h, f| crate::rng::mix(h ^ f))
-            as i64;
+        let mine = first.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, f| {
+            crate::random_state::mix(h ^ f)
+        }) as i64;
         // max(x) and max(!x) = !min(x): every rank learns whether all are equal.
         let mut extremes = Tensor::from_slice(&[mine, !mine]).to_device(ctx.device());
         ctx.process_group()

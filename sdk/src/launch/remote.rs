@@ -20,8 +20,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::LaunchConfig;
-use crate::job_token::{self, JobToken};
-use crate::store::Store;
+use crate::rendezvous::job_token::{self, JobToken};
+use crate::rendezvous::store::Store;
 
 /// The attempt's key space for failures, below the ranks' own prefix.
 pub(crate) const FAILURE_PREFIX: &str = "tchd/failure";
@@ -114,7 +114,7 @@ impl Remote {
             return remote;
         }
         if let Some(address) =
-            crate::process_group::network::address_towards(&config.master_addr, port)
+            crate::rendezvous::network::address_towards(&config.master_addr, port)
         {
             remote.node = format!("node {}, {address}", config.node_rank);
         }

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use super::LaunchConfig;
 use crate::error::{Error, Result};
-use crate::store::Store;
+use crate::rendezvous::store::Store;
 
 /// How long the agent store's own connection waits on a key (it never does).
 const STORE_TIMEOUT: Duration = Duration::from_secs(1800);

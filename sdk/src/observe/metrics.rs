@@ -210,7 +210,7 @@ impl Tracker {
             return Ok(());
         };
         // Only rank 0 draws a bar.
-        super::progress::set_last_metrics(&values);
+        super::progress_bar::set_last_metrics(&values);
         let mut line = Map::new();
         line.insert("step".into(), json!(step));
         line.insert("time".into(), json!(events::now()));

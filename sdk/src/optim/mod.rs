@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::ffi;
 
 mod kernels;
+mod scaler;
 mod state;
 mod zero;
 
@@ -427,7 +428,7 @@ impl Optimizer {
             return Ok(true);
         };
         let stepped = (|| {
-            let clean = !scaler.overflowed(self)?;
+            let clean = !scaler.overflowed(|| self.trainable_variables())?;
             if clean {
                 self.update()?;
             }
@@ -443,7 +444,7 @@ impl Optimizer {
     fn unscale_for_clipping(&mut self) -> Result<()> {
         if self.cycle_complete {
             if let Some(mut scaler) = self.scaler.take() {
-                let r = scaler.overflowed(self);
+                let r = scaler.overflowed(|| self.trainable_variables());
                 self.scaler = Some(scaler);
                 r?;
             }

@@ -1,6 +1,6 @@
 //! A progress bar on rank 0 (`indicatif`), as Accelerate's "only the main process
-//! shows the progress bar": one bar per epoch of the SDK's [`DataLoader`]
-//! (crate::DataLoader) and of each loop that `#[distributed]` shards, showing the
+//! shows the progress bar": one bar per epoch of the SDK's
+//! [`DataLoader`](crate::DataLoader) and of each loop that `#[distributed]` shards, showing the
 //! epoch, step/steps, the rate, the time left and the last values a
 //! [`Tracker`](crate::Tracker) logged.
 //!

@@ -6,10 +6,9 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
 use std::os::fd::IntoRawFd;
 use std::time::Duration;
 
+use super::network::resolve_master;
 use crate::error::{Error, Result};
 use crate::ffi;
-use crate::job_token::{self, JobToken};
-use crate::process_group::network::resolve_master;
 
 /// A c10d key-value store shared by all ranks; the process group rendezvous through
 /// it. Cheap to share: the C++ object is reference counted.
@@ -55,7 +54,7 @@ pub(crate) enum Host {
 unsafe impl Send for Store {}
 unsafe impl Sync for Store {}
 
-fn cstring(s: &str, what: &str) -> Result<CString> {
+pub(super) fn cstring(s: &str, what: &str) -> Result<CString> {
     CString::new(s).map_err(|_| Error::Config(format!("{what} {s:?} contains a NUL byte")))
 }
 
@@ -209,28 +208,6 @@ impl Store {
         self.view(raw)
     }
 
-    /// The job's sealed view of this store (`sealed_store.cpp`): every key under
-    /// `prefix` (joined with `/`, as [`with_prefix`](Self::with_prefix)), every value
-    /// encrypted and authenticated with a key derived from `token` and bound to its
-    /// full key ([`job_token`](crate::job_token)). A value that does not open (written
-    /// without the token, or moved from another key) counts as absent: `get` waits on
-    /// for one that opens, up to the timeout, then errors saying so; `add` replaces it.
-    pub(crate) fn sealed(&self, prefix: &str, token: &JobToken) -> Result<Store> {
-        let cprefix = cstring(prefix, "prefix")?;
-        let secret = token.secret();
-        let raw = unsafe {
-            ffi::tdc_sealed_store_new(
-                cprefix.as_ptr(),
-                self.raw,
-                secret.as_ptr(),
-                job_token::SEAL_OVERHEAD,
-                job_token::seal,
-                job_token::open,
-            )
-        };
-        self.view(raw)
-    }
-
     /// A second connection to the same store (for a TCP store, a new client; keys and
     /// prefix are the same), so that a thread can wait on it, with a timeout of its
     /// own, without holding up the other users of this one.
@@ -241,7 +218,7 @@ impl Store {
 
     /// `raw`, a view of this store that the shim made (NULL when it failed), served by
     /// the same process at the same endpoint.
-    fn view(&self, raw: *mut ffi::Store) -> Result<Store> {
+    pub(super) fn view(&self, raw: *mut ffi::Store) -> Result<Store> {
         ffi::check_ptr(raw)
             .map(|raw| Store {
                 raw,

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{seconds, Result};
 use crate::launch::remote::{Failure, FAILURE_PREFIX};
-use crate::store::{Host, Store};
+use crate::rendezvous::store::{Host, Store};
 
 /// How often a rank's heartbeat beats.
 const BEAT: Duration = Duration::from_secs(1);
@@ -37,7 +37,7 @@ const STORE_WAIT: Duration = Duration::from_secs(5);
 const LISTED: usize = 8;
 
 /// This rank's record of its collectives, and its heartbeat; see the module's doc.
-pub(crate) struct Progress {
+pub(crate) struct CollectiveRecord {
     rank: usize,
     world_size: usize,
     entered: AtomicU64,
@@ -60,7 +60,7 @@ pub(crate) struct Findings {
 /// One rank's record: the number of the last collective it entered, and its name.
 type Record = (u64, String);
 
-impl Progress {
+impl CollectiveRecord {
     /// Starts the record of this rank (`rank` of `world_size`) in `store`, under a
     /// prefix of its own for the `group`-th process group of this process, and the
     /// heartbeat thread.
@@ -89,7 +89,7 @@ impl Progress {
                 "no heartbeat thread ({e}): a collective that times out cannot tell a stopped rank"
             ));
         }
-        Ok(Progress {
+        Ok(CollectiveRecord {
             rank,
             world_size,
             entered: AtomicU64::new(0),
@@ -307,10 +307,7 @@ fn what_to_check(stalled: &[usize], timeout: Duration) -> String {
         [] => ("every rank's output".to_string(), "a rank"),
         [r] => (format!("rank {r}'s own output"), "it"),
         _ => (
-            format!(
-                "the output of {}",
-                crate::process_group::ranks_text(stalled)
-            ),
+            format!("the output of {}", crate::error::ranks_text(stalled)),
             "they",
         ),
     };

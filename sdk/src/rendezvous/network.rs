@@ -143,14 +143,14 @@ impl fmt::Display for GlooAddress {
 /// connect to a peer (`remote=[ADDR]:PORT` in libtorch's `text`), which rank tried
 /// which address, the likely cause and the fix; else libtorch's text without C++
 /// frames.
-pub(crate) fn connect_failure(rank: usize, text: &str, store: &crate::store::Store) -> String {
+/// `endpoint`: the store's, where the master is.
+pub(crate) fn connect_failure(rank: usize, text: &str, endpoint: Option<(&str, u16)>) -> String {
     let message = crate::error::TorchText::new(text).message();
     let Some(remote) = peer_endpoint(text) else {
         return message;
     };
     // Across hosts: the master, which every rank reaches, is not on loopback.
-    let multi_host = store
-        .endpoint()
+    let multi_host = endpoint
         .and_then(|(host, port)| resolve_master(host, port).ok())
         .is_some_and(|a| !a.ip().is_loopback());
     let cause = match remote {

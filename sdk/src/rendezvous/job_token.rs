@@ -21,9 +21,9 @@ use chacha20poly1305::aead::{AeadCore, AeadInPlace, KeyInit, OsRng};
 use chacha20poly1305::{Tag, XChaCha20Poly1305, XNonce};
 use sha2::{Digest, Sha256};
 
+use super::store::Store;
 use crate::error::{Error, Result};
-use crate::ffi::SECRET_BYTES;
-use crate::store::Store;
+use crate::ffi::{self, SECRET_BYTES};
 
 /// The variable that carries the job's token to its ranks.
 pub(crate) const JOB_TOKEN_ENV: &str = "TCH_DISTRIBUTED_JOB_TOKEN";
@@ -99,6 +99,30 @@ pub(crate) fn view(store: &Store, token: Option<&JobToken>, prefix: &str) -> Res
     match token {
         Some(token) => store.sealed(&format!("{}{prefix}", token.prefix()), token),
         None => store.with_prefix(prefix),
+    }
+}
+
+impl Store {
+    /// The job's sealed view of this store (`sealed_store.cpp`): every key under
+    /// `prefix` (joined with `/`, as [`with_prefix`](Self::with_prefix)), every value
+    /// encrypted and authenticated with a key derived from `token` and bound to its
+    /// full key ([`job_token`](self)). A value that does not open (written
+    /// without the token, or moved from another key) counts as absent: `get` waits on
+    /// for one that opens, up to the timeout, then errors saying so; `add` replaces it.
+    pub(crate) fn sealed(&self, prefix: &str, token: &JobToken) -> Result<Store> {
+        let cprefix = super::store::cstring(prefix, "prefix")?;
+        let secret = token.secret();
+        let raw = unsafe {
+            ffi::tdc_sealed_store_new(
+                cprefix.as_ptr(),
+                self.raw(),
+                secret.as_ptr(),
+                SEAL_OVERHEAD,
+                seal,
+                open,
+            )
+        };
+        self.view(raw)
     }
 }
 

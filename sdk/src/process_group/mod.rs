@@ -12,13 +12,12 @@ use tch::{Device, Tensor};
 use crate::error::{Error, Result, TorchText};
 use crate::ffi;
 use crate::protocol;
-use crate::store::{millis, Store};
+use crate::rendezvous::network::{self, GlooAddress};
+use crate::rendezvous::store::{millis, Store};
 
-pub(crate) mod network;
-mod progress;
+mod collective_record;
 pub use crate::settings::Backend;
-pub use network::GlooAddress;
-use progress::Progress;
+use collective_record::CollectiveRecord;
 
 impl Backend {
     /// Whether the NCCL backend was compiled into this build (libtorch with CUDA and
@@ -90,7 +89,7 @@ pub struct ProcessGroup {
 /// What the clones of a group share.
 struct Shared {
     /// Dropped before `raw`: stops the heartbeat.
-    progress: Option<Progress>,
+    collectives: Option<CollectiveRecord>,
     raw: Raw,
     /// Models wrapped in DDP over this group so far (their records' keys).
     models: AtomicU64,
@@ -143,9 +142,9 @@ impl ProcessGroup {
             message,
         };
         let group = GROUPS.fetch_add(1, Ordering::Relaxed);
-        let progress = if world_size > 1 {
+        let collectives = if world_size > 1 {
             Some(
-                Progress::start(store, group, rank, world_size)
+                CollectiveRecord::start(store, group, rank, world_size)
                     .map_err(|e| rendezvous_error(e.to_string()))?,
             )
         } else {
@@ -173,11 +172,12 @@ impl ProcessGroup {
                 address.as_ptr(),
             )
         };
-        let raw = ffi::check_ptr(raw)
-            .map_err(|text| rendezvous_error(network::connect_failure(rank, &text, store)))?;
+        let raw = ffi::check_ptr(raw).map_err(|text| {
+            rendezvous_error(network::connect_failure(rank, &text, store.endpoint()))
+        })?;
         Ok(ProcessGroup {
             shared: Arc::new(Shared {
-                progress,
+                collectives,
                 raw: Raw(raw),
                 models: AtomicU64::new(0),
             }),
@@ -221,7 +221,7 @@ impl ProcessGroup {
     /// Records in the store that this rank enters its next collective, `what` (see
     /// the type's doc); returns its number, 0 in a group of one.
     pub(crate) fn enter(&self, what: &str) -> u64 {
-        match &self.shared.progress {
+        match &self.shared.collectives {
             Some(p) => p.enter(what),
             None => 0,
         }
@@ -232,7 +232,7 @@ impl ProcessGroup {
     /// their records and heartbeats in the store (this takes a few seconds), and what
     /// to check.
     pub(crate) fn timed_out(&self, what: &str, n: u64, text: TorchText) -> Error {
-        let (stalled, report) = match &self.shared.progress {
+        let (stalled, report) = match &self.shared.collectives {
             Some(p) => {
                 let f = p.diagnose(n, what, self.timeout);
                 (f.stalled, f.report)
@@ -266,7 +266,7 @@ impl ProcessGroup {
         }
         let reported = self
             .shared
-            .progress
+            .collectives
             .as_ref()
             .and_then(|p| p.reported_failure(Duration::from_secs(3)));
         Some(match reported {
@@ -289,7 +289,7 @@ impl ProcessGroup {
 
     /// The store under this group's own prefix, in a group of several ranks.
     pub(crate) fn records(&self) -> Option<&Store> {
-        self.shared.progress.as_ref().map(|p| p.view())
+        self.shared.collectives.as_ref().map(|p| p.view())
     }
 
     /// A number for the next model wrapped in DDP over this group, the same on every
@@ -455,34 +455,6 @@ impl ProcessGroup {
     }
 }
 
-/// `ranks` (in any order) as the messages write them: `rank 1`, `ranks 0 and 2`,
-/// `ranks 0-3, 5 and 7`.
-pub(crate) fn ranks_text(ranks: &[usize]) -> String {
-    let mut sorted = ranks.to_vec();
-    sorted.sort_unstable();
-    sorted.dedup();
-    let mut runs: Vec<String> = Vec::new();
-    let mut i = 0;
-    while i < sorted.len() {
-        let mut j = i;
-        while j + 1 < sorted.len() && sorted[j + 1] == sorted[j] + 1 {
-            j += 1;
-        }
-        if j >= i + 2 {
-            runs.push(format!("{}-{}", sorted[i], sorted[j]));
-        } else {
-            runs.extend(sorted[i..=j].iter().map(|r| r.to_string()));
-        }
-        i = j + 1;
-    }
-    let word = if sorted.len() == 1 { "rank" } else { "ranks" };
-    match runs.as_slice() {
-        [] => "no rank".to_string(),
-        [one] => format!("{word} {one}"),
-        [init @ .., last] => format!("{word} {} and {last}", init.join(", ")),
-    }
-}
-
 impl fmt::Debug for ProcessGroup {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ProcessGroup")
@@ -491,17 +463,5 @@ impl fmt::Debug for ProcessGroup {
             .field("backend", &self.backend)
             .field("timeout", &self.timeout)
             .finish()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn ranks_are_listed_with_runs() {
-        use super::ranks_text;
-        assert_eq!(ranks_text(&[1]), "rank 1");
-        assert_eq!(ranks_text(&[2, 0]), "ranks 0 and 2");
-        assert_eq!(ranks_text(&[0, 1, 2, 3, 5, 7]), "ranks 0-3, 5 and 7");
-        assert_eq!(ranks_text(&[0, 1, 4]), "ranks 0, 1 and 4");
     }
 }

@@ -20,7 +20,7 @@ use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
 use crate::error::{Error, Result};
-use crate::job_token::{JobToken, JOB_TOKEN_ENV};
+use crate::rendezvous::job_token::{JobToken, JOB_TOKEN_ENV};
 
 pub(crate) mod error_file;
 pub(crate) mod remote;
