@@ -77,34 +77,17 @@ fn launches_two_ranks_itself_trains_and_writes_one_checkpoint() {
 /// job starts again, resumes from the newest complete checkpoint and finishes.
 #[test]
 fn a_killed_rank_under_max_restarts_resumes_from_the_newest_checkpoint() {
-    let dir = scratch_dir("shakespeare-restart");
-    let text = dir.join("input.txt");
-    fs::write(
-        &text,
-        "First Citizen:\nBefore we proceed any further, hear me speak.\n".repeat(200),
-    )
-    .unwrap();
+    let (mut cmd, dir) = main_job_under_tchrun("shakespeare-restart", &["--max-restarts", "1"]);
     let ckpt = dir.join("ckpt");
-    let mut cmd = Command::new(tchrun());
-    cmd.args(["--nproc-per-node", "2", "--max-restarts", "1"])
-        .arg(example("shakespeare"))
-        .arg("--data")
-        .arg(&text)
-        .arg("--checkpoint")
-        .arg(dir.join("model.safetensors"))
-        .arg("--runs")
-        .arg(dir.join("runs"))
-        .arg("--checkpoint-dir")
-        .arg(&ckpt)
-        .args([
-            "--checkpoint-every",
-            "4",
-            "--steps",
-            "400",
-            "--log-every",
-            "100",
-        ])
-        .args(["--batch-size", "4", "--seq-len", "16", "--hidden", "32"]);
+    cmd.args([
+        "--checkpoint-every",
+        "4",
+        "--steps",
+        "400",
+        "--log-every",
+        "100",
+    ])
+    .args(["--batch-size", "4", "--seq-len", "16", "--hidden", "32"]);
     let run = run_with(cmd, &dir, Duration::from_secs(300), |pid, _| {
         // Once a checkpoint is complete, kill a rank.
         let deadline = std::time::Instant::now() + Duration::from_secs(120);
@@ -135,9 +118,10 @@ fn a_killed_rank_under_max_restarts_resumes_from_the_newest_checkpoint() {
     );
 }
 
-/// The main job's global loss at each step (rank 0's `metrics.jsonl`), and the
-/// run's directory, with `tchrun` given `flags` and the ranks `env`.
-fn main_job_losses(name: &str, flags: &[&str], env: &[(&str, &str)]) -> (Vec<f64>, Scratch) {
+/// The main job on 2 ranks under `tchrun` with `flags`, on a small text, writing its
+/// weights, runs and checkpoints (`ckpt/`) in its scratch directory: the command, to
+/// which a test adds the example's other arguments, and that directory.
+fn main_job_under_tchrun(name: &str, flags: &[&str]) -> (Command, Scratch) {
     let dir = scratch_dir(name);
     let text = dir.join("input.txt");
     fs::write(
@@ -156,17 +140,24 @@ fn main_job_losses(name: &str, flags: &[&str], env: &[(&str, &str)]) -> (Vec<f64
         .arg("--runs")
         .arg(dir.join("runs"))
         .arg("--checkpoint-dir")
-        .arg(dir.join("ckpt"))
-        .args([
-            "--steps",
-            "4",
-            "--checkpoint-every",
-            "2",
-            "--log-every",
-            "4",
-        ])
-        .args(["--batch-size", "4", "--seq-len", "16", "--hidden", "32"])
-        .envs(env.iter().copied());
+        .arg(dir.join("ckpt"));
+    (cmd, dir)
+}
+
+/// The main job's global loss at each step (rank 0's `metrics.jsonl`), and the
+/// run's directory, with `tchrun` given `flags` and the ranks `env`.
+fn main_job_losses(name: &str, flags: &[&str], env: &[(&str, &str)]) -> (Vec<f64>, Scratch) {
+    let (mut cmd, dir) = main_job_under_tchrun(name, flags);
+    cmd.args([
+        "--steps",
+        "4",
+        "--checkpoint-every",
+        "2",
+        "--log-every",
+        "4",
+    ])
+    .args(["--batch-size", "4", "--seq-len", "16", "--hidden", "32"])
+    .envs(env.iter().copied());
     let run = run_with(cmd, &dir, Duration::from_secs(120), |_, _| {});
     run.assert_success();
     let metrics = fs::read_to_string(dir.join("runs").join("metrics.jsonl")).unwrap();
