@@ -39,6 +39,12 @@ FILE[optim_mod]=sdk/src/optim/mod.rs;          TESTS[optim_mod]="ddp parity accu
 FILE[optim_kernels]=sdk/src/optim/kernels.rs;  TESTS[optim_kernels]="optimizer_parity optimizer_settings optimizer_state parity grad_scaler"
 FILE[optim_state]=sdk/src/optim/state.rs;      TESTS[optim_state]="optimizer_state optimizer_parity zero"
 FILE[optim_zero]=sdk/src/optim/zero.rs;        TESTS[optim_zero]="zero parity"
+FILE[optim_scaler]=sdk/src/optim/scaler.rs;    TESTS[optim_scaler]="grad_scaler amp accumulation"
+# The run's settings: the table's parsers, precedence, the file, the ranks' variables,
+# the attribute's overrides, and the settings' effect on a run.
+FILE[settings]=sdk/src/settings/mod.rs;    TESTS[settings]="run_config knobs tracker shakespeare error_hints"
+# Replacing a file whole (checkpoints, the run configuration, the tracker's config).
+FILE[files]=sdk/src/files.rs;              TESTS[files]="checkpoint run_config tracker"
 FILE[amp]=sdk/src/amp.rs;                  TESTS[amp]="amp accumulation grad_scaler"
 FILE[sampler]=sdk/src/data/sampler.rs;     TESTS[sampler]="sampler data shuffles"
 FILE[loader]=sdk/src/data/loader.rs;       TESTS[loader]="data accumulation checkpoint loader_epochs progress"
@@ -53,10 +59,10 @@ FILE[store]=sdk/src/rendezvous/store.rs;   TESTS[store]="security multi_host lau
 # The count at rendezvous: who joined, who is missing, sizes that differ.
 FILE[join]=sdk/src/rendezvous/join.rs;     TESTS[join]="rendezvous_counts"
 FILE[error]=sdk/src/error.rs;              TESTS[error]="error_hints"
-ALL=(ddp optim_mod optim_kernels optim_state optim_zero amp sampler loader state)
+ALL=(ddp optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader state)
 # A NAME that stands for several.
 declare -A GROUP
-GROUP[optim]="optim_mod optim_kernels optim_state optim_zero"
+GROUP[optim]="optim_mod optim_kernels optim_state optim_zero optim_scaler"
 GROUP[rendezvous]="store job_token network join"
 # NAME -> tests of those targets to skip for it (they exercise none of its paths and
 # take long): the preemption-signal runs, which only deliver signals and check a

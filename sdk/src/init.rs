@@ -1,7 +1,7 @@
 //! Joining the job: [`init`] reads the launch environment, picks this rank's device
 //! and backend, rendezvous through a `TCPStore` and builds the process group.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tch::Device;
@@ -51,10 +51,17 @@ pub struct Context {
     random: RandomState,
     /// GPUs this rank sees (0 on the CPU).
     gpus: usize,
-    /// The run's settings, resolved (see [`crate::settings`]).
+    /// The run's settings and precision, shared by the clones.
+    run: Arc<Run>,
+}
+
+/// What a context keeps of the run: its settings, resolved (see [`crate::settings`]),
+/// and the mixed precision resolved on the rank's device, with why.
+#[derive(Debug)]
+struct Run {
     settings: Settings,
-    /// The mixed precision resolved on `device`, and why.
-    precision: (MixedPrecision, String),
+    precision: MixedPrecision,
+    why: String,
 }
 
 static CONTEXT: Mutex<Option<Context>> = Mutex::new(None);
@@ -117,6 +124,13 @@ impl InitOptions {
 /// The context built by [`init`], if any.
 pub fn current() -> Option<Context> {
     CONTEXT.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// The current context's device and mixed precision, read in place (no clone): what
+/// the autocast of every forward pass needs.
+pub(crate) fn current_precision() -> Option<(Device, MixedPrecision)> {
+    let slot = CONTEXT.lock().unwrap_or_else(|e| e.into_inner());
+    slot.as_ref().map(|c| (c.device, c.run.precision))
 }
 
 /// This process's `(rank, world size)` in the current job; `(0, 1)` without one.
@@ -315,21 +329,24 @@ impl Context {
             master,
             random,
             gpus,
-            settings,
-            precision,
+            run: Arc::new(Run {
+                settings,
+                precision: precision.0,
+                why: precision.1,
+            }),
         })
     }
 
     /// The run's settings, as resolved when this rank joined: for a `#[distributed]`
     /// function, the environment's (and `tchrun`'s) over the attribute's options.
     pub(crate) fn settings(&self) -> &Settings {
-        &self.settings
+        &self.run.settings
     }
 
     /// The mixed precision the run resolved on this rank's device (`auto` decided),
     /// and why, for the banner.
     pub(crate) fn precision(&self) -> (MixedPrecision, &str) {
-        (self.precision.0, &self.precision.1)
+        (self.run.precision, &self.run.why)
     }
 
     /// Global rank, in `0..world_size`.

@@ -76,13 +76,10 @@ pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Opti
 /// file). The macro writes the guard whatever the attribute says; with precision `no`
 /// it does nothing (no FFI call, no autocast state touched).
 pub fn autocast() -> Autocast {
-    let Some(ctx) = init::current() else {
-        return Autocast::off();
-    };
-    match ctx.precision().0 {
-        MixedPrecision::No => Autocast::off(),
-        precision => {
-            Autocast::enter(ctx.device(), precision).unwrap_or_else(|e| fail("autocast", e))
+    match init::current_precision() {
+        None | Some((_, MixedPrecision::No)) => Autocast::off(),
+        Some((device, precision)) => {
+            Autocast::enter(device, precision).unwrap_or_else(|e| fail("autocast", e))
         }
     }
 }
