@@ -14,21 +14,6 @@ use crate::process_group::ProcessGroup;
 
 const MIB: f64 = 1024.0 * 1024.0;
 
-/// How many times this process has averaged gradients over the ranks: a synchronized
-/// backward pass, or the gradients of an optimizer the function did not build averaged
-/// before its step. A sharded training loop during which it does not grow trains
-/// apart on each rank (see `Sharded`'s watch).
-static GRADIENT_AVERAGES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// See [`GRADIENT_AVERAGES`].
-pub(crate) fn gradient_averages() -> u64 {
-    GRADIENT_AVERAGES.load(std::sync::atomic::Ordering::Relaxed)
-}
-
-/// Counts one average of the gradients over the ranks.
-pub(crate) fn count_gradient_average() {
-    GRADIENT_AVERAGES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-}
 /// Bucket size of the parameter and buffer broadcasts, as PyTorch's DDP (250 MiB).
 const BROADCAST_BUCKET_BYTES: usize = 250 * 1024 * 1024;
 
@@ -126,6 +111,9 @@ pub struct DistributedDataParallel {
     buffers: Vec<Tensor>,
     options: DdpOptions,
     require_grad_sync: Cell<bool>,
+    /// The Reducer was prepared for a backward pass still to come
+    /// ([`prepare_next_backward`](Self::prepare_next_backward)).
+    prepared: Cell<bool>,
     stats: Cell<DdpStats>,
     /// The Reducer's variables' names, in its order (the indices of its errors).
     names: Vec<String>,
@@ -141,6 +129,72 @@ impl DistributedDataParallel {
     /// publish in the store); [`Error::Timeout`] or [`Error::Collective`] when a rank
     /// does not take part.
     pub fn new(vs: &VarStore, group: &ProcessGroup, options: DdpOptions) -> Result<Self> {
+        let named = vs.variables();
+        let name_of: HashMap<usize, &String> = named
+            .iter()
+            .map(|(n, t)| (t.data_ptr() as usize, n))
+            .collect();
+        // Registration order, the order PyTorch's DDP sees `module.parameters()` in.
+        let params: Vec<(String, Tensor)> = vs
+            .trainable_variables()
+            .into_iter()
+            .filter(|t| t.requires_grad())
+            .map(|t| {
+                let name = name_of.get(&(t.data_ptr() as usize));
+                (name.map_or("?", |s| s.as_str()).to_string(), t)
+            })
+            .collect();
+        // Buffers are the variables that are not trainable at all (`zeros_no_train`,
+        // batch norm's statistics). Frozen ones (trainable, but `requires_grad` off, as
+        // after `vs.freeze()`) are PyTorch's frozen parameters: broadcast here, once.
+        let trainable: std::collections::HashSet<usize> = vs
+            .trainable_variables()
+            .iter()
+            .map(|t| t.data_ptr() as usize)
+            .collect();
+        Self::wrap(&named, &trainable, params, group, options)
+    }
+
+    /// Wraps `variables` (name, variable), in that order (the names for errors): what
+    /// `#[distributed]` builds, at its first step, for an optimizer the function did
+    /// not build, over those of its variables that got a gradient. As
+    /// [`new`](Self::new) otherwise, with no buffers (the optimizer does not see them).
+    pub(crate) fn over_variables(
+        variables: &[(String, Tensor)],
+        group: &ProcessGroup,
+        options: DdpOptions,
+    ) -> Result<Self> {
+        let named: HashMap<String, Tensor> = variables
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        let params: Vec<(String, Tensor)> = variables
+            .iter()
+            .filter(|(_, t)| t.requires_grad())
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        let trainable = variables
+            .iter()
+            .map(|(_, t)| t.data_ptr() as usize)
+            .collect();
+        Self::wrap(&named, &trainable, params, group, options)
+    }
+
+    /// How many variables the Reducer averages the gradients of.
+    pub(crate) fn variable_count(&self) -> usize {
+        self.names.len()
+    }
+
+    /// [`new`](Self::new) over `named` (every variable, by name), of which `trainable`
+    /// (by data pointer) are trainable and `params` (in the Reducer's order) get
+    /// gradients.
+    fn wrap(
+        named: &HashMap<String, Tensor>,
+        trainable: &std::collections::HashSet<usize>,
+        params: Vec<(String, Tensor)>,
+        group: &ProcessGroup,
+        options: DdpOptions,
+    ) -> Result<Self> {
         for (name, mb) in [
             ("bucket_cap_mb", options.bucket_cap_mb),
             ("first_bucket_cap_mb", options.first_bucket_cap_mb),
@@ -151,17 +205,6 @@ impl DistributedDataParallel {
                 )));
             }
         }
-        let named = vs.variables();
-        let name_of: HashMap<usize, &String> = named
-            .iter()
-            .map(|(n, t)| (t.data_ptr() as usize, n))
-            .collect();
-        // Registration order, the order PyTorch's DDP sees `module.parameters()` in.
-        let params: Vec<Tensor> = vs
-            .trainable_variables()
-            .into_iter()
-            .filter(|t| t.requires_grad())
-            .collect();
         if params.is_empty() {
             return Err(Error::Config(
                 "the VarStore has no trainable variable: build the model on it before wrapping it in \
@@ -172,14 +215,6 @@ impl DistributedDataParallel {
         // A name order that every rank agrees on (HashMap order differs per process).
         let mut all: Vec<(&String, &Tensor)> = named.iter().collect();
         all.sort_by(|a, b| a.0.cmp(b.0));
-        // Buffers are the variables that are not trainable at all (`zeros_no_train`,
-        // batch norm's statistics). Frozen ones (trainable, but `requires_grad` off, as
-        // after `vs.freeze()`) are PyTorch's frozen parameters: broadcast here, once.
-        let trainable: std::collections::HashSet<usize> = vs
-            .trainable_variables()
-            .iter()
-            .map(|t| t.data_ptr() as usize)
-            .collect();
         let buffers: Vec<Tensor> = all
             .iter()
             .filter(|(_, t)| !trainable.contains(&(t.data_ptr() as usize)))
@@ -201,13 +236,7 @@ impl DistributedDataParallel {
         group.verify_same_shapes(&all)?;
         group.broadcast_coalesced(&all, BROADCAST_BUCKET_BYTES, 0)?;
 
-        let names: Vec<String> = params
-            .iter()
-            .map(|t| {
-                let name = name_of.get(&(t.data_ptr() as usize));
-                name.map(|s| s.as_str()).unwrap_or("?").to_string()
-            })
-            .collect();
+        let (names, params): (Vec<String>, Vec<Tensor>) = params.into_iter().unzip();
         let reducer = if group.world_size() > 1 {
             let cnames: Vec<CString> = names
                 .iter()
@@ -243,6 +272,7 @@ impl DistributedDataParallel {
             buffers,
             options,
             require_grad_sync: Cell::new(true),
+            prepared: Cell::new(false),
             stats: Cell::new(DdpStats::default()),
             names,
         })
@@ -275,45 +305,11 @@ impl DistributedDataParallel {
     /// [`Error::Torch`] when backward fails otherwise; [`Error::Collective`] when
     /// broadcasting buffers fails.
     pub fn backward(&self, loss: &Tensor) -> Result<()> {
-        let mut stats = self.stats.get();
-        // The collective this backward pass is, as recorded in the store: a timeout
-        // in the gradient all-reduce names the ranks that did not arrive.
-        let mut entered = None;
-        let synced = match &self.reducer {
-            Some(reducer) if self.require_grad_sync.get() => {
-                let what = format!(
-                    "the gradient all-reduce of backward pass {}",
-                    stats.synced_backward_passes + 1
-                );
-                entered = Some((self.group.enter(&what), what));
-                let r = reducer.0;
-                self.reducer_call(unsafe { ffi::tdc_reducer_prepare_for_forward(r) })?;
-                let mut rebuilt = 0;
-                self.reducer_call(unsafe { ffi::tdc_reducer_rebuild_buckets(r, &mut rebuilt) })?;
-                stats.bucket_rebuilds += rebuilt as u64;
-                // As PyTorch's DDP: a static graph finds its unused variables itself.
-                let outputs = if self.options.find_unused_parameters && !self.options.static_graph {
-                    vec![ffi::tensor(loss)]
-                } else {
-                    vec![]
-                };
-                self.reducer_call(unsafe {
-                    ffi::tdc_reducer_prepare_for_backward(r, outputs.as_ptr(), outputs.len() as i32)
-                })?;
-                stats.synced_backward_passes += 1;
-                count_gradient_average();
-                true
-            }
-            Some(_) => {
-                stats.local_backward_passes += 1;
-                false
-            }
-            None => {
-                stats.synced_backward_passes += 1;
-                false
-            }
+        let (synced, entered) = if self.prepared.take() {
+            (true, None)
+        } else {
+            self.prepare(Some(loss))?
         };
-        self.stats.set(stats);
         loss.f_backward().map_err(|e| {
             let text = crate::error::torch_text(e);
             match entered {
@@ -330,7 +326,8 @@ impl DistributedDataParallel {
                 None => self.reducer_error(text),
             }
         })?;
-        if synced && self.options.static_graph && stats.synced_backward_passes == 1 {
+        let passes = self.stats.get().synced_backward_passes;
+        if synced && self.options.static_graph && passes == 1 {
             // The first pass of a static graph only recorded the gradients' order.
             let r = self.reducer.as_ref().expect("synced with a reducer").0;
             self.reducer_call(unsafe { ffi::tdc_reducer_delay_all_reduce(r) })?;
@@ -342,6 +339,77 @@ impl DistributedDataParallel {
             self.broadcast_buffers()?;
         }
         Ok(())
+    }
+
+    /// Prepares the Reducer now for the next backward pass, whichever runs it: a plain
+    /// `loss.backward()` then averages the gradients while it runs, as
+    /// [`backward`](Self::backward) does (which takes the preparation over). What
+    /// `#[distributed]` does after each step of an optimizer the function did not
+    /// build, whose backward pass it does not see. For a Reducer that needs no loss
+    /// to prepare: not with `find_unused_parameters` or `static_graph`, and with no
+    /// buffers to broadcast after the pass.
+    ///
+    /// Errors: as [`backward`](Self::backward)'s preparation
+    /// ([`Error::UnusedParameters`] when the last backward pass left variables
+    /// without a gradient).
+    pub(crate) fn prepare_next_backward(&self) -> Result<()> {
+        debug_assert!(!self.options.find_unused_parameters && !self.options.static_graph);
+        debug_assert!(self.buffers.is_empty());
+        let (synced, _) = self.prepare(None)?;
+        self.prepared.set(synced);
+        Ok(())
+    }
+
+    /// Readies the Reducer for a backward pass of `loss` (`None`: whatever loss comes)
+    /// and counts it: whether it all-reduces, and the collective it is as recorded in
+    /// the store (see [`ProcessGroup`]).
+    #[allow(clippy::type_complexity)]
+    fn prepare(&self, loss: Option<&Tensor>) -> Result<(bool, Option<(u64, String)>)> {
+        let mut stats = self.stats.get();
+        // The collective this backward pass is, as recorded in the store: a timeout
+        // in the gradient all-reduce names the ranks that did not arrive.
+        let mut entered = None;
+        let synced = match &self.reducer {
+            Some(reducer) if self.require_grad_sync.get() => {
+                let what = format!(
+                    "the gradient all-reduce of backward pass {}",
+                    stats.synced_backward_passes + 1
+                );
+                if loss.is_some() {
+                    entered = Some((self.group.enter(&what), what));
+                }
+                let r = reducer.0;
+                self.reducer_call(unsafe { ffi::tdc_reducer_prepare_for_forward(r) })?;
+                let mut rebuilt = 0;
+                self.reducer_call(unsafe { ffi::tdc_reducer_rebuild_buckets(r, &mut rebuilt) })?;
+                stats.bucket_rebuilds += rebuilt as u64;
+                // As PyTorch's DDP: a static graph finds its unused variables itself.
+                let outputs = match loss {
+                    Some(loss)
+                        if self.options.find_unused_parameters && !self.options.static_graph =>
+                    {
+                        vec![ffi::tensor(loss)]
+                    }
+                    _ => vec![],
+                };
+                self.reducer_call(unsafe {
+                    ffi::tdc_reducer_prepare_for_backward(r, outputs.as_ptr(), outputs.len() as i32)
+                })?;
+                stats.synced_backward_passes += 1;
+                self.group.count_gradient_average();
+                true
+            }
+            Some(_) => {
+                stats.local_backward_passes += 1;
+                false
+            }
+            None => {
+                stats.synced_backward_passes += 1;
+                false
+            }
+        };
+        self.stats.set(stats);
+        Ok((synced, entered))
     }
 
     /// Copies rank 0's buffers to every rank (a no-op with `broadcast_buffers` off or

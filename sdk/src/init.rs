@@ -7,6 +7,7 @@ use std::time::Duration;
 use tch::Device;
 
 use crate::amp::{MixedPrecision, MixedPrecisionMode};
+use crate::ddp::DistributedDataParallel;
 use crate::devices;
 use crate::env::LaunchEnv;
 use crate::error::{Error, Result};
@@ -62,6 +63,20 @@ struct Run {
     settings: Settings,
     precision: MixedPrecision,
     why: String,
+    /// The DDPs `#[distributed]` built for optimizers the function did not build.
+    optimizer_ddps: OptimizerDdps,
+}
+
+/// The DDP of each optimizer the function did not build, by its first variable's
+/// data pointer: built at the optimizer's first step (see `runtime::rewrites`).
+#[derive(Default)]
+struct OptimizerDdps(Mutex<Vec<(usize, DistributedDataParallel)>>);
+
+impl std::fmt::Debug for OptimizerDdps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.0.lock().map_or(0, |d| d.len());
+        write!(f, "{n} optimizer DDP(s)")
+    }
 }
 
 static CONTEXT: Mutex<Option<Context>> = Mutex::new(None);
@@ -333,8 +348,32 @@ impl Context {
                 settings,
                 precision: precision.0,
                 why: precision.1,
+                optimizer_ddps: OptimizerDdps::default(),
             }),
         })
+    }
+
+    /// Runs `f` on the DDP that `#[distributed]` keeps for the optimizer whose first
+    /// variable's data is at `key`: `None` until `f` builds one (at the optimizer's
+    /// first step). Not reentrant.
+    pub(crate) fn with_optimizer_ddp<R>(
+        &self,
+        key: usize,
+        f: impl FnOnce(&mut Option<DistributedDataParallel>) -> R,
+    ) -> R {
+        let mut all = self
+            .run
+            .optimizer_ddps
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let i = all.iter().position(|(k, _)| *k == key);
+        let mut slot = i.map(|i| all.swap_remove(i).1);
+        let r = f(&mut slot);
+        if let Some(ddp) = slot {
+            all.push((key, ddp));
+        }
+        r
     }
 
     /// The run's settings, as resolved when this rank joined: for a `#[distributed]`

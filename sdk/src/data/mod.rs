@@ -67,7 +67,7 @@ pub struct Sharded<I: Iterator> {
     steps: usize,
     /// For a loop that `#[distributed]` shards because it trains: the count of
     /// gradient averages when it started (see [`Sharded::watching`]).
-    watch: Option<u64>,
+    watch: Option<(crate::ProcessGroup, u64)>,
 }
 
 impl<I: Iterator> Sharded<I> {
@@ -100,8 +100,10 @@ impl<I: Iterator> Sharded<I> {
     /// cannot see it (a method or helper that steps an optimizer), so the ranks train
     /// apart; or it only evaluates, and each rank saw its share of the data.
     pub(crate) fn watching(mut self) -> Self {
-        if self.world_size > 1 {
-            self.watch = Some(crate::ddp::gradient_averages());
+        if let Some(ctx) = init::current().filter(|c| c.world_size() > 1) {
+            let group = ctx.process_group().clone();
+            let start = group.gradient_averages();
+            self.watch = Some((group, start));
         }
         self
     }
@@ -220,7 +222,8 @@ impl<I: Iterator> Drop for Sharded<I> {
         crate::optim::set_end_of_data(false);
         let unaveraged = self
             .watch
-            .is_some_and(|start| self.steps > 0 && crate::ddp::gradient_averages() == start);
+            .as_ref()
+            .is_some_and(|(group, start)| self.steps > 0 && group.gradient_averages() == *start);
         // Once a process: every epoch's loop would say it again.
         static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
         if unaveraged

@@ -34,6 +34,15 @@ pub(crate) fn set_end_of_data(last: bool) {
     END_OF_DATA.with(|e| e.set(last));
 }
 
+/// Sets the gradients of `params` to none (undefined), as `zero_grad(set_to_none=True)`.
+///
+/// Errors with [`Error::Torch`] from libtorch.
+pub(crate) fn set_grads_to_none(params: &[Tensor]) -> Result<()> {
+    let ptrs = ffi::tensors(params);
+    ffi::check_text(unsafe { ffi::tdc_zero_grad(ptrs.as_ptr(), ptrs.len() as i32) })
+        .map_err(|t| Error::Torch(t.message()))
+}
+
 /// An optimizer configuration of tch (`nn::Sgd`, `nn::Adam`, `nn::AdamW`,
 /// `nn::RmsProp`) that the SDK can build: its update rule and options.
 pub trait OptimizerKind {
@@ -134,7 +143,9 @@ pub struct Optimizer {
     implementation: Implementation,
     /// ZeRO stage 1: which rank owns each parameter ([`zero`](Self::zero)).
     zero: Option<zero::Zero>,
-    ddp: Option<DistributedDataParallel>,
+    /// Set by [`distributed`](Self::distributed), or by `#[distributed]` at the first
+    /// step of an optimizer the function did not build.
+    ddp: std::cell::OnceCell<DistributedDataParallel>,
     /// Micro-batches per optimizer step, and how many of the current cycle are done.
     accumulation_steps: usize,
     micro_step: usize,
@@ -170,7 +181,7 @@ impl Optimizer {
             state: Vec::new(),
             implementation: Implementation::preferred(&algorithm),
             zero: None,
-            ddp: None,
+            ddp: std::cell::OnceCell::new(),
             accumulation_steps: 1,
             micro_step: 0,
             sync_next: false,
@@ -269,7 +280,7 @@ impl Optimizer {
     /// ([`Error::Config`]) at the optimizer's next call: DDP would not average their
     /// gradients.
     pub fn distributed(mut self, ddp: DistributedDataParallel) -> Self {
-        self.ddp = Some(ddp);
+        self.ddp = std::cell::OnceCell::from(ddp);
         self
     }
 
@@ -323,9 +334,16 @@ impl Optimizer {
             || END_OF_DATA.with(Cell::get)
     }
 
+    /// Makes this optimizer step through `ddp` from now on, if it steps through none
+    /// yet: `#[distributed]`, at the first step of an optimizer the function did not
+    /// build. Returns whether it did (not when it had one already).
+    pub(crate) fn distributed_from_now(&self, ddp: DistributedDataParallel) -> bool {
+        self.ddp.set(ddp).is_ok()
+    }
+
     /// The DDP this optimizer steps through, if any.
     pub fn ddp(&self) -> Option<&DistributedDataParallel> {
-        self.ddp.as_ref()
+        self.ddp.get()
     }
 
     /// Variables created after the optimizer join it, as in tch: in the store's order,
@@ -341,7 +359,7 @@ impl Optimizer {
             let new = v.trainable_variables.len().saturating_sub(before);
             let distributed = self
                 .ddp
-                .as_ref()
+                .get()
                 .is_some_and(|d| d.process_group().world_size() > 1);
             if new > 0 && distributed {
                 let late: std::collections::HashSet<usize> = v.trainable_variables[before..]
@@ -386,9 +404,7 @@ impl Optimizer {
             return Ok(());
         }
         self.add_missing_variables()?;
-        let ptrs = ffi::tensors(&self.params);
-        ffi::check_text(unsafe { ffi::tdc_zero_grad(ptrs.as_ptr(), ptrs.len() as i32) })
-            .map_err(|t| Error::Torch(t.message()))
+        set_grads_to_none(&self.params)
     }
 
     /// One update of the parameters from their gradients (those without a gradient
@@ -516,7 +532,7 @@ impl Optimizer {
             scaled = scaler.scale(loss);
             loss = &scaled;
         }
-        match &self.ddp {
+        match self.ddp.get() {
             Some(ddp) if last => ddp.backward(loss)?,
             Some(ddp) => {
                 let _local = ddp.no_sync();
@@ -703,7 +719,7 @@ impl std::fmt::Debug for Optimizer {
             .field("algorithm", &self.defaults.algorithm)
             .field("variables", &self.params.len())
             .field("implementation", &self.implementation)
-            .field("distributed", &self.ddp.is_some())
+            .field("distributed", &self.ddp.get().is_some())
             .finish()
     }
 }

@@ -93,6 +93,10 @@ struct Shared {
     raw: Raw,
     /// Models wrapped in DDP over this group so far (their records' keys).
     models: AtomicU64,
+    /// Gradient averages over this group so far: DDP's synchronized backward passes.
+    /// A sharded training loop during which it does not grow trains apart on each
+    /// rank (see `Sharded`'s watch).
+    gradient_averages: AtomicU64,
 }
 
 impl ProcessGroup {
@@ -180,6 +184,7 @@ impl ProcessGroup {
                 collectives,
                 raw: Raw(raw),
                 models: AtomicU64::new(0),
+                gradient_averages: AtomicU64::new(0),
             }),
             rank,
             world_size,
@@ -296,6 +301,19 @@ impl ProcessGroup {
     /// rank (they wrap their models in the same order).
     pub(crate) fn next_model(&self) -> u64 {
         self.shared.models.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// How many times gradients were averaged over this group (DDP's synchronized
+    /// backward passes, over any of its clones).
+    pub(crate) fn gradient_averages(&self) -> u64 {
+        self.shared.gradient_averages.load(Ordering::Relaxed)
+    }
+
+    /// Counts one average of the gradients over this group.
+    pub(crate) fn count_gradient_average(&self) {
+        self.shared
+            .gradient_averages
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     /// Runs collective `op` (`call`, a shim call returning its status), recorded by

@@ -2,7 +2,6 @@
 //! (with the gradients of optimizers the function did not build averaged before the
 //! update), `loss.backward()`, `vs.save`/`vs.load`, autocast, the device.
 
-use std::cell::RefCell;
 use std::path::Path;
 
 use tch::nn::VarStore;
@@ -33,16 +32,10 @@ pub fn is_main_process() -> bool {
 pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Optimizer, TchError> {
     let ctx = context();
     let options = ctx.settings();
-    let defaults = DdpOptions::default();
-    // As PyTorch's DDP: a `bucket_cap_mb` given explicitly also caps the first bucket.
     let ddp_options = DdpOptions {
-        bucket_cap_mb: options.bucket_cap_mb.unwrap_or(defaults.bucket_cap_mb),
-        first_bucket_cap_mb: options
-            .bucket_cap_mb
-            .unwrap_or(defaults.first_bucket_cap_mb),
         find_unused_parameters: options.find_unused_parameters.unwrap_or(false),
         static_graph: options.static_graph.unwrap_or(false),
-        ..defaults
+        ..bucket_options(&ctx)
     };
     // Failing to wrap the model ends the program with the cause and the fix: returned
     // through the caller's `?`, tch's error type would print it as an "Internal torch
@@ -68,6 +61,18 @@ pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Opti
         opt = opt.grad_scaler(GradScaler::new());
     }
     Ok(opt)
+}
+
+/// DDP's defaults with the run's `bucket_cap_mb`: as PyTorch's DDP, a `bucket_cap_mb`
+/// given explicitly also caps the first bucket.
+fn bucket_options(ctx: &init::Context) -> DdpOptions {
+    let defaults = DdpOptions::default();
+    let cap = ctx.settings().bucket_cap_mb;
+    DdpOptions {
+        bucket_cap_mb: cap.unwrap_or(defaults.bucket_cap_mb),
+        first_bucket_cap_mb: cap.unwrap_or(defaults.first_bucket_cap_mb),
+        ..defaults
+    }
 }
 
 /// A `let` whose value comes from a forward pass: autocast while it is evaluated, in
@@ -103,26 +108,25 @@ pub trait Steps {
 }
 
 /// An optimizer the function did not build (a struct field, a `&mut` argument, one a
-/// helper returns): tch's steps with the gradients averaged over the ranks before the
-/// update (and before clipping), and rank 0's parameters adopted at its first step
-/// ([`sync_before_step`]).
+/// helper returns): tch's steps, with the gradients averaged over the ranks by the
+/// DDP that `#[distributed]` keeps for it (see [`SyncBeforeStep`]), before clipping.
 impl Steps for tch::nn::Optimizer {
     fn __tchd_backward_step(&mut self, loss: &Tensor) {
         self.zero_grad();
-        loss.backward();
+        backward_through(&self.trainable_variables(), loss);
         self.sync_before_step();
         self.step();
     }
     fn __tchd_backward_step_clip(&mut self, loss: &Tensor, max: f64) {
         self.zero_grad();
-        loss.backward();
+        backward_through(&self.trainable_variables(), loss);
         self.sync_before_step();
         self.clip_grad_value(max);
         self.step();
     }
     fn __tchd_backward_step_clip_norm(&mut self, loss: &Tensor, max: f64) {
         self.zero_grad();
-        loss.backward();
+        backward_through(&self.trainable_variables(), loss);
         self.sync_before_step();
         self.clip_grad_norm(max);
         self.step();
@@ -147,8 +151,8 @@ impl Steps for Optimizer {
 
 impl Optimizer {
     /// The SDK optimizer's backward step under the attribute: as
-    /// [`Optimizer::backward_step`], and, when it steps through no DDP (built outside
-    /// the function), with the gradients averaged before `before_step`.
+    /// [`Optimizer::backward_step`]; built outside the function (stepping through no
+    /// DDP), it gets one at the end of its first cycle ([`SyncBeforeStep`]).
     fn attribute_backward_step(
         &mut self,
         loss: &Tensor,
@@ -164,27 +168,51 @@ impl Optimizer {
     }
 }
 
-/// An optimizer whose gradients the function must average itself before it steps:
-/// tch's, and the SDK's when it steps through no DDP. Behind references and boxes
-/// too, so that `opt.step()` is found whatever holds the optimizer.
+/// What must come before the step of an optimizer the function did not build: tch's,
+/// or the SDK's when it steps through no DDP. Behind references and boxes too, so
+/// that `opt.step()` is found whatever holds the optimizer.
+///
+/// On several ranks its gradients are averaged by a DDP over its trainable variables
+/// (the c10d Reducer, as for an optimizer the function built), built at its first
+/// step, after that step's backward pass: the DDP adopts rank 0's parameters, as DDP
+/// does when it wraps a model, and averages that step's gradients through a backward
+/// pass of `Σ p·g` (whose gradient is each variable's `g`). From then on, the
+/// Reducer averages the gradients while the backward pass runs: the SDK's optimizer
+/// steps through the DDP as one built with it does; for tch's, the Reducer is
+/// prepared after each step for the next backward pass (`loss.backward()` or the
+/// rewritten `backward_step`).
 pub trait SyncBeforeStep {
-    /// On several ranks: adopts rank 0's parameters the first time (as DDP does when
-    /// it is built), then averages the gradients over the ranks. Nothing in a world of
-    /// one, or for an SDK optimizer with a DDP (which averaged them during backward).
+    /// Builds the DDP the first time; nothing in a world of one, or for an SDK
+    /// optimizer that steps through a DDP.
     fn sync_before_step(&self);
 }
 
 impl SyncBeforeStep for tch::nn::Optimizer {
     fn sync_before_step(&self) {
-        average_gradients(&self.trainable_variables());
+        let Some(ctx) = several_ranks() else { return };
+        let variables = self.trainable_variables();
+        ctx.with_optimizer_ddp(key(&variables), |slot| {
+            let ddp = match slot {
+                Some(ddp) => {
+                    check_covered(ddp, &variables);
+                    &*ddp
+                }
+                None => &*slot.insert(first_step(&ctx, &variables)),
+            };
+            ddp.prepare_next_backward()
+                .unwrap_or_else(|e| fail_unaveraged(&e));
+        });
     }
 }
 
 impl SyncBeforeStep for Optimizer {
     fn sync_before_step(&self) {
-        if self.ddp().is_none() {
-            average_gradients(&self.trainable_variables());
+        if self.ddp().is_some() {
+            return;
         }
+        let Some(ctx) = several_ranks() else { return };
+        let attached = self.distributed_from_now(first_step(&ctx, &self.trainable_variables()));
+        debug_assert!(attached, "checked above: the optimizer had no DDP");
     }
 }
 
@@ -206,76 +234,106 @@ impl<T: SyncBeforeStep + ?Sized> SyncBeforeStep for Box<T> {
     }
 }
 
-thread_local! {
-    /// The optimizers (by their first variable's storage) whose parameters were made
-    /// rank 0's already.
-    static ADOPTED: RefCell<std::collections::HashSet<usize>> = RefCell::default();
+const UNAVERAGED: &str = "averaging the gradients of an optimizer the function did not build";
+
+/// The job, when it has several ranks.
+fn several_ranks() -> Option<init::Context> {
+    init::current().filter(|c| c.world_size() > 1)
 }
 
-/// Averages the gradients of `variables` over the ranks (one all-reduce per device and
-/// dtype, of the gradients flattened into one buffer); the first time for these
-/// variables, first broadcasts rank 0's values of them. Ends the program with an
-/// `Error:` line naming the fix when the ranks do not have gradients for the same
-/// variables (a layer that some ranks did not use), or when a collective fails.
-fn average_gradients(variables: &[Tensor]) {
-    let Some(ctx) = init::current().filter(|c| c.world_size() > 1) else {
-        return;
-    };
-    let what = "averaging the gradients of an optimizer the function did not build";
-    crate::ddp::count_gradient_average();
-    let pg = ctx.process_group();
-    let key = variables.first().map_or(0, |v| v.data_ptr() as usize);
-    if ADOPTED.with(|a| a.borrow_mut().insert(key)) {
-        or_fail(pg.broadcast_coalesced(variables, 1 << 20, 0), what);
-        crate::record::optimizer_stepped(variables);
-    }
-    let defined: Vec<i64> = variables
+/// The key of an optimizer's DDP: its first variable's data.
+fn key(variables: &[Tensor]) -> usize {
+    variables.first().map_or(0, |v| v.data_ptr() as usize)
+}
+
+/// The variables of `variables` (by index) that have a gradient now.
+fn with_gradients(variables: &[Tensor]) -> Vec<(String, Tensor)> {
+    variables
         .iter()
-        .map(|v| v.grad().defined() as i64)
+        .enumerate()
+        .filter(|(_, v)| v.grad().defined())
+        .map(|(i, v)| (format!("variable {i}"), v.shallow_clone()))
+        .collect()
+}
+
+/// A backward pass of `loss` for tch's optimizer over `variables`: through its DDP
+/// once it has one (which averages the gradients while backward runs), else plain.
+fn backward_through(variables: &[Tensor], loss: &Tensor) {
+    let ran = several_ranks().and_then(|ctx| {
+        ctx.with_optimizer_ddp(key(variables), |slot| {
+            slot.as_ref().map(|ddp| ddp.backward(loss))
+        })
+    });
+    match ran {
+        Some(r) => r.unwrap_or_else(|e| fail_unaveraged(&e)),
+        None => or_fail(loss.f_backward().map_err(Into::into), "backward"),
+    }
+}
+
+/// The first step of an optimizer over `variables` that steps through no DDP, after
+/// its backward pass: the DDP over the variables that got a gradient, with rank 0's
+/// parameters adopted and this step's gradients averaged through it.
+fn first_step(ctx: &init::Context, variables: &[Tensor]) -> DistributedDataParallel {
+    let named = with_gradients(variables);
+    // The Reducer needs no loss to prepare: no graph walk, no static graph.
+    let ddp =
+        DistributedDataParallel::over_variables(&named, ctx.process_group(), bucket_options(ctx))
+            .unwrap_or_else(|e| fail_with_source(UNAVERAGED, &e));
+    crate::record::optimizer_stepped(variables);
+    let grads: Vec<(Tensor, Tensor)> = named
+        .into_iter()
+        .map(|(_, v)| {
+            let g = v.grad().detach().copy();
+            (v, g)
+        })
         .collect();
-    let mut agreed = Tensor::from_slice(&defined);
-    let mut all = agreed.copy();
-    or_fail(pg.all_reduce(&mut agreed, crate::ReduceOp::Min), what);
-    or_fail(pg.all_reduce(&mut all, crate::ReduceOp::Max), what);
-    if !agreed.equal(&all) {
-        let i = Vec::<i64>::try_from(&(all - &agreed))
-            .unwrap_or_default()
-            .iter()
-            .position(|d| *d != 0)
-            .unwrap_or(0);
+    let params: Vec<Tensor> = grads.iter().map(|(v, _)| v.shallow_clone()).collect();
+    or_fail(crate::optim::set_grads_to_none(&params), UNAVERAGED);
+    let surrogate = grads
+        .iter()
+        .map(|(v, g)| (v * g).sum(v.kind()))
+        .reduce(|a, b| a + b)
+        .expect("over_variables refuses no variables");
+    ddp.backward(&surrogate)
+        .unwrap_or_else(|e| fail_unaveraged(&e));
+    ddp
+}
+
+/// Ends the program when a variable outside `ddp` (one that had no gradient at the
+/// optimizer's first step) has one now: its gradient would not be averaged.
+fn check_covered(ddp: &DistributedDataParallel, variables: &[Tensor]) {
+    let covered = ddp.variable_count();
+    let outside = with_gradients(variables).len();
+    if outside > covered {
         fail(
-            what,
+            UNAVERAGED,
             format!(
-                "variable {i} of the optimizer has a gradient on some ranks and none on \
-                 others (a layer not used on every rank): use every layer in every \
-                 step, or build the optimizer inside the function, whose DDP handles it \
-                 (find_unused_parameters = true)"
+                "{} of the optimizer's variables have a gradient now but had none at its \
+                 first step, so its DDP does not average them: use every layer from the \
+                 first step, or build the optimizer inside the function, whose DDP \
+                 handles layers used in some steps only (find_unused_parameters = true)",
+                outside - covered
             ),
         );
     }
-    tch::no_grad(|| {
-        let mut groups: Vec<Vec<Tensor>> = Vec::new();
-        for g in variables.iter().map(Tensor::grad).filter(Tensor::defined) {
-            match groups
-                .iter_mut()
-                .find(|group| group[0].device() == g.device() && group[0].kind() == g.kind())
-            {
-                Some(group) => group.push(g),
-                None => groups.push(vec![g]),
-            }
-        }
-        for grads in groups {
-            let flat: Vec<Tensor> = grads.iter().map(|g| g.reshape([-1])).collect();
-            let mut buffer = Tensor::cat(&flat, 0);
-            or_fail(pg.all_reduce(&mut buffer, crate::ReduceOp::Avg), what);
-            let mut offset = 0;
-            for mut g in grads {
-                let n = g.numel() as i64;
-                g.copy_(&buffer.narrow(0, offset, n).view_as(&g));
-                offset += n;
-            }
-        }
-    });
+}
+
+/// A failure of an optimizer's DDP: variables that got no gradient on some ranks get
+/// the fixes that apply to an optimizer the function did not build.
+fn fail_unaveraged(e: &crate::Error) -> ! {
+    match e {
+        crate::Error::UnusedParameters { variables, .. } => fail(
+            UNAVERAGED,
+            format!(
+                "{} of the optimizer got no gradient in the last backward pass on some \
+                 ranks (a layer not used on every rank, or not in every step): use every \
+                 layer in every step, or build the optimizer inside the function, whose \
+                 DDP handles it (find_unused_parameters = true)",
+                variables.join(", ")
+            ),
+        ),
+        e => fail_with_source(UNAVERAGED, e),
+    }
 }
 
 /// `loss.backward()` in a function that built one optimizer: through it, so that the
