@@ -30,32 +30,32 @@ fi
 # NAME -> the file it mutates and the test targets (of the workspace) that cover
 # it. tchrun, which those tests start, is built once unmutated: it only launches.
 declare -A FILE TESTS
-FILE[ddp]=sdk/src/ddp.rs;                  TESTS[ddp]="ddp accumulation parity macro_behaviour error_hints stalled_ranks entry_errors"
+FILE[ddp]=sdk/src/ddp.rs;                  TESTS[ddp]="ddp accumulation parity adapting error_hints stalled_ranks entry_errors"
 # The optimizer, file by file (`optim` names all four): its step and accumulation
 # (mod.rs) under every test that trains through it; its kernels under the tests that
 # compare updates with torch.optim, tch and closed forms; its state under the
 # checkpoint tests; ZeRO under the ZeRO tests.
-FILE[optim_mod]=sdk/src/optim/mod.rs;          TESTS[optim_mod]="ddp parity accumulation amp macro_behaviour optimizer_settings optimizer_parity optimizer_state zero grad_scaler loader_epochs error_hints"
+FILE[optim_mod]=sdk/src/optim/mod.rs;          TESTS[optim_mod]="ddp parity accumulation amp adapting optimizer_settings optimizer_parity optimizer_state zero grad_scaler loader_epochs error_hints"
 FILE[optim_kernels]=sdk/src/optim/kernels.rs;  TESTS[optim_kernels]="optimizer_parity optimizer_settings optimizer_state parity grad_scaler"
 FILE[optim_state]=sdk/src/optim/state.rs;      TESTS[optim_state]="optimizer_state optimizer_parity zero"
 FILE[optim_zero]=sdk/src/optim/zero.rs;        TESTS[optim_zero]="zero parity"
 FILE[optim_scaler]=sdk/src/optim/scaler.rs;    TESTS[optim_scaler]="grad_scaler amp accumulation"
 # The run's settings: the table's parsers, precedence, the file, the ranks' variables,
 # the attribute's overrides, and the settings' effect on a run.
-FILE[settings]=sdk/src/settings/mod.rs;    TESTS[settings]="run_config knobs tracker shakespeare error_hints"
+FILE[settings]=sdk/src/settings/mod.rs;    TESTS[settings]="run_config settings tracker shakespeare error_hints"
 # Replacing a file whole (checkpoints, the run configuration, the tracker's config).
 FILE[files]=sdk/src/files.rs;              TESTS[files]="checkpoint run_config tracker"
 FILE[amp]=sdk/src/amp.rs;                  TESTS[amp]="amp accumulation grad_scaler"
-FILE[sampler]=sdk/src/data/sampler.rs;     TESTS[sampler]="sampler data shuffles"
-FILE[loader]=sdk/src/data/loader.rs;       TESTS[loader]="data accumulation checkpoint loader_epochs progress"
+FILE[sampler]=sdk/src/data/sampler.rs;     TESTS[sampler]="sampler data_loading shuffles"
+FILE[loader]=sdk/src/data/loader.rs;       TESTS[loader]="data_loading accumulation checkpoint loader_epochs progress"
 FILE[state]=sdk/src/checkpoint/state.rs;   TESTS[state]="checkpoint grad_scaler preemption zero"
 # Not in ALL (not the correctness core, and the multi-host tests need root): which
 # address Gloo binds across hosts, and how a failed connection is named.
-FILE[network]=sdk/src/rendezvous/network.rs;   TESTS[network]="multi_host error_hints launch"
+FILE[network]=sdk/src/rendezvous/network.rs;   TESTS[network]="multi_node error_hints launch"
 # The job token: its prefix, check value and the sealing of the store's values.
-FILE[job_token]=sdk/src/rendezvous/job_token.rs; TESTS[job_token]="security multi_host"
+FILE[job_token]=sdk/src/rendezvous/job_token.rs; TESTS[job_token]="security multi_node"
 # The store's views (prefix, sealed, clone) and key listing; the errors' messages.
-FILE[store]=sdk/src/rendezvous/store.rs;   TESTS[store]="security multi_host launch"
+FILE[store]=sdk/src/rendezvous/store.rs;   TESTS[store]="security multi_node launch"
 # The count at rendezvous: who joined, who is missing, sizes that differ.
 FILE[join]=sdk/src/rendezvous/join.rs;     TESTS[join]="rendezvous_counts"
 FILE[error]=sdk/src/error.rs;              TESTS[error]="error_hints"

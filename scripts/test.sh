@@ -63,7 +63,7 @@ if [ "$TCH" = 0.26 ] && [ $# -eq 0 ]; then
   cargo test -p tch-distributed-tests \
     --test collectives --test ddp --test parity --test optimizer_parity \
     --test optimizer_state --test amp --test grad_scaler --test checkpoint \
-    --test error_hints --test security --test zero --test user_crate --test shakespeare
+    --test error_hints --test security --test zero --test own_crate --test shakespeare
   cargo test -p tch-distributed-corpus --test char_rnn
 else
   cargo test --workspace "$@"

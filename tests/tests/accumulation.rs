@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tch_distributed_tests::{compare, run_tchrun, run_with, scratch_dir};
 
-const WORKER: &str = env!("CARGO_BIN_EXE_accum_worker");
+const WORKER: &str = env!("CARGO_BIN_EXE_accumulation_worker");
 
 #[test]
 fn three_micro_batches_on_two_ranks_equal_one_batch_six_times_larger() {

@@ -1,4 +1,4 @@
-//! `Checkpointer` across real ranks (`resume_worker` under `tchrun`): exact resume
+//! `Checkpointer` across real ranks (`checkpoint_worker` under `tchrun`): exact resume
 //! after a killed rank, skipping incomplete and corrupt checkpoints.
 
 use std::fs;
@@ -11,7 +11,7 @@ use tch_distributed_tests::{
     run_python, run_with, scratch_dir, tchrun, wait_until, without_launcher, Run,
 };
 
-const WORKER: &str = env!("CARGO_BIN_EXE_resume_worker");
+const WORKER: &str = env!("CARGO_BIN_EXE_checkpoint_worker");
 const TIMEOUT: Duration = Duration::from_secs(120);
 
 fn train(dir: &Path, ckpt: &str, steps: &str, kind: &str, kill_at: Option<&str>) -> Run {
@@ -96,7 +96,7 @@ fn resume_after_a_killed_rank_is_bit_for_bit() {
     }
 }
 
-/// `resume_worker` as one process, no launcher (a world of one): rank 0 alone makes,
+/// `checkpoint_worker` as one process, no launcher (a world of one): rank 0 alone makes,
 /// writes and completes each checkpoint.
 fn train_alone(dir: &Path, ckpt: &str, steps: &str, env: &[(&str, &str)]) -> Run {
     let mut cmd = Command::new(WORKER);
@@ -305,7 +305,7 @@ enum Launch {
     SelfLaunch,
 }
 
-/// Runs `resume_worker` on 2 ranks for 1,000,000 steps and, once step 6 is done,
+/// Runs `checkpoint_worker` on 2 ranks for 1,000,000 steps and, once step 6 is done,
 /// sends `signal` as `delivery` says. Asserts that the job exits with 128 + the
 /// signal within a minute, every rank stopped once at the same step, and that one
 /// complete checkpoint holds it; returns that step.

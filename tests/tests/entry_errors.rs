@@ -10,7 +10,7 @@ use tch_distributed_tests::{free_port, run_with, scratch_dir, without_launcher, 
 #[path = "support/messages.rs"]
 mod messages;
 
-const WORKER: &str = env!("CARGO_BIN_EXE_macro_worker");
+const WORKER: &str = env!("CARGO_BIN_EXE_distributed_program");
 
 /// The marks of an unclean failure.
 fn assert_clean(run: &Run, expected: &[&str]) {
@@ -105,8 +105,8 @@ fn ranks_with_different_models_name_the_variable() {
     );
 }
 
-/// The model mismatch error for `MISMATCH=extra` (see `macro_worker`) on `nproc` ranks:
-/// rank 0's message block.
+/// The model mismatch error for `MISMATCH=extra` (see `distributed_program`) on `nproc`
+/// ranks: rank 0's message block.
 fn models_error(nproc: usize, extra: usize) -> String {
     let dir = scratch_dir("entry-mismatch-many");
     let mut cmd = Command::new(tch_distributed_tests::tchrun());

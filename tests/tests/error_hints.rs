@@ -1,6 +1,6 @@
 //! Documented failures that no other test provokes, each of which must end the
 //! program with an error naming the problem and the fix, not a panic or a hang
-//! (`hint_worker`, plain tch code with `#[distributed]`):
+//! (`error_hints_worker`, plain tch code with `#[distributed]`):
 //!
 //! - a launch environment with `RANK` but no `WORLD_SIZE`, or the reverse;
 //! - a rendezvous address that cannot be reached (TEST-NET-1, never routed), with a
@@ -17,10 +17,10 @@ use std::time::Duration;
 
 use tch_distributed_tests::{run_tchrun, run_with, scratch_dir, without_launcher, Run};
 
-const WORKER: &str = env!("CARGO_BIN_EXE_hint_worker");
+const WORKER: &str = env!("CARGO_BIN_EXE_error_hints_worker");
 const TIMEOUT: Duration = Duration::from_secs(90);
 
-/// `hint_worker hello` as one process with `env` as its launch environment.
+/// `error_hints_worker hello` as one process with `env` as its launch environment.
 fn hello(name: &str, env: &[(&str, &str)]) -> Run {
     let dir = scratch_dir(name);
     let mut cmd = Command::new(WORKER);

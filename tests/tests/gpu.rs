@@ -326,7 +326,7 @@ fn read(dir: &Path, name: &str) -> String {
 #[test]
 fn bf16_and_fp16_autocast_on_cuda() {
     require_gpu();
-    let worker = binary("knobs_worker");
+    let worker = binary("settings_worker");
     let dir = scratch_dir("gpu-precision");
     let d = dir.to_str().unwrap();
     for (mode, banner, kinds) in [
@@ -389,7 +389,7 @@ fn torch_capability() -> Option<(u32, u32)> {
 #[test]
 fn auto_mixed_precision_picks_bf16_from_compute_capability_8() {
     require_gpu();
-    let worker = binary("knobs_worker");
+    let worker = binary("settings_worker");
     let dir = scratch_dir("gpu-auto");
     let run = alone(&worker, &[dir.to_str().unwrap(), "auto"], &[], &dir);
     run.assert_success();
@@ -459,7 +459,7 @@ fn seen(dir: &Path, rank: usize, epoch: usize) -> Vec<i64> {
 #[test]
 fn the_pinned_memory_loader_delivers_every_sample_to_cuda() {
     require_gpu();
-    let worker = binary("data_worker");
+    let worker = binary("data_loading_worker");
     let (n, batch) = (31usize, 4usize);
     for (world, backend) in [
         (1, Backend::Default),
@@ -528,7 +528,7 @@ fn assert_equal(a: &[(String, tch::Tensor)], b: &[(String, tch::Tensor)], what: 
 #[test]
 fn resume_after_sigkill_on_cuda_is_bit_for_bit() {
     require_gpu();
-    let worker = binary("resume_worker");
+    let worker = binary("checkpoint_worker");
     // Deterministic cuBLAS, so that two runs can agree bit for bit.
     let cublas = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8");
     let train = |dir: &Path, steps: &str, kind: &str, kill: bool| {

@@ -10,12 +10,12 @@ use tch_distributed_tests::{
     wait_for_text, Run,
 };
 
-#[path = "support/macro_reference.rs"]
-mod macro_reference;
+#[path = "support/distributed_program_reference.rs"]
+mod distributed_program_reference;
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ddp_worker");
 const COLLECTIVES: &str = env!("CARGO_BIN_EXE_collectives");
-const MACRO_WORKER: &str = env!("CARGO_BIN_EXE_macro_worker");
+const DISTRIBUTED_PROGRAM: &str = env!("CARGO_BIN_EXE_distributed_program");
 const TIMEOUT: Duration = Duration::from_secs(90);
 
 #[test]
@@ -195,7 +195,7 @@ fn a_slurm_job_step_forms_the_job_from_srun_variables() {
         "for task in 0 1; do \
            SLURM_PROCID=$task SLURM_LOCALID=$task SLURM_NODEID=0 SLURM_STEP_NUM_TASKS=2 \
            SLURM_STEP_TASKS_PER_NODE='2(x1)' SLURM_STEP_NODELIST=localhost SLURM_JOB_ID=7{:04} \
-           {MACRO_WORKER} {d} 30 & pids=\"$pids $!\"; done; \
+           {DISTRIBUTED_PROGRAM} {d} 30 & pids=\"$pids $!\"; done; \
          for p in $pids; do wait $p || exit 1; done",
         port - 15000
     );
@@ -215,7 +215,7 @@ fn a_slurm_job_step_forms_the_job_from_srun_variables() {
         .map(|r| std::fs::read_to_string(dir.join(format!("params{r}.txt"))).unwrap())
         .collect();
     assert_eq!(params[0], params[1], "one model trained by both tasks");
-    macro_reference::assert_model_equals_reference(&dir, 2);
+    distributed_program_reference::assert_model_equals_reference(&dir, 2);
 }
 
 /// Whether `pid` still runs (exists and is not a zombie).
@@ -286,7 +286,7 @@ fn ranks_exit_when_tchrun_is_sigkilled() {
 #[test]
 fn ranks_exit_when_a_self_launching_program_is_sigkilled() {
     let dir = scratch_dir("orphans-self-out");
-    let mut cmd = Command::new(MACRO_WORKER);
+    let mut cmd = Command::new(DISTRIBUTED_PROGRAM);
     // 2 epochs of 500,000 batches: far longer than the test.
     cmd.args([dir.to_str().unwrap(), "2000000"]);
     tch_distributed_tests::without_launcher(&mut cmd).env("TCH_DISTRIBUTED_NPROC", "2");
@@ -300,7 +300,7 @@ fn ranks_exit_when_a_self_launching_program_is_sigkilled() {
 #[test]
 fn a_self_launching_program_restarts_its_ranks() {
     let dir = scratch_dir("self-restarts");
-    let mut cmd = Command::new(MACRO_WORKER);
+    let mut cmd = Command::new(DISTRIBUTED_PROGRAM);
     cmd.args([dir.to_str().unwrap(), "40"]);
     tch_distributed_tests::without_launcher(&mut cmd)
         .env("TCH_DISTRIBUTED_NPROC", "2")
@@ -480,7 +480,7 @@ fn two_nodes_restart_together_at_node_0s_store() {
             "1",
         ])
         .args(["--master-port", &port, "--max-restarts", "1"])
-        .args(["sh", "-c", wrapper, MACRO_WORKER, d, "40"])
+        .args(["sh", "-c", wrapper, DISTRIBUTED_PROGRAM, d, "40"])
         .env_remove("TCH_DISTRIBUTED_NPROC");
         cmd
     };
@@ -516,5 +516,5 @@ fn two_nodes_restart_together_at_node_0s_store() {
         .map(|r| std::fs::read_to_string(dir.join(format!("params{r}.txt"))).unwrap())
         .collect();
     assert_eq!(params[0], params[1], "one model trained by both nodes");
-    macro_reference::assert_model_equals_reference(&dir, 2);
+    distributed_program_reference::assert_model_equals_reference(&dir, 2);
 }

@@ -11,14 +11,14 @@ use tch_distributed_tests::{
     free_port, output_within, run_with, scratch_dir, skip, without_launcher, Run, Scratch,
 };
 
-const MACRO_WORKER: &str = env!("CARGO_BIN_EXE_macro_worker");
+const DISTRIBUTED_PROGRAM: &str = env!("CARGO_BIN_EXE_distributed_program");
 
-#[path = "support/macro_reference.rs"]
-mod macro_reference;
+#[path = "support/distributed_program_reference.rs"]
+mod distributed_program_reference;
 const TIMEOUT: Duration = Duration::from_secs(90);
 
-/// Both ranks trained one model, the one-process closed form's (`macro_reference`),
-/// and rank 0's banner names the job.
+/// Both ranks trained one model, the one-process closed form's
+/// (`distributed_program_reference`), and rank 0's banner names the job.
 fn assert_one_job(run: &Run, dir: &std::path::Path, rendezvous: &str) {
     run.assert_success();
     assert!(
@@ -38,16 +38,16 @@ fn assert_one_job(run: &Run, dir: &std::path::Path, rendezvous: &str) {
         .map(|r| std::fs::read_to_string(dir.join(format!("params{r}.txt"))).unwrap())
         .collect();
     assert_eq!(params[0], params[1], "one model trained by both ranks");
-    macro_reference::assert_model_equals_reference(dir, 2);
+    distributed_program_reference::assert_model_equals_reference(dir, 2);
 }
 
-/// Starts `macro_worker` twice, rank `$r` of 2, with `vars` (a shell line of
+/// Starts `distributed_program` twice, rank `$r` of 2, with `vars` (a shell line of
 /// assignments in which `$r` is the rank).
 fn two_ranks_with(name: &str, vars: &str) -> (Run, Scratch) {
     let dir = scratch_dir(name);
     let d = dir.to_str().unwrap();
     let script = format!(
-        "for r in 0 1; do {vars} {MACRO_WORKER} {d} 30 & pids=\"$pids $!\"; done; \
+        "for r in 0 1; do {vars} {DISTRIBUTED_PROGRAM} {d} 30 & pids=\"$pids $!\"; done; \
          for p in $pids; do wait $p || exit 1; done"
     );
     let mut cmd = Command::new("bash");
@@ -120,7 +120,7 @@ fn a_real_mpirun_starts_the_job() {
             .arg("--oversubscribe");
     }
     // No MASTER_ADDR or MASTER_PORT: one host, so loopback, and a port from the job id.
-    cmd.args(["-np", "2", MACRO_WORKER, dir.to_str().unwrap(), "30"]);
+    cmd.args(["-np", "2", DISTRIBUTED_PROGRAM, dir.to_str().unwrap(), "30"]);
     without_launcher(&mut cmd);
     let run = run_with(cmd, &dir, TIMEOUT, |_, _| {});
     eprintln!("ran under {version}");

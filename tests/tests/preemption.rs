@@ -2,7 +2,7 @@
 //! signal sent to one pid), which the book documents as "returns the signal on every
 //! rank as soon as any rank got one, so that all ranks stop at the same step, write
 //! one checkpoint together and exit with 128 + the signal". The ranks of
-//! `resume_worker` are started by hand (no launcher that would forward the signal to
+//! `checkpoint_worker` are started by hand (no launcher that would forward the signal to
 //! the others), and one of them gets SIGTERM or SIGINT.
 //! (`checkpoint.rs` covers the signal sent to `tchrun`, which forwards it to all.)
 
@@ -15,10 +15,10 @@ use tch_distributed_tests::{
     free_port, run_tchrun, run_together, scratch_dir, without_launcher, Run,
 };
 
-const WORKER: &str = env!("CARGO_BIN_EXE_resume_worker");
+const WORKER: &str = env!("CARGO_BIN_EXE_checkpoint_worker");
 const TIMEOUT: Duration = Duration::from_secs(120);
 
-/// The last step rank 0 finished (`resume_worker` writes it to `OUT/progress`).
+/// The last step rank 0 finished (`checkpoint_worker` writes it to `OUT/progress`).
 fn progress(out: &Path) -> u64 {
     fs::read_to_string(out.join("progress"))
         .unwrap_or_default()
@@ -27,7 +27,7 @@ fn progress(out: &Path) -> u64 {
         .unwrap_or(0)
 }
 
-/// Starts 2 ranks of `resume_worker OUT CKPT 1000000 adam` by hand and, once step 6 is
+/// Starts 2 ranks of `checkpoint_worker OUT CKPT 1000000 adam` by hand and, once step 6 is
 /// done, sends `signal` to rank `target` alone; returns each rank's run.
 fn preempt_one_rank(out: &Path, ckpt: &Path, signal: i32, target: usize) -> Vec<Run> {
     let port = free_port().to_string();

@@ -1,6 +1,6 @@
 //! `main_process_first` and `local_main_process_first`: the other ranks start the
-//! closure only after the first rank(s) have finished it (`first_worker` records when
-//! each rank's closure started and ended; the first ones take 500 ms).
+//! closure only after the first rank(s) have finished it (`rank_helpers_worker` records
+//! when each rank's closure started and ended; the first ones take 500 ms).
 
 use std::fs;
 use std::path::Path;
@@ -11,7 +11,7 @@ use tch_distributed_tests::{
     free_port, run_tchrun, run_together, scratch_dir, tchrun, without_launcher, Run,
 };
 
-const WORKER: &str = env!("CARGO_BIN_EXE_first_worker");
+const WORKER: &str = env!("CARGO_BIN_EXE_rank_helpers_worker");
 const TIMEOUT: Duration = Duration::from_secs(90);
 
 /// (start, end) of rank `r`'s closure.

@@ -12,7 +12,7 @@ use tch_distributed_tests::{free_port, run_together, scratch_dir, without_launch
 mod messages;
 use messages::{assert_no_raw_text, assert_recorded, message_block, redact};
 
-const MACRO: &str = env!("CARGO_BIN_EXE_macro_worker");
+const DISTRIBUTED_PROGRAM: &str = env!("CARGO_BIN_EXE_distributed_program");
 
 #[test]
 fn ranks_missing_at_rendezvous_are_counted() {
@@ -22,7 +22,7 @@ fn ranks_missing_at_rendezvous_are_counted() {
         .map(|r| scratch_dir(&format!("missing-rank-{r}")))
         .into();
     let ranks = ["0", "1"].iter().zip(&dirs).map(|(rank, dir)| {
-        let mut cmd = Command::new(MACRO);
+        let mut cmd = Command::new(DISTRIBUTED_PROGRAM);
         without_launcher(&mut cmd).arg(dir).arg("8").envs([
             ("RANK", *rank),
             ("WORLD_SIZE", "3"),
@@ -72,7 +72,11 @@ fn ranks_with_different_world_sizes_say_so() {
                 // The late rank starts a second after the other.
                 let mut cmd = Command::new("sh");
                 let delay = if *rank == late { "1" } else { "0" };
-                cmd.args(["-c", &format!("sleep {delay}; exec \"$0\" \"$@\""), MACRO]);
+                cmd.args([
+                    "-c",
+                    &format!("sleep {delay}; exec \"$0\" \"$@\""),
+                    DISTRIBUTED_PROGRAM,
+                ]);
                 without_launcher(&mut cmd).arg(dir).arg("8").envs([
                     ("RANK", *rank),
                     ("WORLD_SIZE", *size),

@@ -1,7 +1,7 @@
 //! The run configuration (`tchrun config`, `tchrun --config`, the default file) and
 //! `tchrun --gpus`; the precedence of a setting's sources: flags over environment
 //! variables over the configuration file over the attribute's options
-//! (`config_worker`'s attribute: `backend = "nccl"`, `nproc_per_node = 3`,
+//! (`run_config_worker`'s attribute: `backend = "nccl"`, `nproc_per_node = 3`,
 //! `mixed_precision = "bf16"`, `grad_accum = 2`).
 
 use std::fs;
@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use tch_distributed_tests::{run_with, scratch_dir, tchrun, without_launcher, Run};
 
-const WORKER: &str = env!("CARGO_BIN_EXE_config_worker");
+const WORKER: &str = env!("CARGO_BIN_EXE_run_config_worker");
 const TIMEOUT: Duration = Duration::from_secs(90);
 
 /// The file `tchrun config` writes, before its settings.
@@ -268,7 +268,7 @@ fn gpus_picks_the_gpus_by_id() {
     assert_eq!(sorted_lines(&run), ["0 1 7 - - -"]);
 }
 
-/// The banner line of a run of `config_worker`, and its line of all-reduced steps.
+/// The banner line of a run of `run_config_worker`, and its line of all-reduced steps.
 fn banner_and_steps(run: &Run) -> (String, String) {
     run.assert_success();
     let banner = run

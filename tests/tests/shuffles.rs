@@ -9,7 +9,7 @@ use std::time::Duration;
 use tch_distributed_tests::{run_with, scratch_dir, tchrun};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_shuffle_worker");
-const MACRO_WORKER: &str = env!("CARGO_BIN_EXE_macro_worker");
+const DISTRIBUTED_PROGRAM: &str = env!("CARGO_BIN_EXE_distributed_program");
 
 /// Runs `worker args…` on 2 ranks under tchrun with `env`, recording into `dir/record`.
 fn run_2_ranks(
@@ -41,7 +41,7 @@ fn outcome(dir: &std::path::Path) -> (String, Vec<u8>) {
 fn seeded_runs_repeat_bit_for_bit_and_another_seed_changes_them() {
     for (worker, args, var) in [
         (WORKER, vec!["96", "3"], "SEED"), // shuffle_worker seeds in main
-        (MACRO_WORKER, vec![], "SEED"),    // macro_worker seeds inside the function
+        (DISTRIBUTED_PROGRAM, vec![], "SEED"), // distributed_program seeds inside the function
     ] {
         let runs: Vec<(String, Vec<u8>)> = ["1", "1", "2"]
             .iter()
@@ -50,7 +50,7 @@ fn seeded_runs_repeat_bit_for_bit_and_another_seed_changes_them() {
                 let dir = scratch_dir(&format!("shuffles-seed-{i}"));
                 let mut args: Vec<&str> = args.clone();
                 let out = dir.to_str().unwrap().to_string();
-                if worker == MACRO_WORKER {
+                if worker == DISTRIBUTED_PROGRAM {
                     args = vec![&out, "24"];
                 }
                 run_2_ranks(worker, &args, &[(var, seed)], &dir).assert_success();

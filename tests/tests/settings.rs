@@ -1,8 +1,9 @@
-//! The training knobs of `#[distributed]` (`knobs_worker`): `grad_accum` on 2 real
-//! ranks equals the same updates on one process, with one all-reduce per optimizer
-//! step, in both spellings of a training step; `mixed_precision` autocasts the
-//! forward pass, keeps the parameters in float32, gives fp16 a loss scaler whose
-//! state checkpoints keep, and the banner says what was chosen and why.
+//! The settings (the book's Reference, Settings) given as options of `#[distributed]`
+//! (`settings_worker`): `grad_accum` on 2 real ranks equals the same updates on one
+//! process, with one all-reduce per optimizer step, in both spellings of a training
+//! step; `mixed_precision` autocasts the forward pass, keeps the parameters in float32,
+//! gives fp16 a loss scaler whose state checkpoints keep, and the banner says what was
+//! chosen and why; `bucket_cap_mb` caps the first bucket too, as in PyTorch.
 
 use std::fs;
 use std::path::Path;
@@ -12,7 +13,7 @@ use std::time::Duration;
 use tch::Tensor;
 use tch_distributed_tests::{compare, run_tchrun, run_with, scratch_dir, Run};
 
-const WORKER: &str = env!("CARGO_BIN_EXE_knobs_worker");
+const WORKER: &str = env!("CARGO_BIN_EXE_settings_worker");
 const TIMEOUT: Duration = Duration::from_secs(60);
 
 fn parse(text: &str) -> Vec<f64> {
@@ -37,7 +38,7 @@ fn single(dir: &Path, mode: &str) -> Run {
 
 #[test]
 fn grad_accum_on_two_ranks_equals_the_same_updates_on_one_process() {
-    let dir = scratch_dir("knobs-accum");
+    let dir = scratch_dir("settings-accum");
     let d = dir.to_str().unwrap();
     single(&dir, "accum-reference");
     let reference = parse(&read(&dir, "params0.txt"));
@@ -74,7 +75,7 @@ fn grad_accum_on_two_ranks_equals_the_same_updates_on_one_process() {
 
 #[test]
 fn mixed_precision_autocasts_the_forward_pass_and_says_why() {
-    let dir = scratch_dir("knobs-precision");
+    let dir = scratch_dir("settings-precision");
     for (mode, banner, kinds) in [
         (
             "bf16",
@@ -113,7 +114,7 @@ fn bucket_cap_mb_caps_the_first_bucket_too_as_in_pytorch() {
     // 8 gradients of 1 KiB and 256 KiB alternately, 1,028 KiB in all: with PyTorch's
     // 1 MiB first bucket they would all share one bucket; `bucket_cap_mb = 0.5`
     // given explicitly caps the first bucket too (torch 2.11), so two buckets of 4.
-    let dir = scratch_dir("knobs-buckets");
+    let dir = scratch_dir("settings-buckets");
     let d = dir.to_str().unwrap();
     run_tchrun(
         &dir,

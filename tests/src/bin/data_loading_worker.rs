@@ -1,12 +1,13 @@
 //! Worker for the data tests, run under `tchrun`.
 //!
-//! - `data_worker loader OUT N BATCH`: a `DataLoader` over samples `0..N` (batch
+//! - `data_loading_worker loader OUT N BATCH`: a `DataLoader` over samples `0..N` (batch
 //!   `BATCH`, 2 epochs). Each rank writes the sample ids of each epoch to
 //!   `OUT/seen{rank}.txt`, and the accuracy of a fixed "prediction" over the whole
 //!   dataset, gathered batch by batch with `gather_for_metrics`, to
 //!   `OUT/metric{rank}.txt`; then the rows that `gather_for_metrics` keeps over the
 //!   rest of epoch 0 after resuming at its third step, to `OUT/resumed{rank}.txt`.
-//! - `data_worker uneven`: rank r builds a loader over `10 + r` samples (must fail).
+//! - `data_loading_worker uneven`: rank r builds a loader over `10 + r` samples (must
+//!   fail).
 //!
 //! With `TCHD_TEST_DEVICE=cuda`, `loader` moves its batches to the rank's CUDA device
 //! (`DataLoader::to_device`, through pinned host memory, the default) and prints

@@ -1,5 +1,5 @@
-//! Worker for the training-knob options of `#[distributed]`, written as single-GPU tch
-//! code: `knobs_worker OUT MODE`, MODE one of
+//! Worker for `tests/tests/settings.rs`: settings given as options of `#[distributed]`,
+//! written as single-GPU tch code: `settings_worker OUT MODE`, MODE one of
 //!
 //! - `accum`, `accum-backward`: `grad_accum = 3` over 10 batches of 2 samples per
 //!   epoch (5 micro-batches per rank on 2 ranks: a full cycle, then one that the data

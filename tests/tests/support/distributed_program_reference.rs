@@ -1,8 +1,8 @@
-//! The training `macro_worker` does, recomputed in the test process from what it
+//! The training `distributed_program` does, recomputed in the test process from what it
 //! logged, as the reference its model must equal: not the ranks agreeing with each
 //! other (which a step that does nothing, or one that averages nothing, also gives).
 //!
-//! `macro_worker` trains a linear layer `ŷ = w·x + b` (1 → 1) with SGD (learning
+//! `distributed_program` trains a linear layer `ŷ = w·x + b` (1 → 1) with SGD (learning
 //! rate 1e-4, no momentum) on the mean squared error against `y = 2x + 1`, where `x` is
 //! a sample's id. Under `#[distributed]` each step is PyTorch DDP's: every rank's
 //! gradient of its own batch's mean loss, averaged over the ranks (the `c10d::Reducer`
@@ -26,7 +26,7 @@ use std::path::Path;
 use tch::Tensor;
 use tch_distributed_tests::compare;
 
-/// `macro_worker`'s learning rate.
+/// `distributed_program`'s learning rate.
 const LR: f64 = 1e-4;
 
 /// The ids of each step's batch on `rank`, from `batches{rank}.txt`.
@@ -61,7 +61,7 @@ fn scalar(named: &[(String, Tensor)], name: &str) -> f64 {
     t.reshape([-1]).double_value(&[0])
 }
 
-/// Asserts that the model a `world`-rank `macro_worker` run saved in `dir`
+/// Asserts that the model a `world`-rank `distributed_program` run saved in `dir`
 /// (`model.safetensors`) is the reference training's (see the module's doc) within
 /// `2e-6`, that every rank started from rank 0's parameters, and that training moved
 /// them; returns the difference.

@@ -15,14 +15,14 @@ use tch_distributed_tests::{
     wait_until, Run,
 };
 
-#[path = "support/macro_reference.rs"]
-mod macro_reference;
+#[path = "support/distributed_program_reference.rs"]
+mod distributed_program_reference;
 #[path = "support/messages.rs"]
 mod messages;
 use messages::{assert_no_raw_text, assert_recorded, message_block, redact};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ddp_worker");
-const MACRO_WORKER: &str = env!("CARGO_BIN_EXE_macro_worker");
+const DISTRIBUTED_PROGRAM: &str = env!("CARGO_BIN_EXE_distributed_program");
 const STALL: &str = env!("CARGO_BIN_EXE_stall_worker");
 const TIMEOUT: Duration = Duration::from_secs(150);
 /// The port node 0 hosts the store on: each test's hosts are a network of their own.
@@ -256,7 +256,7 @@ fn an_unreachable_master_fails_within_the_rendezvous_timeout_naming_its_address(
     let Some(hosts) = hosts(2) else { return };
     let dir = scratch_dir("mh-unreachable");
     // Host 1 alone: nothing listens on host 0.
-    let mut cmd = tchrun_on(&hosts, 1, 2, 1, MACRO_WORKER);
+    let mut cmd = tchrun_on(&hosts, 1, 2, 1, DISTRIBUTED_PROGRAM);
     cmd.args([dir.to_str().unwrap(), "10"])
         .env("TCH_DISTRIBUTED_TIMEOUT", "5");
     let run = run_with(cmd, &dir, TIMEOUT, |_, _| {});
@@ -289,7 +289,7 @@ fn hosts_that_disagree_on_nnodes_are_refused() {
     let d = dir.to_str().unwrap().to_string();
     let runs = on_both_hosts(&dir, |k, _| {
         // Host 1 was told there are 3 nodes.
-        let mut cmd = tchrun_on(&hosts, k, 2 + k, 1, MACRO_WORKER);
+        let mut cmd = tchrun_on(&hosts, k, 2 + k, 1, DISTRIBUTED_PROGRAM);
         cmd.args([&d, "10"]).env("TCH_DISTRIBUTED_TIMEOUT", "20");
         cmd
     });
@@ -361,7 +361,7 @@ fn a_slurm_job_step_spans_two_hosts() {
     // One task per node, as `srun -N2 --ntasks-per-node=1` starts them; job 71234
     // puts the store on port 15000 + 1234.
     let runs = on_both_hosts(&dir, |k, _| {
-        let mut cmd = hosts.command(k, MACRO_WORKER);
+        let mut cmd = hosts.command(k, DISTRIBUTED_PROGRAM);
         let task = k.to_string();
         cmd.args([&d, "30"])
             .envs([
@@ -393,7 +393,7 @@ fn a_slurm_job_step_spans_two_hosts() {
         .map(|r| std::fs::read_to_string(dir.join(format!("params{r}.txt"))).unwrap())
         .collect();
     assert_eq!(params[0], params[1], "one model trained by both hosts");
-    macro_reference::assert_model_equals_reference(&dir, 2);
+    distributed_program_reference::assert_model_equals_reference(&dir, 2);
 }
 
 #[test]
@@ -406,7 +406,7 @@ fn ranks_that_advertise_loopback_to_another_host_are_told_the_fix() {
     let dir = scratch_dir("mh-loopback");
     let d = dir.to_str().unwrap().to_string();
     let runs = on_both_hosts(&dir, |k, _| {
-        let mut cmd = tchrun_on(&hosts, k, 2, 1, MACRO_WORKER);
+        let mut cmd = tchrun_on(&hosts, k, 2, 1, DISTRIBUTED_PROGRAM);
         cmd.args([&d, "10"])
             .env("TCH_DISTRIBUTED_TIMEOUT", "5")
             .env("GLOO_SOCKET_IFNAME", "lo");

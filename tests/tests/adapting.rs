@@ -1,6 +1,6 @@
-//! `#[distributed]` on a function written in single-GPU style (`macro_worker`), as real
-//! 1-, 2- and 3-rank runs: under `tchrun`, launching its own ranks, and without the
-//! attribute.
+//! `#[distributed]` on a function written in single-GPU style (the book's "Adapting your
+//! training function"; `distributed_program`), as real 1-, 2- and 3-rank runs: under
+//! `tchrun`, launching its own ranks, and without the attribute.
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -10,10 +10,10 @@ use std::time::Duration;
 
 use tch_distributed_tests::{compare, run_tchrun, run_with, scratch_dir, Run};
 
-#[path = "support/macro_reference.rs"]
-mod macro_reference;
+#[path = "support/distributed_program_reference.rs"]
+mod distributed_program_reference;
 
-const WORKER: &str = env!("CARGO_BIN_EXE_macro_worker");
+const WORKER: &str = env!("CARGO_BIN_EXE_distributed_program");
 const TIMEOUT: Duration = Duration::from_secs(90);
 
 /// The sample ids each rank saw in `epoch`, from `seen{rank}.txt`.
@@ -28,10 +28,10 @@ fn seen(dir: &Path, rank: usize, epoch: usize) -> Vec<i64> {
         .collect()
 }
 
-/// Checks a finished `world`-rank run of `macro_worker` over `rows` samples in
+/// Checks a finished `world`-rank run of `distributed_program` over `rows` samples in
 /// batches of 4 (the smaller last batch kept): the shards, and a model that is the
 /// one-process closed form of DDP's training on the batches the ranks logged
-/// (`macro_reference`), the same on every rank.
+/// (`distributed_program_reference`), the same on every rank.
 fn check_run(run: &Run, dir: &Path, world: usize, rows: i64) {
     run.assert_success();
     assert_eq!(
@@ -101,7 +101,7 @@ fn check_run(run: &Run, dir: &Path, world: usize, rows: i64) {
     );
     let saved = tch::Tensor::read_safetensors(dir.join("model.safetensors")).unwrap();
     assert_eq!(saved.len(), 2, "weight and bias: {saved:?}");
-    macro_reference::assert_model_equals_reference(dir, world);
+    distributed_program_reference::assert_model_equals_reference(dir, world);
 }
 
 #[test]
@@ -182,7 +182,7 @@ fn one_process_without_launcher_is_bit_identical_to_the_plain_function() {
         "the model differs with and without #[distributed]: {diff:?}"
     );
     // And both are the closed form's, as one rank of DDP.
-    macro_reference::assert_model_equals_reference(&with, 1);
+    distributed_program_reference::assert_model_equals_reference(&with, 1);
 }
 
 /// The batches each loop of `adaptor_worker` stepped on, by loop name, from

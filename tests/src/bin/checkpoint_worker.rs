@@ -1,5 +1,5 @@
 //! Worker for the checkpoint tests, run under `tchrun`:
-//! `resume_worker OUT CKPT STEPS sgd|adam`
+//! `checkpoint_worker OUT CKPT STEPS sgd|adam`
 //!
 //! Written as single-GPU tch code with `#[distributed]`: the optimizer that
 //! `.build(&vs, lr)` returns there is the SDK's, whose state `Checkpointer` saves.

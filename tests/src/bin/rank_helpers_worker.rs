@@ -1,5 +1,5 @@
 //! Worker for `main_process_first` and `local_main_process_first`:
-//! `first_worker main|local OUT_DIR`. Inside the helper every rank writes
+//! `rank_helpers_worker main|local OUT_DIR`. Inside the helper every rank writes
 //! `OUT_DIR/rank{r}.txt` with the times (nanoseconds since the epoch) at which its
 //! closure started and ended; the ranks that go first sleep 500 ms in it, so that a
 //! rank that did not wait for them would start before they end.

@@ -1,17 +1,17 @@
 //! Worker for `tests/tests/error_hints.rs`: plain tch code with `#[distributed]`.
 //!
-//! - `hint_worker unused`: a model with a layer that the loss never uses, 3 steps,
+//! - `error_hints_worker unused`: a model with a layer that the loss never uses, 3 steps,
 //!   without `find_unused_parameters`: on several ranks, c10d's Reducer fails at the
 //!   second backward pass, and the error must say how to turn the option on here.
-//! - `hint_worker unused-found`: the same with `find_unused_parameters = true`: trains,
-//!   and prints the used layer's weights (each rank's batch is its own).
-//! - `hint_worker nograd`: a loss cut from the graph (`detach`), so autograd fails
+//! - `error_hints_worker unused-found`: the same with `find_unused_parameters = true`:
+//!   trains, and prints the used layer's weights (each rank's batch is its own).
+//! - `error_hints_worker nograd`: a loss cut from the graph (`detach`), so autograd fails
 //!   inside the first synchronized backward pass: the error is autograd's, not a
 //!   collective timeout.
-//! - `hint_worker late`: a layer created after the optimizer (tch lets it join the
+//! - `error_hints_worker late`: a layer created after the optimizer (tch lets it join the
 //!   optimizer at its first step; DDP, which wrapped the model at the optimizer's
 //!   build, would not average its gradients): on several ranks, an error that says so.
-//! - `hint_worker hello`: prints `hello from rank R of W` (for launch-environment
+//! - `error_hints_worker hello`: prints `hello from rank R of W` (for launch-environment
 //!   errors, which stop it before that).
 //!
 //! Prints `step S` after each step (rank 0 only, as `#[distributed]` does).

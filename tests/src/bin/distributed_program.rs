@@ -1,12 +1,16 @@
-//! Worker for the `#[distributed]` tests: plain single-GPU tch code plus the attribute.
-//! `macro_worker OUT_DIR ROWS [--plain]` trains a linear model for 2 epochs over `ROWS`
-//! samples (batch 4, shuffled, smaller last batch kept) and writes, per rank, the
+//! The generic `#[distributed]` training program: plain single-GPU tch code plus the
+//! attribute, which every test that needs "some data-parallel training program" runs
+//! (`tests/tests/`: `adapting.rs`, `entry_errors.rs`, `launch.rs`, `mpi.rs`,
+//! `multi_node.rs`, `rendezvous_counts.rs`, `shuffles.rs`).
+//!
+//! `distributed_program OUT_DIR ROWS [--plain]` trains a linear model for 2 epochs over
+//! `ROWS` samples (batch 4, shuffled, smaller last batch kept) and writes, per rank, the
 //! sample ids it saw per epoch to `OUT_DIR/seen{rank}.txt`, the ids of each step's
 //! batch to `OUT_DIR/batches{rank}.txt` (one line per step), its parameters once the
 //! optimizer is built (rank 0's, broadcast) to `OUT_DIR/init{rank}.safetensors`, its
 //! final parameters to `OUT_DIR/params{rank}.txt`, and the model to
 //! `OUT_DIR/model.safetensors`: enough to recompute the training in one process
-//! (`tests/tests/support/macro_reference.rs`).
+//! (`tests/tests/support/distributed_program_reference.rs`).
 //! `--plain` runs the same function without the attribute. With `SEED=s` in the
 //! environment it seeds libtorch's generator first (unseeded, libtorch draws a seed
 //! at random); with `FAIL_RANK=r`, rank `r` returns an error after its first step;

@@ -1,18 +1,19 @@
 //! Worker for the gradient-accumulation test.
 //!
-//! - `accum_worker OUT accum` (under tchrun, 2 ranks): rank r trains on samples
+//! - `accumulation_worker OUT accum` (under tchrun, 2 ranks): rank r trains on samples
 //!   `6r..6r+6` as 3 micro-batches of 2 with `accumulate(3)`, then one more
 //!   micro-batch after `sync_next()` (data ending mid-cycle). It prints which
 //!   micro-steps stepped and the DDP counters, and writes the parameters after the
 //!   first optimizer step to `OUT/params{rank}-accum.safetensors`.
-//! - `accum_worker OUT spelled` (under tchrun, 2 ranks): the same 3 micro-batches with
-//!   the training step spelled out (`zero_grad`, `backward`, `step` on each), which
+//! - `accumulation_worker OUT spelled` (under tchrun, 2 ranks): the same 3
+//!   micro-batches with the training step spelled out (`zero_grad`, `backward`, `step`
+//!   on each), which
 //!   must step on the third only; it prints which stepped and writes the parameters
 //!   to `OUT/params{rank}-spelled.safetensors`.
-//! - `accum_worker OUT big` (one process): one step on all 12 samples at once, to
+//! - `accumulation_worker OUT big` (one process): one step on all 12 samples at once, to
 //!   `OUT/params-big.safetensors` (and the parameters before it to
 //!   `OUT/init.safetensors`).
-//! - `accum_worker OUT clip` (under tchrun, 2 ranks, or one process for all 12
+//! - `accumulation_worker OUT clip` (under tchrun, 2 ranks, or one process for all 12
 //!   samples): prints the global gradient norm that `clip_grad_norm` sees after the
 //!   averaging backward, and the clipped norm.
 

@@ -1,4 +1,4 @@
-//! `DataLoader` and `gather_for_metrics` across real ranks (`data_worker` under
+//! `DataLoader` and `gather_for_metrics` across real ranks (`data_loading_worker` under
 //! `tchrun`, Gloo on CPU).
 
 use std::collections::BTreeSet;
@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tch_distributed_tests::{run_tchrun, scratch_dir};
 
-const WORKER: &str = env!("CARGO_BIN_EXE_data_worker");
+const WORKER: &str = env!("CARGO_BIN_EXE_data_loading_worker");
 const TIMEOUT: Duration = Duration::from_secs(90);
 
 fn seen(dir: &Path, rank: usize, epoch: usize) -> Vec<i64> {
