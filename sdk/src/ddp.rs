@@ -155,12 +155,15 @@ impl DistributedDataParallel {
         Self::wrap(&named, &trainable, params, group, options)
     }
 
-    /// Wraps `variables` (name, variable), in that order (the names for errors): what
-    /// `#[distributed]` builds, at its first step, for an optimizer the function did
-    /// not build, over those of its variables that got a gradient. As
-    /// [`new`](Self::new) otherwise, with no buffers (the optimizer does not see them).
+    /// Wraps `variables` (name, variable; the names for errors) and averages the
+    /// gradients of those that `averaged` picks, in that order: what `#[distributed]`
+    /// builds, at its first step, for an optimizer the function did not build, over
+    /// its variables that got a gradient. Every variable is checked and broadcast from
+    /// rank 0 as in [`new`](Self::new); there are no buffers (an optimizer does not
+    /// see them).
     pub(crate) fn over_variables(
         variables: &[(String, Tensor)],
+        averaged: impl Fn(&Tensor) -> bool,
         group: &ProcessGroup,
         options: DdpOptions,
     ) -> Result<Self> {
@@ -170,7 +173,7 @@ impl DistributedDataParallel {
             .collect();
         let params: Vec<(String, Tensor)> = variables
             .iter()
-            .filter(|(_, t)| t.requires_grad())
+            .filter(|(_, t)| t.requires_grad() && averaged(t))
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
             .collect();
         let trainable = variables

@@ -1,6 +1,7 @@
 //! What the rewritten calls run: the optimizer `.build` makes, the backward steps
-//! (with the gradients of optimizers the function did not build averaged before the
-//! update), `loss.backward()`, `vs.save`/`vs.load`, autocast, the device.
+//! (with the gradients of optimizers the function did not build averaged by a DDP
+//! built at their first step), `loss.backward()`, `vs.save`/`vs.load`, autocast, the
+//! device.
 
 use std::path::Path;
 
@@ -246,14 +247,18 @@ fn key(variables: &[Tensor]) -> usize {
     variables.first().map_or(0, |v| v.data_ptr() as usize)
 }
 
-/// The variables of `variables` (by index) that have a gradient now.
-fn with_gradients(variables: &[Tensor]) -> Vec<(String, Tensor)> {
+/// `variables`, named by their index for errors (`variable 3`).
+fn numbered(variables: &[Tensor]) -> Vec<(String, Tensor)> {
     variables
         .iter()
         .enumerate()
-        .filter(|(_, v)| v.grad().defined())
         .map(|(i, v)| (format!("variable {i}"), v.shallow_clone()))
         .collect()
+}
+
+/// Whether `variable` has a gradient now.
+fn has_gradient(variable: &Tensor) -> bool {
+    variable.grad().defined()
 }
 
 /// A backward pass of `loss` for tch's optimizer over `variables`: through its DDP
@@ -274,24 +279,26 @@ fn backward_through(variables: &[Tensor], loss: &Tensor) {
 /// its backward pass: the DDP over the variables that got a gradient, with rank 0's
 /// parameters adopted and this step's gradients averaged through it.
 fn first_step(ctx: &init::Context, variables: &[Tensor]) -> DistributedDataParallel {
-    let named = with_gradients(variables);
+    same_gradients_everywhere(ctx, variables);
     // The Reducer needs no loss to prepare: no graph walk, no static graph.
-    let ddp =
-        DistributedDataParallel::over_variables(&named, ctx.process_group(), bucket_options(ctx))
-            .unwrap_or_else(|e| fail_with_source(UNAVERAGED, &e));
+    let ddp = DistributedDataParallel::over_variables(
+        &numbered(variables),
+        has_gradient,
+        ctx.process_group(),
+        bucket_options(ctx),
+    )
+    .unwrap_or_else(|e| fail_with_source(UNAVERAGED, &e));
     crate::record::optimizer_stepped(variables);
-    let grads: Vec<(Tensor, Tensor)> = named
-        .into_iter()
-        .map(|(_, v)| {
-            let g = v.grad().detach().copy();
-            (v, g)
-        })
+    let grads: Vec<(&Tensor, Tensor)> = variables
+        .iter()
+        .filter(|v| has_gradient(v))
+        .map(|v| (v, v.grad().detach().copy()))
         .collect();
     let params: Vec<Tensor> = grads.iter().map(|(v, _)| v.shallow_clone()).collect();
     or_fail(crate::optim::set_grads_to_none(&params), UNAVERAGED);
     let surrogate = grads
         .iter()
-        .map(|(v, g)| (v * g).sum(v.kind()))
+        .map(|(v, g)| (*v * g).sum(v.kind()))
         .reduce(|a, b| a + b)
         .expect("over_variables refuses no variables");
     ddp.backward(&surrogate)
@@ -299,11 +306,41 @@ fn first_step(ctx: &init::Context, variables: &[Tensor]) -> DistributedDataParal
     ddp
 }
 
+/// Ends the program, on every rank, when the ranks do not have gradients for the same
+/// variables at the optimizer's first step (a layer that some ranks did not use): its
+/// DDP is built over those that have one.
+fn same_gradients_everywhere(ctx: &init::Context, variables: &[Tensor]) {
+    let defined: Vec<i64> = variables
+        .iter()
+        .map(|v| v.grad().defined() as i64)
+        .collect();
+    let mut fewest = Tensor::from_slice(&defined);
+    let mut most = fewest.copy();
+    let pg = ctx.process_group();
+    or_fail(pg.all_reduce(&mut fewest, crate::ReduceOp::Min), UNAVERAGED);
+    or_fail(pg.all_reduce(&mut most, crate::ReduceOp::Max), UNAVERAGED);
+    if let Some(i) = Vec::<i64>::try_from(&(most - fewest))
+        .unwrap_or_default()
+        .iter()
+        .position(|d| *d != 0)
+    {
+        fail(
+            UNAVERAGED,
+            format!(
+                "variable {i} of the optimizer has a gradient on some ranks and none on \
+                 others at its first step (a layer not used on every rank): use every \
+                 layer in every step, or build the optimizer inside the function, whose \
+                 DDP handles it (find_unused_parameters = true)"
+            ),
+        );
+    }
+}
+
 /// Ends the program when a variable outside `ddp` (one that had no gradient at the
 /// optimizer's first step) has one now: its gradient would not be averaged.
 fn check_covered(ddp: &DistributedDataParallel, variables: &[Tensor]) {
     let covered = ddp.variable_count();
-    let outside = with_gradients(variables).len();
+    let outside = variables.iter().filter(|v| has_gradient(v)).count();
     if outside > covered {
         fail(
             UNAVERAGED,
