@@ -102,14 +102,30 @@ impl VisitMut for Rewrite {
                     // The arguments are checked once, against tch's own signature; the
                     // original call is type-checked, never run, so that the
                     // `OptimizerConfig` import it needs stays used.
-                    ("build", [vs, lr]) => Some(parse_quote_spanned!(span=> {
-                        let __tchd_vs: &#k::__private::VarStore = #vs;
-                        let __tchd_lr: f64 = #lr;
-                        let _ = || #recv.build(__tchd_vs, __tchd_lr);
-                        #k::__private::build(&#recv, __tchd_vs, __tchd_lr)
-                    })),
+                    // The receiver and arguments are evaluated once; the call as
+                    // written is type-checked (its arguments against tch's own
+                    // signature, an error pointing at the user's argument) and runs
+                    // for a receiver that is no configuration the SDK knows.
+                    ("build", [vs, lr]) => {
+                        let method = &m.method;
+                        let (v, l) = (
+                            syn::Ident::new("__tchd_vs", vs.span()),
+                            syn::Ident::new("__tchd_lr", lr.span()),
+                        );
+                        Some(parse_quote_spanned!(span=>
+                            (&#k::__private::Probe::new(#k::__private::build_call(
+                                (#recv, #vs, #lr),
+                                |(__tchd_config, #v, #l)| __tchd_config.#method(#v, #l),
+                            )))
+                            .__tchd_build()
+                        ))
+                    }
+                    // The SDK's optimizer returns a `Result` where tch's returns
+                    // nothing: its value's type decides.
                     (name, _) if on_optimizer && RESULT_METHODS.contains(&name) => {
-                        Some(parse_quote_spanned!(span=> #k::__private::or_fail(#m, #name)))
+                        Some(parse_quote_spanned!(span=>
+                            (&#k::__private::Probe::new(#m)).__tchd_or_fail(#name)
+                        ))
                     }
                     // `opt.step()` on an optimizer the function did not build (a
                     // field, an argument): the gradients are averaged first when its
@@ -146,7 +162,7 @@ impl VisitMut for Rewrite {
                     ("backward", []) => match self.analysis.optimizers.as_slice() {
                         [] => None,
                         [opt] => Some(parse_quote_spanned!(span=>
-                            #k::__private::backward(&mut #opt, &#recv)
+                            (&#k::__private::Probe::new(&mut #opt)).__tchd_backward(&#recv)
                         )),
                         several => {
                             let names: Vec<String> =
@@ -377,7 +393,9 @@ pub fn expand(options: Options, analysis: Analysis, mut func: ItemFn) -> syn::Re
     *func.block = parse_quote!({
         #[allow(unused_imports)]
         use #krate::__private::{
-            ExitKnown as _, ExitOther as _, ShardKnown as _, ShardOther as _,
+            BackwardKnown as _, BackwardOther as _, BuildKnown as _, BuildOther as _,
+            ExitKnown as _, ExitOther as _, ResultKnown as _, ResultOther as _,
+            ShardKnown as _, ShardOther as _,
             StepKnown as _, StepOther as _, Steps as _, VarStoreMutKnown as _,
             VarStoreMutOther as _, VarStoreRefKnown as _, VarStoreRefOther as _,
         };

@@ -6,10 +6,14 @@
 //! rewrite turns into a collective is a collective here, by the same entry.
 //!
 //! Decided by spelling, for syntax that has no type the macro could see: the names
-//! below are method and macro names. Where a receiver's type decides (an optimizer's
-//! `step`, a `VarStore`'s `save`, a loop's source, the function's `Result`), the
-//! runtime's probes on that type decide (`tch_distributed::__private`), and these
-//! names only say where a probe goes.
+//! below are method and macro names. Where a receiver's type decides (what `.build`
+//! makes, an optimizer's `step` and backward steps, `loss.backward()` and the
+//! `Result` methods of the optimizers the function built, a `VarStore`'s `save`, a
+//! loop's source, the function's `Result`), the runtime's probes on that type decide
+//! (`tch_distributed::__private`), and these names only say where a probe goes.
+//! Validation has no types: a call named as a collective below is refused in a
+//! branch that some ranks skip whatever its receiver (a two-argument `build` of
+//! another type included).
 
 /// Names whose value differs between ranks: a branch on them is taken by some ranks
 /// only.
@@ -54,7 +58,8 @@ pub const HANDS_ON: &[&str] = &[
 ];
 
 /// The optimizer's methods that return a `Result` in the SDK and nothing (or a
-/// number) in tch: rewritten on the optimizers the function built.
+/// number) in tch: on the optimizers the function built, the value's type decides
+/// (an SDK `Result` is unwrapped, ending the program with the cause on an error).
 pub const RESULT_METHODS: &[&str] = &[
     "zero_grad",
     "step",

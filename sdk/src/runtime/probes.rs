@@ -220,3 +220,85 @@ impl<T: SyncBeforeStep + ?Sized> StepKnown for Probe<&T> {
 impl<T> StepOther for &Probe<T> {
     fn __tchd_before_step(&self) {}
 }
+
+/// `config.build(vs, lr)`: the receiver and arguments, evaluated once, with the call
+/// as written (`|(config, vs, lr)| config.build(vs, lr)`) for receivers that are no
+/// optimizer configuration the SDK knows. The function only gives the closure its
+/// argument's type.
+pub fn build_call<A, T, F: FnOnce(A) -> T>(args: A, call: F) -> (A, F) {
+    (args, call)
+}
+
+/// `.build(&vs, lr)` on one of tch's optimizer configurations ([`OptimizerKind`]):
+/// the SDK's optimizer, stepping through a DDP of `vs` ([`super::build`]).
+pub trait BuildKnown {
+    fn __tchd_build(&self) -> Result<crate::Optimizer, tch::TchError>;
+}
+/// `.build(…)` on anything else (a configuration of the program's own, a builder of
+/// another crate): the call as written. An optimizer it makes is averaged as one the
+/// function did not build (see [`super::SyncBeforeStep`]).
+pub trait BuildOther {
+    type Output;
+    fn __tchd_build(&self) -> Self::Output;
+}
+impl<C: crate::OptimizerKind, F> BuildKnown for Probe<((C, &VarStore, f64), F)> {
+    fn __tchd_build(&self) -> Result<crate::Optimizer, tch::TchError> {
+        let ((config, vs, lr), _) = self.take();
+        super::build(&config, vs, lr)
+    }
+}
+impl<A, T, F: FnOnce(A) -> T> BuildOther for &Probe<(A, F)> {
+    type Output = T;
+    fn __tchd_build(&self) -> T {
+        let (args, call) = self.take();
+        call(args)
+    }
+}
+
+/// A method of an optimizer the function built, that returns a `Result` in the SDK
+/// and nothing (or a number) in tch: the value, or the end of the program with the
+/// cause and the fix (`what` names the call).
+pub trait ResultKnown {
+    type Output;
+    fn __tchd_or_fail(&self, what: &str) -> Self::Output;
+}
+/// The same method on tch's optimizer (one a configuration the SDK does not know
+/// built): its value as is.
+pub trait ResultOther {
+    type Output;
+    fn __tchd_or_fail(&self, what: &str) -> Self::Output;
+}
+impl<T> ResultKnown for Probe<crate::Result<T>> {
+    type Output = T;
+    fn __tchd_or_fail(&self, what: &str) -> T {
+        super::or_fail(self.take(), what)
+    }
+}
+impl<T> ResultOther for &Probe<T> {
+    type Output = T;
+    fn __tchd_or_fail(&self, _what: &str) -> T {
+        self.take()
+    }
+}
+
+/// `loss.backward()` in a function that built one optimizer: through it when it is
+/// the SDK's, so that the gradients are averaged (and accumulated, and scaled) as its
+/// steps expect.
+pub trait BackwardKnown {
+    fn __tchd_backward(&self, loss: &tch::Tensor);
+}
+/// With tch's optimizer (one a configuration the SDK does not know built): the plain
+/// backward pass, which that optimizer's DDP averages once it has one.
+pub trait BackwardOther {
+    fn __tchd_backward(&self, loss: &tch::Tensor);
+}
+impl BackwardKnown for Probe<&mut crate::Optimizer> {
+    fn __tchd_backward(&self, loss: &tch::Tensor) {
+        super::backward(self.take(), loss)
+    }
+}
+impl<T> BackwardOther for &Probe<T> {
+    fn __tchd_backward(&self, loss: &tch::Tensor) {
+        super::or_fail(loss.f_backward().map_err(Into::into), "backward")
+    }
+}

@@ -42,16 +42,17 @@ macro_rules! train {
                 let xs = all.narrow(0, rank as i64 * share, share);
                 let ys = (xs.select(1, 0) - xs.select(1, 1) * 2.0).view([-1, 1]);
                 let loss_of = |xs: &Tensor, ys: &Tensor| {
-                    let hidden = net.forward(xs);
-                    let mut out = hidden.shallow_clone();
+                    let out = net.forward(xs);
                     let from = match mode {
                         "partial-1" => 0,
                         "partial-2" => 1,
                         _ => i64::MAX,
                     };
-                    if rank == 0 && step >= from {
-                        out = out + head.forward(xs);
-                    }
+                    let out = if rank == 0 && step >= from {
+                        out + head.forward(xs)
+                    } else {
+                        out
+                    };
                     out.mse_loss(ys, tch::Reduction::Mean)
                 };
                 match mode {
