@@ -141,17 +141,22 @@ fn train(args: &Args) -> Result<()> {
 
     let start = Instant::now();
     let (mut window, mut loss_sum, mut losses) = (Instant::now(), 0.0, 0);
-    let mut step = 0;
+    let (mut step, mut first_epoch) = (0, 1);
     if let Some(checkpoints) = &checkpoints {
-        // The one line a restartable job needs: resume from the newest complete
-        // checkpoint, if there is one (a restart after a failure, or a rerun).
+        // What a restartable job needs: resume from the newest complete checkpoint,
+        // if there is one (a restart after a failure, or a rerun). The batch loop
+        // below resumes by itself (the same shuffle, past the batches already
+        // trained on); the step and epoch counters are the program's own.
         if let Some(state) = checkpoints.load_state(&mut vs, &mut opt)? {
-            step = state.step as usize;
+            (step, first_epoch) = (state.step as usize, state.epoch);
             println!("resumed from step {step}");
         }
     }
-    'training: for epoch in 1.. {
+    'training: for epoch in first_epoch.. {
         for batch in data.iter_shuffle(args.seq_len + 1, args.batch_size) {
+            if step >= args.steps {
+                break 'training;
+            }
             let batch = batch.to_kind(Kind::Int64).to_device(device);
             let xs = batch.narrow(1, 0, args.seq_len);
             let ys = batch.narrow(1, 1, args.seq_len);
@@ -177,7 +182,9 @@ fn train(args: &Args) -> Result<()> {
                 (window, loss_sum, losses) = (Instant::now(), 0.0, 0);
             }
             if let Some(checkpoints) = &checkpoints {
-                if step % args.checkpoint_every == 0 && step < args.steps {
+                // Every `checkpoint_every` steps, and the last: a later run with more
+                // `--steps` continues from there.
+                if step % args.checkpoint_every == 0 || step >= args.steps {
                     let state = TrainState {
                         step: step as u64,
                         epoch,

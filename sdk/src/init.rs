@@ -11,6 +11,7 @@ use crate::ddp::DistributedDataParallel;
 use crate::devices;
 use crate::env::LaunchEnv;
 use crate::error::{Error, Result};
+use crate::loop_position::LoopPositions;
 use crate::process_group::{Backend, ProcessGroup};
 use crate::random_state::RandomState;
 use crate::rendezvous::job_token::{self, JobToken};
@@ -65,6 +66,8 @@ struct Run {
     why: String,
     /// The DDPs `#[distributed]` built for optimizers the function did not build.
     optimizer_ddps: OptimizerDdps,
+    /// Where the sharded loops stand, and where a loaded checkpoint resumes them.
+    loops: LoopPositions,
 }
 
 /// The DDP of each optimizer the function did not build, by its first variable's
@@ -349,8 +352,14 @@ impl Context {
                 precision: precision.0,
                 why: precision.1,
                 optimizer_ddps: OptimizerDdps::default(),
+                loops: LoopPositions::default(),
             }),
         })
+    }
+
+    /// Where the run's sharded loops stand ([`LoopPositions`]).
+    pub(crate) fn loops(&self) -> &LoopPositions {
+        &self.run.loops
     }
 
     /// Runs `f` on the DDP that `#[distributed]` keeps for the optimizer whose first

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{children, example, run_with, scratch_dir, tchrun, Scratch};
+use tch_distributed_tests::{children, compare, example, run_with, scratch_dir, tchrun, Scratch};
 
 #[test]
 fn launches_two_ranks_itself_trains_and_writes_one_checkpoint() {
@@ -72,22 +72,29 @@ fn launches_two_ranks_itself_trains_and_writes_one_checkpoint() {
     );
 }
 
-/// The main job's restart pattern: with `--checkpoint-dir`, a rank SIGKILLed mid-run
-/// under `tchrun --max-restarts 1` costs only the steps since the last checkpoint: the
-/// job starts again, resumes from the newest complete checkpoint and finishes.
-#[test]
-fn a_killed_rank_under_max_restarts_resumes_from_the_newest_checkpoint() {
-    let (mut cmd, dir) = main_job_under_tchrun("shakespeare-restart", &["--max-restarts", "1"]);
-    let ckpt = dir.join("ckpt");
+/// The main job's arguments for the restart tests: `steps` steps, a checkpoint every 4.
+fn restart_args(cmd: &mut Command, steps: &str) {
     cmd.args([
         "--checkpoint-every",
         "4",
         "--steps",
-        "400",
+        steps,
         "--log-every",
         "100",
     ])
     .args(["--batch-size", "4", "--seq-len", "16", "--hidden", "32"]);
+}
+
+/// The main job's restart pattern: with `--checkpoint-dir`, a rank SIGKILLed mid-run
+/// under `tchrun --max-restarts 1` costs only the steps since the last checkpoint: the
+/// job starts again, resumes from the newest complete checkpoint (its batch loop with
+/// the same shuffle, past the batches it had trained on) and finishes with the
+/// weights of a run that was not interrupted, bit for bit.
+#[test]
+fn a_killed_rank_under_max_restarts_resumes_from_the_newest_checkpoint() {
+    let (mut cmd, dir) = main_job_under_tchrun("shakespeare-restart", &["--max-restarts", "1"]);
+    let ckpt = dir.join("ckpt");
+    restart_args(&mut cmd, "400");
     let run = run_with(cmd, &dir, Duration::from_secs(300), |pid, _| {
         // Once a checkpoint is complete, kill a rank.
         let deadline = std::time::Instant::now() + Duration::from_secs(120);
@@ -116,6 +123,44 @@ fn a_killed_rank_under_max_restarts_resumes_from_the_newest_checkpoint() {
         "{}",
         run.stdout
     );
+
+    // The same job, not interrupted.
+    let (mut cmd, whole) = main_job_under_tchrun("shakespeare-uninterrupted", &[]);
+    restart_args(&mut cmd, "400");
+    run_with(cmd, &whole, Duration::from_secs(300), |_, _| {}).assert_success();
+    let same = compare::files(
+        &dir.join("model.safetensors"),
+        &whole.join("model.safetensors"),
+    );
+    assert_eq!(same.max_abs, 0.0, "resumed against uninterrupted: {same:?}");
+}
+
+/// A run that ends at `--steps` leaves a checkpoint of its last step: the same job with
+/// more `--steps` continues from there, to the weights of one run of that many steps,
+/// bit for bit.
+#[test]
+fn more_steps_continue_from_the_last_step() {
+    let (mut cmd, dir) = main_job_under_tchrun("shakespeare-continue", &[]);
+    restart_args(&mut cmd, "6");
+    run_with(cmd, &dir, Duration::from_secs(120), |_, _| {}).assert_success();
+    assert!(
+        dir.join("ckpt/step-0000000006/COMPLETE").exists(),
+        "the last step's checkpoint"
+    );
+    let mut cmd = main_job_in(&dir, &[]);
+    restart_args(&mut cmd, "12");
+    let run = run_with(cmd, &dir, Duration::from_secs(120), |_, _| {});
+    run.assert_success();
+    assert!(run.stdout.contains("resumed from step 6"), "{}", run.stdout);
+
+    let (mut cmd, whole) = main_job_under_tchrun("shakespeare-twelve", &[]);
+    restart_args(&mut cmd, "12");
+    run_with(cmd, &whole, Duration::from_secs(120), |_, _| {}).assert_success();
+    let same = compare::files(
+        &dir.join("model.safetensors"),
+        &whole.join("model.safetensors"),
+    );
+    assert_eq!(same.max_abs, 0.0, "6 then 6 more against 12: {same:?}");
 }
 
 /// The main job on 2 ranks under `tchrun` with `flags`, on a small text, writing its
@@ -123,6 +168,11 @@ fn a_killed_rank_under_max_restarts_resumes_from_the_newest_checkpoint() {
 /// which a test adds the example's other arguments, and that directory.
 fn main_job_under_tchrun(name: &str, flags: &[&str]) -> (Command, Scratch) {
     let dir = scratch_dir(name);
+    (main_job_in(&dir, flags), dir)
+}
+
+/// [`main_job_under_tchrun`] in `dir`, which may hold an earlier run's checkpoints.
+fn main_job_in(dir: &Path, flags: &[&str]) -> Command {
     let text = dir.join("input.txt");
     fs::write(
         &text,
@@ -141,7 +191,7 @@ fn main_job_under_tchrun(name: &str, flags: &[&str]) -> (Command, Scratch) {
         .arg(dir.join("runs"))
         .arg("--checkpoint-dir")
         .arg(dir.join("ckpt"));
-    (cmd, dir)
+    cmd
 }
 
 /// The main job's global loss at each step (rank 0's `metrics.jsonl`), and the

@@ -15,6 +15,7 @@ use crate::data::LoaderPosition;
 use crate::error::{Error, Result};
 use crate::init;
 use crate::log;
+use crate::loop_position::LoopPosition;
 use crate::optim::Optimizer;
 use crate::process_group::ReduceOp;
 use crate::random_state::{generators, rng_state, set_rng_state};
@@ -57,6 +58,12 @@ pub struct TrainState {
     /// The run's configuration, free-form (e.g. the command-line arguments), for
     /// the record and for checking that a resumed run matches.
     pub config: serde_json::Value,
+    /// Where each loop that `#[distributed]` sharded stood: `save_state` fills it from
+    /// the run's loops when left empty, and `load_state` hands it to them, so that
+    /// each resumes its run (epoch) with the same shuffle, past the batches it had
+    /// dealt (see [`LoopPosition`]). Empty outside the attribute.
+    #[serde(default)]
+    pub loops: Vec<LoopPosition>,
 }
 
 impl TrainState {
@@ -269,11 +276,16 @@ impl Checkpointer {
                 if opt.zero_stage().is_none() {
                     write_synced(&tmp.join(OPTIMIZER), &opt.state()?)?;
                 }
+                let loops = match (&state.loops[..], init::current()) {
+                    ([], Some(ctx)) => ctx.loops().now(),
+                    (given, _) => given.to_vec(),
+                };
                 let state = TrainState {
                     world_size,
                     grad_scaler: state
                         .grad_scaler
                         .or_else(|| opt.scaler().map(|s| s.state())),
+                    loops,
                     ..state.clone()
                 };
                 let json = serde_json::to_vec_pretty(&state)
@@ -505,6 +517,9 @@ impl Checkpointer {
             }
             if let (Some(scaler), Some(saved)) = (opt.scaler_mut(), loaded.state.grad_scaler) {
                 scaler.load_state(saved);
+            }
+            if let Some(ctx) = &ctx {
+                ctx.loops().resume_from(&loaded.state.loops);
             }
             if rank == 0 && !skipped.is_empty() {
                 log::warn(format_args!(

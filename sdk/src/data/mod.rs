@@ -5,6 +5,7 @@ use tch::Tensor;
 
 use crate::error::{Error, Result};
 use crate::init;
+use crate::loop_position::LoopPosition;
 use crate::observe::progress_bar::Progress;
 use crate::process_group::ReduceOp;
 
@@ -68,6 +69,10 @@ pub struct Sharded<I: Iterator> {
     /// For a loop that `#[distributed]` shards because it trains: the count of
     /// gradient averages when it started (see [`Sharded::watching`]).
     watch: Option<(crate::ProcessGroup, u64)>,
+    /// For a loop that `#[distributed]` sharded: the run's record of where it stands,
+    /// the loop's site and run, and the batches skipped at its start (see
+    /// [`Sharded::positioned`]).
+    position: Option<(init::Context, LoopPosition)>,
 }
 
 impl<I: Iterator> Sharded<I> {
@@ -91,7 +96,37 @@ impl<I: Iterator> Sharded<I> {
             progress: Progress::none(),
             steps: 0,
             watch: None,
+            position: None,
         }
+    }
+
+    /// Makes this loop run `run` of loop `site`, starting past the run's first `skip`
+    /// batches (of all ranks together: dealt before a checkpoint that the run
+    /// resumes), and keeps the run's record of where it stands
+    /// ([`Context::loops`](init::Context::loops)), which checkpoints save. The skipped
+    /// batches are drawn from the iterator and dropped; those among the epoch's first
+    /// ones that a final incomplete round reuses are kept for it, as in a run that
+    /// did not stop.
+    pub(crate) fn positioned(mut self, site: u64, run: u64, skip: u64) -> Self {
+        for _ in 0..skip {
+            let Some(item) = self.inner.next() else {
+                break;
+            };
+            self.seen += 1;
+            if self.seen <= self.rank {
+                self.first.push(item);
+            }
+        }
+        if let Some(ctx) = init::current() {
+            let position = LoopPosition {
+                site,
+                run,
+                batches: self.seen as u64,
+            };
+            ctx.loops().update(position);
+            self.position = Some((ctx, position));
+        }
+        self
     }
 
     /// Says on rank 0, when the loop ends (or is left), if it had batches on several
@@ -165,8 +200,16 @@ impl<I: Iterator> Sharded<I> {
         Ok(self)
     }
 
-    /// The loop's end: no batch follows, and the bar is finished.
+    /// The loop's end: no batch follows, and the bar is finished; a resumed run of
+    /// the loop starts its next run.
     fn end(&mut self) -> Option<I::Item> {
+        if let Some((ctx, position)) = self.position.take() {
+            ctx.loops().update(LoopPosition {
+                run: position.run + 1,
+                batches: 0,
+                ..position
+            });
+        }
         crate::optim::set_end_of_data(false);
         self.progress = Progress::none();
         None
@@ -174,6 +217,11 @@ impl<I: Iterator> Sharded<I> {
 
     fn yielded(&mut self, item: I::Item) -> Option<I::Item> {
         self.steps += 1;
+        if let Some((ctx, position)) = &mut self.position {
+            // Every rank has dealt its batch of this round: a round of the world.
+            position.batches += self.world_size as u64;
+            ctx.loops().update(*position);
+        }
         self.progress.handed_out();
         if let Some(r) = &mut self.recording {
             r.add(&item);

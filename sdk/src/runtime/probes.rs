@@ -45,14 +45,24 @@ pub trait ShardOther {
 /// seeded with, so a shuffle drawn there is the same on every rank. Dropped once the
 /// loop's iterator exists; a sharded loop then checks that every rank starts from the
 /// same batch.
+///
+/// After [`Checkpointer::load_state`](crate::Checkpointer::load_state), the loop's
+/// next start resumes the checkpoint's position for it: its run count (so the same
+/// shuffle), and the batches of that run already dealt, skipped.
 pub struct LoopHead {
     site: u64,
     run: u64,
+    /// Batches of this run that the ranks had dealt before a checkpoint it resumes.
+    skip: u64,
     _agreed: AgreedSeed,
 }
 
 /// Enters the head of loop `site`; see [`LoopHead`].
 pub fn loop_head(site: u64, runs: &AtomicU64) -> LoopHead {
+    let resume = crate::init::current().and_then(|c| c.loops().take_resume(site));
+    if let Some(resume) = resume {
+        runs.store(resume.run, Ordering::Relaxed);
+    }
     let run = runs.fetch_add(1, Ordering::Relaxed);
     // The seed libtorch was last seeded with (rank 0's, adopted at entry, or one the
     // function set alike on every rank since): a program that seeds inside the
@@ -64,6 +74,7 @@ pub fn loop_head(site: u64, runs: &AtomicU64) -> LoopHead {
     LoopHead {
         site,
         run,
+        skip: resume.map_or(0, |r| r.batches),
         _agreed: agreed,
     }
 }
@@ -74,6 +85,7 @@ impl LoopHead {
         I::Item: crate::record::Samples,
     {
         Sharded::new(iter)
+            .positioned(self.site, self.run, self.skip)
             .watching()
             .with_progress(Some(self.run))
             .recording(crate::record::Recording::start(self.site, self.run))
