@@ -551,6 +551,11 @@ mod tests {
             world_size: 2,
             grad_scaler: Some((32768.0, 5)),
             config: serde_json::json!({ "lr": 0.1 }),
+            loops: vec![LoopPosition {
+                site: 9,
+                run: 1,
+                batches: 6,
+            }],
         };
         let json = serde_json::to_vec(&state).unwrap();
         assert_eq!(serde_json::from_slice::<TrainState>(&json).unwrap(), state);
@@ -559,6 +564,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(without.grad_scaler, None);
+        assert!(without.loops.is_empty(), "a checkpoint without loops resumes none");
         let mut scaler = crate::GradScaler::new();
         scaler.load_state((512.0, 3));
         assert_eq!(scaler.state(), (512.0, 3));
