@@ -564,7 +564,10 @@ mod tests {
         )
         .unwrap();
         assert_eq!(without.grad_scaler, None);
-        assert!(without.loops.is_empty(), "a checkpoint without loops resumes none");
+        assert!(
+            without.loops.is_empty(),
+            "a checkpoint without loops resumes none"
+        );
         let mut scaler = crate::GradScaler::new();
         scaler.load_state((512.0, 3));
         assert_eq!(scaler.state(), (512.0, 3));
