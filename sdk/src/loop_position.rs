@@ -26,12 +26,28 @@ pub struct LoopPosition {
     pub batches: u64,
 }
 
-/// The positions of the run's sharded loops, and those a loaded checkpoint gave for
-/// their next start.
+/// Where a [`DataLoader`](crate::DataLoader) stands, for checkpoints: the epoch being
+/// read and how many samples of it all ranks together have consumed. Resuming with
+/// another world size skips the same number of samples, rounded down to whole
+/// batches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoaderPosition {
+    /// The epoch in progress (or the next one, at an epoch boundary).
+    pub epoch: u64,
+    /// Samples of that epoch consumed over all ranks (padding included).
+    pub samples_in_epoch: u64,
+}
+
+/// The positions of the run's sharded loops and data loaders, and those a loaded
+/// checkpoint gave for their next start.
 #[derive(Debug, Default)]
 pub(crate) struct LoopPositions {
     now: Mutex<Vec<LoopPosition>>,
     resume: Mutex<Vec<LoopPosition>>,
+    /// The run's loaders' positions, by number (the order they were made in).
+    loaders: Mutex<Vec<LoaderPosition>>,
+    /// A checkpoint's positions for them, taken once each.
+    loaders_resume: Mutex<Vec<Option<LoaderPosition>>>,
 }
 
 impl LoopPositions {
@@ -54,6 +70,47 @@ impl LoopPositions {
     /// Makes `positions` (a checkpoint's) where the loops start next.
     pub(crate) fn resume_from(&self, positions: &[LoopPosition]) {
         *self.resume.lock().unwrap_or_else(|e| e.into_inner()) = positions.to_vec();
+    }
+
+    /// Numbers a new loader of the run (0, 1, …, in the order they are made).
+    pub(crate) fn add_loader(&self) -> usize {
+        let mut loaders = self.loaders.lock().unwrap_or_else(|e| e.into_inner());
+        loaders.push(LoaderPosition::default());
+        loaders.len() - 1
+    }
+
+    /// Records where loader `number` stands now.
+    pub(crate) fn update_loader(&self, number: usize, position: LoaderPosition) {
+        let mut loaders = self.loaders.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = loaders.get_mut(number) {
+            *p = position;
+        }
+    }
+
+    /// Where every loader of the run stands now, by number.
+    pub(crate) fn loaders(&self) -> Vec<LoaderPosition> {
+        self.loaders
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Makes `positions` (a checkpoint's) where the loaders start their next epoch.
+    pub(crate) fn resume_loaders_from(&self, positions: &[LoaderPosition]) {
+        *self
+            .loaders_resume
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = positions.iter().copied().map(Some).collect();
+    }
+
+    /// Where loader `number` starts its next epoch, once: the checkpoint's position
+    /// for it, if any.
+    pub(crate) fn take_loader_resume(&self, number: usize) -> Option<LoaderPosition> {
+        let mut resume = self
+            .loaders_resume
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        resume.get_mut(number)?.take()
     }
 
     /// Where loop `site` starts, once: the checkpoint's position for it, if any.
@@ -80,5 +137,17 @@ mod tests {
         assert_eq!(loops.take_resume(3), None);
         assert_eq!(loops.take_resume(7), Some(at(7, 2, 6)));
         assert_eq!(loops.take_resume(7), None, "once");
+
+        let (first, second) = (loops.add_loader(), loops.add_loader());
+        let at = |epoch, samples_in_epoch| LoaderPosition {
+            epoch,
+            samples_in_epoch,
+        };
+        loops.update_loader(second, at(1, 32));
+        assert_eq!(loops.loaders(), vec![at(0, 0), at(1, 32)]);
+        loops.resume_loaders_from(&[at(2, 8)]);
+        assert_eq!(loops.take_loader_resume(second), None);
+        assert_eq!(loops.take_loader_resume(first), Some(at(2, 8)));
+        assert_eq!(loops.take_loader_resume(first), None, "once");
     }
 }

@@ -11,11 +11,10 @@ use tch::nn::VarStore;
 use tch::Tensor;
 
 use super::{io, save_synced, sync_dir, sync_file};
-use crate::data::LoaderPosition;
 use crate::error::{Error, Result};
 use crate::init;
 use crate::log;
-use crate::loop_position::LoopPosition;
+use crate::loop_position::{LoaderPosition, LoopPosition};
 use crate::optim::Optimizer;
 use crate::process_group::ReduceOp;
 use crate::random_state::{generators, rng_state, set_rng_state};
@@ -44,7 +43,9 @@ const STATE: &str = "state.json";
 pub struct TrainState {
     /// Optimizer steps taken.
     pub step: u64,
-    /// The data loader's position (epoch, samples of it consumed over all ranks).
+    /// The data loader's position (epoch, samples of it consumed over all ranks), or
+    /// the program's own epoch counter. Left at `(0, 0)`, `save_state` writes the
+    /// run's first [`DataLoader`](crate::DataLoader)'s position there.
     pub epoch: u64,
     pub samples_in_epoch: u64,
     /// The world size that wrote the checkpoint (filled in by `save_state`).
@@ -64,6 +65,13 @@ pub struct TrainState {
     /// dealt (see [`LoopPosition`]). Empty outside the attribute.
     #[serde(default)]
     pub loops: Vec<LoopPosition>,
+    /// Where each [`DataLoader`](crate::DataLoader) of the run stood, in the order they
+    /// were made: `save_state` fills it when left empty, and `load_state` hands each
+    /// position to the loader of the same number, which resumes there at the start of
+    /// its next loop (unless [`DataLoader::resume`](crate::DataLoader::resume) is
+    /// called). Empty without a context.
+    #[serde(default)]
+    pub loaders: Vec<LoaderPosition>,
 }
 
 impl TrainState {
@@ -276,16 +284,32 @@ impl Checkpointer {
                 if opt.zero_stage().is_none() {
                     write_synced(&tmp.join(OPTIMIZER), &opt.state()?)?;
                 }
-                let loops = match (&state.loops[..], init::current()) {
+                let ctx = init::current();
+                let loops = match (&state.loops[..], &ctx) {
                     ([], Some(ctx)) => ctx.loops().now(),
                     (given, _) => given.to_vec(),
                 };
+                let loaders = match (&state.loaders[..], &ctx) {
+                    ([], Some(ctx)) => ctx.loops().loaders(),
+                    (given, _) => given.to_vec(),
+                };
+                // The first loader's position stands for the run's when the program
+                // gave none (as `with_loader_position(loader.position())` would).
+                let (epoch, samples_in_epoch) = match loaders.first() {
+                    Some(p) if (state.epoch, state.samples_in_epoch) == (0, 0) => {
+                        (p.epoch, p.samples_in_epoch)
+                    }
+                    _ => (state.epoch, state.samples_in_epoch),
+                };
                 let state = TrainState {
                     world_size,
+                    epoch,
+                    samples_in_epoch,
                     grad_scaler: state
                         .grad_scaler
                         .or_else(|| opt.scaler().map(|s| s.state())),
                     loops,
+                    loaders,
                     ..state.clone()
                 };
                 let json = serde_json::to_vec_pretty(&state)
@@ -520,6 +544,7 @@ impl Checkpointer {
             }
             if let Some(ctx) = &ctx {
                 ctx.loops().resume_from(&loaded.state.loops);
+                ctx.loops().resume_loaders_from(&loaded.state.loaders);
             }
             if rank == 0 && !skipped.is_empty() {
                 log::warn(format_args!(
@@ -555,6 +580,10 @@ mod tests {
                 site: 9,
                 run: 1,
                 batches: 6,
+            }],
+            loaders: vec![LoaderPosition {
+                epoch: 2,
+                samples_in_epoch: 24,
             }],
         };
         let json = serde_json::to_vec(&state).unwrap();

@@ -55,18 +55,12 @@ pub struct DataLoader<D: Dataset> {
     position: Cell<(u64, usize)>,
     /// Batches the next loop skips (set when resuming mid-epoch).
     skip: Cell<usize>,
+    /// The run's record of where its loaders stand, and this loader's number in it
+    /// (the loaders of a run are numbered in the order they are made).
+    slot: Option<(init::Context, usize)>,
 }
 
-/// Where a [`DataLoader`] stands, for checkpoints: the epoch being read and how many
-/// samples of it all ranks together have consumed. Resuming with another world size
-/// skips the same number of samples, rounded down to whole batches.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct LoaderPosition {
-    /// The epoch in progress (or the next one, at an epoch boundary).
-    pub epoch: u64,
-    /// Samples of that epoch consumed over all ranks (padding included).
-    pub samples_in_epoch: u64,
-}
+pub use crate::loop_position::LoaderPosition;
 
 impl<D: Dataset> DataLoader<D> {
     /// A loader of `batch_size` samples per rank and step over `dataset`, shuffled
@@ -100,6 +94,10 @@ impl<D: Dataset> DataLoader<D> {
             last_batch: Cell::new((0, 0)),
             position: Cell::new((0, 0)),
             skip: Cell::new(0),
+            slot: init::current().map(|ctx| {
+                let number = ctx.loops().add_loader();
+                (ctx, number)
+            }),
         })
     }
 
@@ -183,7 +181,16 @@ impl<D: Dataset> DataLoader<D> {
     /// Continues from `position` (from [`position`](Self::position), possibly saved
     /// with another world size): the next loop reads that epoch's order, skipping the
     /// batches already consumed.
+    ///
+    /// [`Checkpointer::load_state`](crate::Checkpointer::load_state) does it by itself
+    /// for the loaders of a run that has a context (`#[distributed]`, or
+    /// [`init`](crate::init)): the run's `n`-th loader takes the position of the
+    /// checkpointed run's `n`-th loader at the start of its next loop. Calling `resume`
+    /// after `load_state` sets the position instead.
     pub fn resume(&self, position: LoaderPosition) {
+        if let Some((ctx, number)) = &self.slot {
+            ctx.loops().take_loader_resume(*number);
+        }
         let per_batch = (self.batch_size * self.sampler.world_size()) as u64;
         self.next_epoch.set(position.epoch);
         self.skip
@@ -221,6 +228,13 @@ impl<D: Dataset> DataLoader<D> {
 
     /// One epoch of this rank's batches; the next call uses the next epoch.
     pub fn iter(&self) -> Batches<'_, D> {
+        if let Some(resume) = self
+            .slot
+            .as_ref()
+            .and_then(|(c, n)| c.loops().take_loader_resume(*n))
+        {
+            self.resume(resume);
+        }
         let epoch = self.next_epoch.get();
         self.next_epoch.set(epoch + 1);
         let skip = self.skip.replace(0);
@@ -467,6 +481,9 @@ impl<D: Dataset> Iterator for Batches<'_, D> {
         self.loader
             .position
             .set((self.loader.position.get().0, self.skipped + self.next));
+        if let Some((ctx, number)) = &self.loader.slot {
+            ctx.loops().update_loader(*number, self.loader.position());
+        }
         if let Ok(b) = &batch {
             let rows = b.rows() as usize;
             self.loader.last_batch.set((self.row, rows));

@@ -77,9 +77,10 @@ fn train(out: &str, ckpt: &str, steps: u64, kind: &str) -> anyhow::Result<()> {
     let checkpoints = Checkpointer::new(&ckpt).keep_last(2);
     let preemption = Preemption::install()?;
     let mut step = 0;
+    // The loader, the model, the optimizer and the random generators continue from
+    // the checkpoint: the loader at its next loop, from where it stopped.
     if let Some(state) = checkpoints.load_state(&mut vs, &mut opt)? {
         step = state.step;
-        loader.resume(state.loader_position());
         println!("resumed at step {step}, epoch {}", state.epoch);
     }
     'training: while step < steps {
@@ -88,13 +89,10 @@ fn train(out: &str, ckpt: &str, steps: u64, kind: &str) -> anyhow::Result<()> {
             let loss = net.forward_t(&x, true).mse_loss(&y, tch::Reduction::Mean);
             opt.backward_step(&loss);
             step += 1;
-            let state = || {
-                TrainState {
-                    step,
-                    config: serde_json::json!({ "optimizer": kind }),
-                    ..Default::default()
-                }
-                .with_loader_position(loader.position())
+            let state = || TrainState {
+                step,
+                config: serde_json::json!({ "optimizer": kind }),
+                ..Default::default()
             };
             if step % 4 == 0 {
                 checkpoints.save_state(&vs, &mut opt, &state())?;
