@@ -209,7 +209,7 @@ impl DistributedDataParallel {
             }
         }
         if params.is_empty() {
-            return Err(Error::Config(
+            return Err(Error::Usage(
                 "the VarStore has no trainable variable: build the model on it before wrapping it in \
                  DistributedDataParallel"
                     .into(),
@@ -612,7 +612,7 @@ fn same_models(group: &ProcessGroup, description: &str) -> Result<()> {
         lines.truncate(LISTED);
         lines.push(format!("  and {more} more variables"));
     }
-    Err(Error::Config(format!(
+    Err(Error::Usage(format!(
         "the ranks built different models:\n{}\n{MODELS_HINT}",
         lines.join("\n")
     )))
