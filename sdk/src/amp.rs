@@ -272,7 +272,7 @@ impl GradScaler {
     /// [`unscale`](Self::unscale) of the gradients of `variables` (an optimizer's).
     pub(crate) fn unscale_gradients(&mut self, variables: &[Tensor]) -> Result<()> {
         if self.found_inf.is_some() {
-            return Err(Error::Config(
+            return Err(Error::Usage(
                 "GradScaler::unscale was already called for this step: call it once, between backward and step".into(),
             ));
         }
@@ -339,11 +339,11 @@ impl GradScaler {
     /// Updates the scale for the next step from this step's found-inf flag: ×0.5
     /// after an overflow, ×2 after `growth_interval` clean steps in a row.
     ///
-    /// Errors with [`Error::Config`] when called before `step`, and when
-    /// `max_consecutive_skips` steps in a row have overflowed.
+    /// Errors with [`Error::Usage`] when called before `step`, and with
+    /// [`Error::Diverged`] when `max_consecutive_skips` steps in a row have overflowed.
     pub fn update(&mut self) -> Result<()> {
         let found = self.found_inf.take().ok_or_else(|| {
-            Error::Config("GradScaler::update before step: call step (or unscale) first".into())
+            Error::Usage("GradScaler::update before step: call step (or unscale) first".into())
         })?;
         let overflow = found.double_value(&[0]) > 0.0;
         let _ = self.scale.f_internal_amp_update_scale_(
@@ -359,12 +359,10 @@ impl GradScaler {
             0
         };
         if self.skipped_in_a_row >= self.max_consecutive_skips {
-            return Err(Error::Config(format!(
-                "fp16: {} steps in a row had inf or NaN gradients and were skipped (the scale is now {}): \
-                 the loss has diverged or overflows fp16. Use bf16 (mixed_precision = \"bf16\"), lower the learning rate, or check the data",
-                self.skipped_in_a_row,
-                self.scale_value()
-            )));
+            return Err(Error::Diverged {
+                skipped: self.skipped_in_a_row,
+                scale: self.scale_value(),
+            });
         }
         Ok(())
     }

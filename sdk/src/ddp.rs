@@ -123,11 +123,11 @@ impl DistributedDataParallel {
     /// Wraps the variables of `vs` for data-parallel training over `group`. Every
     /// rank must call it with a store holding the same variables.
     ///
-    /// Errors: [`Error::Config`] for non-positive bucket sizes, a store with no
-    /// trainable variable, or ranks whose variables differ (on every rank, naming each
-    /// variable that differs and every rank's shape of it, from descriptions the ranks
-    /// publish in the store); [`Error::Timeout`] or [`Error::Collective`] when a rank
-    /// does not take part.
+    /// Errors: [`Error::Config`] for non-positive bucket sizes; [`Error::Usage`] for a
+    /// store with no trainable variable, or ranks whose variables differ (on every
+    /// rank, naming each variable that differs and every rank's shape of it, from
+    /// descriptions the ranks publish in the store); [`Error::Timeout`] or
+    /// [`Error::Collective`] when a rank does not take part.
     pub fn new(vs: &VarStore, group: &ProcessGroup, options: DdpOptions) -> Result<Self> {
         let named = vs.variables();
         let name_of: HashMap<usize, &String> = named
@@ -209,7 +209,7 @@ impl DistributedDataParallel {
             }
         }
         if params.is_empty() {
-            return Err(Error::Config(
+            return Err(Error::Usage(
                 "the VarStore has no trainable variable: build the model on it before wrapping it in \
                  DistributedDataParallel"
                     .into(),
@@ -612,7 +612,7 @@ fn same_models(group: &ProcessGroup, description: &str) -> Result<()> {
         lines.truncate(LISTED);
         lines.push(format!("  and {more} more variables"));
     }
-    Err(Error::Config(format!(
+    Err(Error::Usage(format!(
         "the ranks built different models:\n{}\n{MODELS_HINT}",
         lines.join("\n")
     )))

@@ -1,15 +1,58 @@
 //! The crate's error type.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// Everything that can go wrong in `tch-distributed`. Each message names the problem
 /// and, where there is one, the fix.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// Bad configuration (environment variables, options, launcher flags); the message
-    /// says what to fix.
+    /// The run's configuration or launch environment is not usable: launch variables
+    /// (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, SLURM's and MPI's), launcher
+    /// flags (`--nnodes`, `--node-rank`, …), a run configuration file, or an option out
+    /// of range that is not a [`Setting`](Error::Setting); the message says what to fix.
     #[error("{0}")]
     Config(String),
+
+    /// Data the program hands the SDK is not usable: a dataset whose inputs and
+    /// targets differ in length, a text shorter than the sequence, an empty dataset, a
+    /// batch size of 0, a metric name given twice, values for `gather_for_metrics`
+    /// whose rows match no batch, ranks whose datasets or first batches differ.
+    #[error("{0}")]
+    InvalidInput(String),
+
+    /// The program called the API in a way that cannot work: a parameter group that
+    /// does not exist, variables created after the optimizer, `unscale` twice in a step,
+    /// an implementation or ZeRO stage that does not exist for the optimizer, ranks that
+    /// built different models, `ReduceOp::Avg` on an integer tensor, a rank or root
+    /// outside the world, `reduce_scatter` without one input per rank.
+    #[error("{0}")]
+    Usage(String),
+
+    /// A checkpoint, or an optimizer state, cannot be used or was not written:
+    /// incomplete, corrupt, another optimizer's, shapes that differ from the model's,
+    /// none usable, or another rank failed while writing or reading it. `path` is the
+    /// checkpoint's directory (the checkpoints' root when no single one is at fault;
+    /// `None` for an optimizer state given as bytes); `message` is the whole text, as
+    /// displayed; `source` is the error underneath, when there is one (the file
+    /// system's, safetensors', JSON's, libtorch's).
+    #[error("{message}")]
+    Checkpoint {
+        path: Option<PathBuf>,
+        message: String,
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    },
+
+    /// fp16 training diverged: `skipped` steps in a row had inf or NaN gradients
+    /// (the [`GradScaler`](crate::GradScaler)'s `max_consecutive_skips`), and the
+    /// loss scale fell to `scale`. A program may catch it and go on from a
+    /// checkpoint with a lower learning rate or bf16.
+    #[error(
+        "fp16: {skipped} steps in a row had inf or NaN gradients and were skipped (the scale is now {scale}): \
+         the loss has diverged or overflows fp16. Use bf16 (mixed_precision = \"bf16\"), lower the learning rate, or check the data"
+    )]
+    Diverged { skipped: usize, scale: f64 },
 
     /// A run setting's value is not allowed: `given` is the setting as it was given
     /// (`--grad-accum 0`, `TCH_DISTRIBUTED_GRAD_ACCUM="0"`, `grad_accum = "0" in
@@ -106,6 +149,30 @@ impl From<tch::TchError> for Error {
 pub(crate) fn io(what: &str, path: &std::path::Path) -> impl FnOnce(std::io::Error) -> Error {
     let context = format!("{what} {}", path.display());
     move |source| Error::Io { context, source }
+}
+
+/// An [`Error::Checkpoint`] about `path` (`None` for an optimizer state given as
+/// bytes), with no error underneath.
+pub(crate) fn checkpoint(path: Option<&std::path::Path>, message: impl Into<String>) -> Error {
+    Error::Checkpoint {
+        path: path.map(std::path::Path::to_path_buf),
+        message: message.into(),
+        source: None,
+    }
+}
+
+/// An [`Error::Checkpoint`] about `path` caused by `source`; `message` is the whole
+/// text, as displayed.
+pub(crate) fn checkpoint_from(
+    path: Option<&std::path::Path>,
+    message: impl Into<String>,
+    source: impl std::error::Error + Send + Sync + 'static,
+) -> Error {
+    Error::Checkpoint {
+        path: path.map(std::path::Path::to_path_buf),
+        message: message.into(),
+        source: Some(Box::new(source)),
+    }
 }
 
 /// [`Error::UnusedParameters`]'s message: the variables (the first 10) and the fixes.
@@ -299,6 +366,75 @@ mod tests {
             );
         }
         assert!(e.downcast_ref::<super::Error>().is_some());
+    }
+
+    /// Each kind of failure comes as its own variant, from the SDK's own calls, with
+    /// the text it always had.
+    #[test]
+    fn callers_can_match_on_what_went_wrong() {
+        use super::Error;
+        use crate::{Checkpointer, GradScaler, Implementation, Optimizer, TensorDataset};
+        use tch::{nn, Device, Kind, Tensor};
+
+        // Data the program hands over.
+        let xs = Tensor::zeros([3, 2], (Kind::Float, Device::Cpu));
+        let ys = Tensor::zeros([2], (Kind::Int64, Device::Cpu));
+        match TensorDataset::new(&xs, &ys) {
+            Err(Error::InvalidInput(m)) => assert!(m.starts_with("TensorDataset: inputs"), "{m}"),
+            other => panic!("{:?}", other.err()),
+        }
+
+        // A call that cannot work.
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let w = vs.root().zeros("w", &[2]);
+        let rms = Optimizer::new(&nn::RmsProp::default(), &vs, 0.1).unwrap();
+        match rms.with_implementation(Implementation::Fused) {
+            Err(Error::Usage(m)) => assert!(m.starts_with("RMSprop has no fused kernel"), "{m}"),
+            other => panic!("{:?}", other.err()),
+        }
+
+        // A checkpoint that cannot be used: step 8 has no COMPLETE marker.
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("step-0000000008")).unwrap();
+        let ckpt = Checkpointer::new(dir.path());
+        let mut sgd = Optimizer::new(&nn::Sgd::default(), &vs, 0.1).unwrap();
+        match ckpt.load_state(&mut vs, &mut sgd) {
+            Err(e @ Error::Checkpoint { .. }) => {
+                let Error::Checkpoint { path, .. } = &e else {
+                    unreachable!()
+                };
+                assert_eq!(path.as_deref(), Some(dir.path()));
+                let m = e.to_string();
+                assert!(m.starts_with("no usable checkpoint in "), "{m}");
+                assert!(m.contains("(incomplete (no COMPLETE marker))"), "{m}");
+            }
+            other => panic!("{:?}", other.err()),
+        }
+        // An optimizer state that is not one: no path, the reason as its source.
+        match sgd.load_state(b"not a safetensors file") {
+            Err(Error::Checkpoint {
+                path: None,
+                message,
+                source: Some(_),
+            }) => assert!(message.starts_with("optimizer state: "), "{message}"),
+            other => panic!("{:?}", other.err()),
+        }
+
+        // fp16 gradients that keep overflowing.
+        (&w * f64::INFINITY).sum(Kind::Float).backward();
+        let mut scaler = GradScaler::new().max_consecutive_skips(1);
+        scaler.unscale_gradients(&[w.shallow_clone()]).unwrap();
+        let e = scaler.update().unwrap_err();
+        assert!(
+            matches!(e, Error::Diverged { skipped: 1, scale } if scale == 32768.0),
+            "{e:?}"
+        );
+        assert!(
+            e.to_string().starts_with(
+                "fp16: 1 steps in a row had inf or NaN gradients and were skipped (the scale is now 32768): "
+            ),
+            "{e}"
+        );
     }
 
     #[test]

@@ -52,7 +52,7 @@ pub(crate) fn replace(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> R
     };
     let name = path
         .file_name()
-        .ok_or_else(|| Error::Config(format!("{} names no file", path.display())))?;
+        .ok_or_else(|| Error::InvalidInput(format!("{} names no file", path.display())))?;
     fs::create_dir_all(&dir).map_err(io("creating", &dir))?;
     let tmp = tempfile::Builder::new()
         .prefix(".tmp-")
@@ -91,7 +91,7 @@ mod tests {
         replace_with_bytes(&path, b"old").unwrap();
         let e = replace(&path, |tmp| {
             fs::write(tmp, b"half").unwrap();
-            Err(Error::Config("stopped".into()))
+            Err(Error::InvalidInput("stopped".into()))
         });
         assert!(e.is_err());
         assert_eq!(fs::read(&path).unwrap(), b"old");

@@ -152,8 +152,10 @@ pub(crate) fn optimizer_stepped(variables: &[Tensor]) {
 pub(crate) fn write_models() -> Result<()> {
     let Some(dir) = dir() else { return Ok(()) };
     let (rank, _) = init::rank_and_world_size();
-    std::fs::create_dir_all(&dir)
-        .map_err(|e| Error::Config(format!("{RECORD_ENV}: creating {}: {e}", dir.display())))?;
+    std::fs::create_dir_all(&dir).map_err(|source| Error::Io {
+        context: format!("{RECORD_ENV}: creating {}", dir.display()),
+        source,
+    })?;
     let on_cpu = |t: &Tensor| t.detach().to_device(Device::Cpu);
     MODELS.with(|models| -> Result<()> {
         for (i, model) in models.borrow().iter().enumerate() {

@@ -11,7 +11,7 @@ use tch::nn::VarStore;
 use tch::Tensor;
 
 use super::{io, save_synced, sync_dir, sync_file};
-use crate::error::{Error, Result};
+use crate::error::{checkpoint, checkpoint_from, Error, Result};
 use crate::init;
 use crate::log;
 use crate::loop_position::{LoaderPosition, LoopPosition};
@@ -136,16 +136,17 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     f.sync_all().map_err(io("syncing", path))
 }
 
-/// The named tensors of a safetensors file's bytes (already read and checked).
-fn tensors(name: &str, bytes: &[u8]) -> Result<Vec<(String, Tensor)>> {
+/// The named tensors of a safetensors file's bytes (already read and checked) in the
+/// checkpoint `dir`.
+fn tensors(dir: &Path, name: &str, bytes: &[u8]) -> Result<Vec<(String, Tensor)>> {
     let file = safetensors::SafeTensors::deserialize(bytes)
-        .map_err(|e| Error::Config(format!("{name}: {e}")))?;
+        .map_err(|e| checkpoint_from(Some(dir), format!("{name}: {e}"), e))?;
     file.tensors()
         .into_iter()
         .map(|(n, view)| {
             Tensor::try_from(view)
                 .map(|t| (n, t))
-                .map_err(|e| Error::Config(format!("{name}: {e}")))
+                .map_err(|e| checkpoint_from(Some(dir), format!("{name}: {e}"), e))
         })
         .collect()
 }
@@ -312,8 +313,9 @@ impl Checkpointer {
                     loaders,
                     ..state.clone()
                 };
-                let json = serde_json::to_vec_pretty(&state)
-                    .map_err(|e| Error::Config(format!("encoding the training state: {e}")))?;
+                let json = serde_json::to_vec_pretty(&state).map_err(|e| {
+                    checkpoint_from(Some(&tmp), format!("encoding the training state: {e}"), e)
+                })?;
                 write_synced(&tmp.join(STATE), &json)?;
             }
             Ok(())
@@ -340,10 +342,13 @@ impl Checkpointer {
             let _ = fs::remove_dir_all(tmp);
         }
         Err(local.err().unwrap_or_else(|| {
-            Error::Config(format!(
-                "checkpoint {}: another rank failed while {phase} (see its error); the previous checkpoints are intact",
-                tmp.display()
-            ))
+            checkpoint(
+                Some(tmp),
+                format!(
+                    "checkpoint {}: another rank failed while {phase} (see its error); the previous checkpoints are intact",
+                    tmp.display()
+                ),
+            )
         }))
     }
 
@@ -356,7 +361,7 @@ impl Checkpointer {
             manifest.insert(name, (bytes.len(), format!("{:016x}", fnv1a(&bytes))));
         }
         let json = serde_json::to_vec_pretty(&manifest)
-            .map_err(|e| Error::Config(format!("encoding the manifest: {e}")))?;
+            .map_err(|e| checkpoint_from(Some(tmp), format!("encoding the manifest: {e}"), e))?;
         write_synced(&tmp.join(COMPLETE), &json)?;
         sync_dir(tmp)?;
         // Saving the same step again: the old one stays until the new one is in place.
@@ -394,9 +399,9 @@ impl Checkpointer {
         let marker = dir.join(COMPLETE);
         let manifest: BTreeMap<String, (usize, String)> = serde_json::from_slice(
             &fs::read(&marker)
-                .map_err(|_| Error::Config("incomplete (no COMPLETE marker)".into()))?,
+                .map_err(|e| checkpoint_from(Some(dir), "incomplete (no COMPLETE marker)", e))?,
         )
-        .map_err(|e| Error::Config(format!("unreadable COMPLETE marker: {e}")))?;
+        .map_err(|e| checkpoint_from(Some(dir), format!("unreadable COMPLETE marker: {e}"), e))?;
         let read = |name: &str| -> Result<Vec<u8>> {
             let path = dir.join(name);
             let bytes = fs::read(&path).map_err(io("reading", &path))?;
@@ -406,28 +411,40 @@ impl Checkpointer {
                 {
                     Ok(bytes)
                 }
-                Some(_) => Err(Error::Config(format!(
-                    "{name} is corrupt (its size or hash differs from the manifest)"
-                ))),
-                None => Err(Error::Config(format!("{name} is not in the manifest"))),
+                Some(_) => Err(checkpoint(
+                    Some(dir),
+                    format!("{name} is corrupt (its size or hash differs from the manifest)"),
+                )),
+                None => Err(checkpoint(
+                    Some(dir),
+                    format!("{name} is not in the manifest"),
+                )),
             }
         };
         let state: TrainState = serde_json::from_slice(&read(STATE)?)
-            .map_err(|e| Error::Config(format!("{STATE}: {e}")))?;
-        let model = tensors(MODEL, &read(MODEL)?)?;
+            .map_err(|e| checkpoint_from(Some(dir), format!("{STATE}: {e}"), e))?;
+        let model = tensors(dir, MODEL, &read(MODEL)?)?;
         // By name, so that the first mismatch reported is the same in every run.
         let expected: BTreeMap<String, Tensor> = vs.variables().into_iter().collect();
         for (name, var) in &expected {
             match model.iter().find(|(n, _)| n == name) {
                 Some((_, t)) if t.size() == var.size() => {}
                 Some((_, t)) => {
-                    return Err(Error::Config(format!(
-                        "{MODEL}: `{name}` has shape {:?}, the model {:?}",
-                        t.size(),
-                        var.size()
-                    )))
+                    return Err(checkpoint(
+                        Some(dir),
+                        format!(
+                            "{MODEL}: `{name}` has shape {:?}, the model {:?}",
+                            t.size(),
+                            var.size()
+                        ),
+                    ))
                 }
-                None => return Err(Error::Config(format!("{MODEL}: no variable `{name}`"))),
+                None => {
+                    return Err(checkpoint(
+                        Some(dir),
+                        format!("{MODEL}: no variable `{name}`"),
+                    ))
+                }
             }
         }
         let shards: Vec<&String> = manifest.keys().filter(|n| is_optimizer_state(n)).collect();
@@ -436,12 +453,15 @@ impl Checkpointer {
         } else if manifest.contains_key(LIBTORCH_OPTIMIZER) {
             OptimizerFile::LibtorchArchive(read(LIBTORCH_OPTIMIZER)?)
         } else {
-            return Err(Error::Config(format!("{OPTIMIZER} is not in the manifest")));
+            return Err(checkpoint(
+                Some(dir),
+                format!("{OPTIMIZER} is not in the manifest"),
+            ));
         };
         // Per-rank random state applies only to the same rank in the same world size.
         let rng = if state.world_size == world_size {
             let name = rank_file(rank);
-            tensors(&name, &read(&name)?)?
+            tensors(dir, &name, &read(&name)?)?
         } else {
             Vec::new()
         };
@@ -464,9 +484,11 @@ impl Checkpointer {
     /// ([`TrainState::loader_position`]), and each rank's random generator keeps its
     /// current state instead of the saved one.
     ///
-    /// Errors: [`Error::Config`] when checkpoints exist but none is usable (the
-    /// message lists each one and why); [`Error::Io`] when `root` exists but cannot be
-    /// listed (see [`list`](Self::list)), on every rank.
+    /// Errors: [`Error::Checkpoint`] when checkpoints exist but none is usable (the
+    /// message lists each one and why), when another rank cannot list them, or when
+    /// the agreed one's optimizer state does not fit `opt` (another algorithm's, other
+    /// shapes); [`Error::Io`] when `root` exists but cannot be listed (see
+    /// [`list`](Self::list)), on every rank.
     pub fn load_state(&self, vs: &mut VarStore, opt: &mut Optimizer) -> Result<Option<TrainState>> {
         let ctx = init::current();
         let (rank, world_size) = init::rank_and_world_size();
@@ -475,10 +497,13 @@ impl Checkpointer {
         let listed = self.list();
         if !all_ok(listed.is_ok())? {
             return Err(listed.err().unwrap_or_else(|| {
-                Error::Config(format!(
-                    "another rank cannot list the checkpoints in {}; its error says why",
-                    self.root.display()
-                ))
+                checkpoint(
+                    Some(&self.root),
+                    format!(
+                        "another rank cannot list the checkpoints in {}; its error says why",
+                        self.root.display()
+                    ),
+                )
             }));
         }
         let mut steps: Vec<i64> = listed?.iter().map(|(s, _)| *s as i64).collect();
@@ -527,13 +552,26 @@ impl Checkpointer {
                 }
                 Ok(())
             })?;
-            match &loaded.optimizer {
+            let restored = match &loaded.optimizer {
                 OptimizerFile::State(shards) => {
                     let shards: Vec<&[u8]> = shards.iter().map(Vec::as_slice).collect();
-                    opt.load_state_shards(&shards)?
+                    opt.load_state_shards(&shards)
                 }
-                OptimizerFile::LibtorchArchive(bytes) => opt.load_libtorch_archive(bytes)?,
-            }
+                OptimizerFile::LibtorchArchive(bytes) => opt.load_libtorch_archive(bytes),
+            };
+            // The optimizer's errors about its state name no checkpoint: this one.
+            restored.map_err(|e| match e {
+                Error::Checkpoint {
+                    path: None,
+                    message,
+                    source,
+                } => Error::Checkpoint {
+                    path: Some(dir.clone()),
+                    message,
+                    source,
+                },
+                other => other,
+            })?;
             for (name, index) in generators(vs.device()) {
                 if let Some((_, state)) = loaded.rng.iter().find(|(n, _)| n == name) {
                     set_rng_state(index, state)?;
@@ -555,11 +593,14 @@ impl Checkpointer {
             }
             return Ok(Some(loaded.state));
         }
-        Err(Error::Config(format!(
-            "no usable checkpoint in {}: {}. Remove them to start afresh, or point the run at another directory",
-            self.root.display(),
-            skipped.join("; ")
-        )))
+        Err(checkpoint(
+            Some(&self.root),
+            format!(
+                "no usable checkpoint in {}: {}. Remove them to start afresh, or point the run at another directory",
+                self.root.display(),
+                skipped.join("; ")
+            ),
+        ))
     }
 }
 

@@ -93,11 +93,11 @@ pub struct TensorDataset {
 impl TensorDataset {
     /// `xs`: [n, …] inputs, `ys`: [n, …] targets.
     ///
-    /// Errors with [`Error::Config`] when their leading dimensions differ.
+    /// Errors with [`Error::InvalidInput`] when their leading dimensions differ.
     pub fn new(xs: &Tensor, ys: &Tensor) -> Result<Self> {
         let (n, m) = (xs.size().first().copied(), ys.size().first().copied());
         if n.is_none() || n != m {
-            return Err(Error::Config(format!(
+            return Err(Error::InvalidInput(format!(
                 "TensorDataset: inputs {:?} and targets {:?} need the same leading (sample) dimension",
                 xs.size(),
                 ys.size()
@@ -164,11 +164,11 @@ pub struct TextDataset {
 impl TextDataset {
     /// Windows of `seq_len + 1` labels over `text`.
     ///
-    /// Errors with [`Error::Config`] when the text is not longer than `seq_len`.
+    /// Errors with [`Error::InvalidInput`] when the text is not longer than `seq_len`.
     pub fn new(text: &tch::data::TextData, seq_len: usize) -> Result<Self> {
         let data = text.data().to_kind(Kind::Int64);
         if data.size()[0] <= seq_len as i64 {
-            return Err(Error::Config(format!(
+            return Err(Error::InvalidInput(format!(
                 "TextDataset: the text has {} characters, not more than the sequence length {seq_len}: use a longer text or a shorter sequence",
                 data.size()[0]
             )));

@@ -71,11 +71,12 @@ impl<D: Dataset> DataLoader<D> {
     /// different number of steps (and hang in the first collective that only some
     /// reach) fail here instead.
     ///
-    /// Errors: [`Error::Config`] when `batch_size` is 0, the dataset is empty, or the
-    /// ranks' datasets differ in length; [`Error::Collective`] when comparing fails.
+    /// Errors: [`Error::InvalidInput`] when `batch_size` is 0, the dataset is empty,
+    /// or the ranks' datasets differ in length; [`Error::Collective`] when comparing
+    /// fails.
     pub fn new(dataset: D, batch_size: usize) -> Result<Self> {
         if batch_size == 0 {
-            return Err(Error::Config(
+            return Err(Error::InvalidInput(
                 "DataLoader: batch_size must be at least 1".into(),
             ));
         }
@@ -290,7 +291,7 @@ impl<D: Dataset> DataLoader<D> {
     /// [kept rows over all ranks, …] on every rank. A collective: every rank calls it
     /// at the same step.
     ///
-    /// Errors: [`Error::Config`] when `values` has neither row count;
+    /// Errors: [`Error::InvalidInput`] when `values` has neither row count;
     /// [`Error::Collective`] when the all-gather fails.
     pub fn gather_for_metrics(&self, values: &Tensor) -> Result<Tensor> {
         let rows = values.size().first().copied().unwrap_or(0) as usize;
@@ -300,7 +301,7 @@ impl<D: Dataset> DataLoader<D> {
         } else if rows == self.sampler.num_samples() {
             0
         } else {
-            return Err(Error::Config(format!(
+            return Err(Error::InvalidInput(format!(
                 "gather_for_metrics: the values have {rows} rows, but the last batch had {last_rows} and this rank's epoch {}: pass one row per sample of the last batch or of the whole epoch",
                 self.sampler.num_samples()
             )));
@@ -348,7 +349,7 @@ fn check_same_length(len: usize) -> Result<()> {
         .map(|t| t.int64_value(&[0]))
         .collect();
     if lens.iter().any(|&l| l != lens[0]) {
-        return Err(Error::Config(format!(
+        return Err(Error::InvalidInput(format!(
             "DataLoader: the ranks' datasets differ in length ({}), so they would run different numbers of steps and hang: build the same whole dataset on every rank (the loader gives each rank its share)",
             lens.iter()
                 .enumerate()
@@ -455,7 +456,7 @@ impl<D: Dataset> Iterator for Batches<'_, D> {
             Source::Workers(workers) => {
                 let worker = &workers[self.next % workers.len()];
                 worker.batches.recv().unwrap_or_else(|_| {
-                    Err(Error::Config(
+                    Err(Error::InvalidInput(
                         "DataLoader: a worker thread stopped (it panicked: see its message above)"
                             .into(),
                     ))
@@ -620,7 +621,9 @@ mod tests {
         fn get_batch(&self, indices: &[usize]) -> Result<Self::Item> {
             *self.2.lock().unwrap() += 1;
             if indices.iter().any(|&i| i >= self.1) {
-                return Err(Error::Config(format!("sample {indices:?} is unreadable")));
+                return Err(Error::InvalidInput(format!(
+                    "sample {indices:?} is unreadable"
+                )));
             }
             self.0.get_batch(indices)
         }

@@ -171,7 +171,7 @@ impl<I: Iterator> Sharded<I> {
     /// that would deal different sequences get an error, all of them, instead of
     /// training on overlapping shards in silence.
     ///
-    /// Errors: [`Error::Config`] when the first batches differ, [`Error::Collective`]
+    /// Errors: [`Error::InvalidInput`] when the first batches differ, [`Error::Collective`]
     /// when the all-reduce fails.
     pub(crate) fn check_same_start(mut self, samples: fn(&I::Item) -> Vec<u64>) -> Result<Self> {
         let Some(ctx) = init::current().filter(|c| c.world_size() > 1) else {
@@ -187,7 +187,7 @@ impl<I: Iterator> Sharded<I> {
             .all_reduce(&mut extremes, ReduceOp::Max)?;
         let extremes = Vec::<i64>::try_from(extremes.to_device(tch::Device::Cpu))?;
         if extremes[0] != !extremes[1] {
-            return Err(Error::Config(
+            return Err(Error::InvalidInput(
                 "the ranks' first batches differ at the start of a sharded loop: each rank would deal \
                  from a differently shuffled (or a different) dataset, and the shards would overlap. \
                  Build the same data on every rank, draw the shuffle in the loop's head \

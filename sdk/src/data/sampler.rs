@@ -38,17 +38,17 @@ impl DistributedSampler {
     /// A sampler over `len` samples for `rank` of `world_size` ranks, shuffled with
     /// seed 0, padded, at epoch 0.
     ///
-    /// Errors with [`Error::Config`] when `world_size` is 0, `rank >= world_size`, or
-    /// `len` is 0.
+    /// Errors with [`Error::Usage`] when `world_size` is 0 or `rank >= world_size`,
+    /// with [`Error::InvalidInput`] when `len` is 0.
     pub fn new(len: usize, rank: usize, world_size: usize) -> Result<Self> {
         if world_size == 0 || rank >= world_size {
-            return Err(Error::Config(format!(
+            return Err(Error::Usage(format!(
                 "DistributedSampler: rank {rank} is not in a world of {world_size} ranks: \
                  pass the rank and world size of the process group (tch_distributed::current())"
             )));
         }
         if len == 0 {
-            return Err(Error::Config(
+            return Err(Error::InvalidInput(
                 "DistributedSampler: the dataset is empty: check the data path".into(),
             ));
         }

@@ -159,11 +159,11 @@ impl Tracker {
     /// Adds `key: value` to the configuration (say, the command-line arguments as a
     /// struct deriving `serde::Serialize`) and rewrites `config.json` on rank 0.
     ///
-    /// Errors with [`Error::Config`] when `value` cannot be turned into JSON, and
+    /// Errors with [`Error::InvalidInput`] when `value` cannot be turned into JSON, and
     /// with [`Error::Io`] when rank 0 cannot write the file.
     pub fn config(&mut self, key: &str, value: impl serde::Serialize) -> Result<()> {
         let value = serde_json::to_value(value).map_err(|e| {
-            Error::Config(format!("the configuration field {key:?} is not JSON: {e}"))
+            Error::InvalidInput(format!("the configuration field {key:?} is not JSON: {e}"))
         })?;
         self.config.insert(key.to_string(), value);
         self.write_config()
@@ -193,14 +193,14 @@ impl Tracker {
     /// [`average_over_ranks`](Self::average_over_ranks), the mean over ranks of each
     /// value.
     ///
-    /// Errors with [`Error::Config`] for a name that is empty or repeated in
+    /// Errors with [`Error::InvalidInput`] for a name that is empty or repeated in
     /// `values`, with the all-reduce's error when averaging fails (a rank that does
     /// not call `log` makes the others time out), and with [`Error::Io`] when rank 0
     /// cannot write.
     pub fn log(&mut self, step: u64, values: &[(&str, f64)]) -> Result<()> {
         for (i, (name, _)) in values.iter().enumerate() {
             if name.is_empty() || values[..i].iter().any(|(n, _)| n == name) {
-                return Err(Error::Config(format!(
+                return Err(Error::InvalidInput(format!(
                     "Tracker::log at step {step}: the metric name {name:?} is empty or given twice: give each value its own name"
                 )));
             }

@@ -198,13 +198,13 @@ impl Optimizer {
     /// tch's, for results that are the plain tch program's to the bit. See
     /// [`Implementation`].
     ///
-    /// Errors with [`Error::Config`] for [`Implementation::Fused`] with RMSprop, which
+    /// Errors with [`Error::Usage`] for [`Implementation::Fused`] with RMSprop, which
     /// has no fused kernel.
     pub fn with_implementation(mut self, implementation: Implementation) -> Result<Self> {
         if implementation == Implementation::Fused
             && matches!(self.defaults.algorithm, Algorithm::RmsProp { .. })
         {
-            return Err(Error::Config(
+            return Err(Error::Usage(
                 "RMSprop has no fused kernel in libtorch (torch.optim.RMSprop has no fused \
                  option): use Implementation::Foreach, one multi-tensor kernel per operation"
                     .into(),
@@ -225,11 +225,11 @@ impl Optimizer {
     /// changes nothing. Checkpoints hold one shard per rank and load at any world size,
     /// with or without ZeRO.
     ///
-    /// Errors with [`Error::Config`] for another stage (2 and 3 shard the gradients and
+    /// Errors with [`Error::Usage`] for another stage (2 and 3 shard the gradients and
     /// the parameters too, which this SDK does not do).
     pub fn zero(mut self, stage: u8) -> Result<Self> {
         if stage != 1 {
-            return Err(Error::Config(format!(
+            return Err(Error::Usage(format!(
                 "ZeRO stage {stage}: only stage 1 (optimizer-state sharding) is implemented; \
                  use zero = 1"
             )));
@@ -277,7 +277,7 @@ impl Optimizer {
 
     /// Steps through `ddp`: backward steps all-reduce the gradients first. Over several
     /// ranks, trainable variables created on the store after this point are an error
-    /// ([`Error::Config`]) at the optimizer's next call: DDP would not average their
+    /// ([`Error::Usage`]) at the optimizer's next call: DDP would not average their
     /// gradients.
     pub fn distributed(mut self, ddp: DistributedDataParallel) -> Self {
         self.ddp = std::cell::OnceCell::from(ddp);
@@ -349,7 +349,7 @@ impl Optimizer {
     /// Variables created after the optimizer join it, as in tch: in the store's order,
     /// each in its group (new groups start from the defaults).
     ///
-    /// Errors with [`Error::Config`] when it steps through DDP over several ranks:
+    /// Errors with [`Error::Usage`] when it steps through DDP over several ranks:
     /// DDP averages the gradients of the variables that existed when it wrapped the
     /// model, so new ones would train apart on each rank.
     fn add_missing_variables(&mut self) -> Result<()> {
@@ -373,7 +373,7 @@ impl Optimizer {
                     .map(|(n, _)| n.as_str())
                     .collect();
                 names.sort_unstable();
-                return Err(Error::Config(format!(
+                return Err(Error::Usage(format!(
                     "{new} trainable variable(s) were created on the VarStore after its \
                      optimizer was built ({}): DistributedDataParallel averages the gradients \
                      of the variables that existed when it wrapped the model, so these would \
@@ -433,7 +433,7 @@ impl Optimizer {
     /// when one on any rank is inf or NaN, and updates the scale.
     ///
     /// Returns whether the parameters were updated. Errors: [`Error::Torch`] from
-    /// libtorch; from the scaler, [`Error::Config`] after too many skipped steps in a
+    /// libtorch; from the scaler, [`Error::Diverged`] after too many skipped steps in a
     /// row and [`Error::Collective`] when its all-reduce fails.
     pub fn step(&mut self) -> Result<bool> {
         if !std::mem::take(&mut self.cycle_complete) && self.micro_step > 0 {
@@ -588,12 +588,12 @@ impl Optimizer {
 
     /// The options of parameter group `group`.
     ///
-    /// Errors with [`Error::Config`] when there is no such group.
+    /// Errors with [`Error::Usage`] when there is no such group.
     fn group_mut(&mut self, group: usize) -> Result<&mut Group> {
         self.add_missing_variables()?;
         let count = self.groups.len();
         self.groups.get_mut(group).ok_or_else(|| {
-            Error::Config(format!(
+            Error::Usage(format!(
                 "no parameter group {group}: the optimizer has {count} (groups come from \
                  the variables' `group` in the VarStore)"
             ))
@@ -615,7 +615,7 @@ impl Optimizer {
 
     /// Sets the learning rate of parameter group `group`.
     ///
-    /// Errors with [`Error::Config`] when there is no such group.
+    /// Errors with [`Error::Usage`] when there is no such group.
     pub fn set_lr_group(&mut self, group: usize, lr: f64) -> Result<()> {
         self.group_mut(group)?.lr = lr;
         Ok(())
@@ -630,7 +630,7 @@ impl Optimizer {
     /// Sets the momentum of parameter group `group` (SGD, RMSprop; Adam's first
     /// beta), as tch's `set_momentum_group`.
     ///
-    /// Errors with [`Error::Config`] when there is no such group.
+    /// Errors with [`Error::Usage`] when there is no such group.
     pub fn set_momentum_group(&mut self, group: usize, momentum: f64) -> Result<()> {
         self.group_mut(group)?.algorithm.set_momentum(momentum);
         Ok(())
@@ -644,7 +644,7 @@ impl Optimizer {
     /// Sets the weight decay of parameter group `group`, as tch's
     /// `set_weight_decay_group` (minGPT's no-decay group for biases and norms).
     ///
-    /// Errors with [`Error::Config`] when there is no such group.
+    /// Errors with [`Error::Usage`] when there is no such group.
     pub fn set_weight_decay_group(&mut self, group: usize, weight_decay: f64) -> Result<()> {
         self.group_mut(group)?
             .algorithm
@@ -670,7 +670,7 @@ impl Optimizer {
     /// `safetensors.torch.load_file` and `torch.optim.*.load_state_dict` (see the
     /// checkpoints chapter of the book).
     ///
-    /// Errors with [`Error::Config`] when the tensors cannot be serialized.
+    /// Errors with [`Error::Checkpoint`] when the tensors cannot be serialized.
     pub fn state(&mut self) -> Result<Vec<u8>> {
         self.add_missing_variables()?;
         state::to_safetensors(self)
@@ -680,7 +680,7 @@ impl Optimizer {
     /// to each parameter's device) and the groups' options (learning rates, momentum,
     /// weight decay, …).
     ///
-    /// Errors with [`Error::Config`] when the bytes are not such a state, when it is
+    /// Errors with [`Error::Checkpoint`] when the bytes are not such a state, when it is
     /// another algorithm's (an SGD state into Adam), or when its parameters' count or
     /// shapes differ from this optimizer's, naming the first that differs.
     pub fn load_state(&mut self, bytes: &[u8]) -> Result<()> {
@@ -706,7 +706,7 @@ impl Optimizer {
     /// variables of the same shapes in the same groups. The groups' options are this
     /// optimizer's, not the archive's.
     ///
-    /// Errors with [`Error::Config`] when the bytes are not such an archive.
+    /// Errors with [`Error::Checkpoint`] when the bytes are not such an archive.
     pub fn load_libtorch_archive(&mut self, bytes: &[u8]) -> Result<()> {
         self.add_missing_variables()?;
         state::from_libtorch_archive(self, bytes)

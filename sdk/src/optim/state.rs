@@ -11,7 +11,7 @@ use tch::{Device, Tensor};
 
 use super::kernels::{Algorithm, Group, Implementation, ParamState};
 use super::Optimizer;
-use crate::error::{Error, Result};
+use crate::error::{checkpoint, checkpoint_from, Result};
 use crate::ffi;
 
 /// The metadata keys: `torch.optim`'s `param_groups`, and the class they belong to.
@@ -108,7 +108,10 @@ fn group_from_json(group: &Group, saved: &Value) -> Result<Group> {
         match saved.get(key) {
             None => Ok(current),
             Some(v) => v.as_f64().ok_or_else(|| {
-                Error::Config(format!("optimizer state: `{key}` is not a number: {v}"))
+                checkpoint(
+                    None,
+                    format!("optimizer state: `{key}` is not a number: {v}"),
+                )
             }),
         }
     };
@@ -244,11 +247,11 @@ pub(super) fn to_safetensors(opt: &Optimizer) -> Result<Vec<u8>> {
         .map(|o| {
             TensorView::new(o.dtype, o.shape.clone(), &o.data)
                 .map(|v| (o.name.as_str(), v))
-                .map_err(|e| Error::Config(format!("optimizer state `{}`: {e}", o.name)))
+                .map_err(|e| checkpoint_from(None, format!("optimizer state `{}`: {e}", o.name), e))
         })
         .collect::<Result<Vec<_>>>()?;
     safetensors::tensor::serialize(views, &Some(metadata))
-        .map_err(|e| Error::Config(format!("optimizer state: {e}")))
+        .map_err(|e| checkpoint_from(None, format!("optimizer state: {e}"), e))
 }
 
 /// See [`Optimizer::load_state_shards`]: the shards' groups must agree; the last
@@ -271,9 +274,11 @@ fn read_shard(
     bytes: &[u8],
     state: &mut [Option<ParamState>],
 ) -> Result<Vec<Group>> {
-    let bad = |why: String| Error::Config(format!("optimizer state: {why}"));
-    let file = SafeTensors::deserialize(bytes).map_err(|e| bad(e.to_string()))?;
-    let (_, metadata) = SafeTensors::read_metadata(bytes).map_err(|e| bad(e.to_string()))?;
+    let bad = |why: String| checkpoint(None, format!("optimizer state: {why}"));
+    let unreadable =
+        |e: safetensors::SafeTensorError| checkpoint_from(None, format!("optimizer state: {e}"), e);
+    let file = SafeTensors::deserialize(bytes).map_err(unreadable)?;
+    let (_, metadata) = SafeTensors::read_metadata(bytes).map_err(unreadable)?;
     let metadata = metadata.metadata().clone().unwrap_or_default();
     let ours = opt.defaults.algorithm.torch_name();
     match metadata.get(OPTIMIZER) {
@@ -386,10 +391,11 @@ pub(super) fn from_libtorch_archive(opt: &mut Optimizer, bytes: &[u8]) -> Result
         )
     })
     .map_err(|t| {
-        Error::Config(format!(
+        let message = format!(
             "optimizer.pt (libtorch's optimizer archive): {}",
             t.message()
-        ))
+        );
+        checkpoint_from(None, message, t)
     })?;
     let mut taken = out.into_iter().map(|p| {
         (!p.is_null()).then(|| unsafe { Tensor::from_ptr(p as *mut torch_sys::C_tensor) })

@@ -118,7 +118,7 @@ impl ProcessGroup {
         timeout: Duration,
     ) -> Result<ProcessGroup> {
         if rank >= world_size {
-            return Err(Error::Config(format!(
+            return Err(Error::Usage(format!(
                 "rank {rank} is not below the world size {world_size}"
             )));
         }
@@ -340,7 +340,7 @@ impl ProcessGroup {
     /// floating-point dtype).
     pub fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<()> {
         if op == ReduceOp::Avg && !tensor.is_floating_point() {
-            return Err(Error::Config(format!(
+            return Err(Error::Usage(format!(
                 "ReduceOp::Avg needs a floating-point tensor, got {:?}: use ReduceOp::Sum and divide",
                 tensor.kind()
             )));
@@ -391,18 +391,19 @@ impl ProcessGroup {
     /// as `torch.distributed.reduce_scatter`. `inputs` holds one tensor per rank, all
     /// of one shape; the result has that shape.
     ///
-    /// Errors: [`Error::Config`] when `inputs.len() != world_size`; an error from the
+    /// Errors: [`Error::Usage`] when `inputs.len() != world_size` or `op` is
+    /// [`ReduceOp::Avg`] on an integer dtype; an error from the
     /// backend where it has no reduce-scatter.
     pub fn reduce_scatter(&self, inputs: &[Tensor], op: ReduceOp) -> Result<Tensor> {
         if inputs.len() != self.world_size {
-            return Err(Error::Config(format!(
+            return Err(Error::Usage(format!(
                 "reduce_scatter needs one input per rank: got {}, world size {}",
                 inputs.len(),
                 self.world_size
             )));
         }
         if op == ReduceOp::Avg && !inputs[0].is_floating_point() {
-            return Err(Error::Config(
+            return Err(Error::Usage(
                 "ReduceOp::Avg needs a floating-point tensor: use ReduceOp::Sum and divide".into(),
             ));
         }
@@ -464,7 +465,7 @@ impl ProcessGroup {
 
     fn check_root(&self, root: usize) -> Result<()> {
         if root >= self.world_size {
-            return Err(Error::Config(format!(
+            return Err(Error::Usage(format!(
                 "root rank {root} is not below the world size {}",
                 self.world_size
             )));

@@ -55,7 +55,7 @@ unsafe impl Send for Store {}
 unsafe impl Sync for Store {}
 
 pub(super) fn cstring(s: &str, what: &str) -> Result<CString> {
-    CString::new(s).map_err(|_| Error::Config(format!("{what} {s:?} contains a NUL byte")))
+    CString::new(s).map_err(|_| Error::InvalidInput(format!("{what} {s:?} contains a NUL byte")))
 }
 
 /// The socket a store's server listens on: the address that `host` resolves to (as
