@@ -141,6 +141,7 @@ fn train(args: &Args) -> Result<()> {
 
     let start = Instant::now();
     let (mut window, mut loss_sum, mut losses) = (Instant::now(), 0.0, 0);
+    // ANCHOR: resume
     let (mut step, mut first_epoch) = (0, 1);
     if let Some(checkpoints) = &checkpoints {
         // What a restartable job needs: resume from the newest complete checkpoint,
@@ -152,6 +153,7 @@ fn train(args: &Args) -> Result<()> {
             println!("resumed from step {step}");
         }
     }
+    // ANCHOR_END: resume
     'training: for epoch in first_epoch.. {
         for batch in data.iter_shuffle(args.seq_len + 1, args.batch_size) {
             if step >= args.steps {
