@@ -390,21 +390,22 @@ fn preempt(dir: &Path, launch: Launch, signal: i32, delivery: Delivery) -> u64 {
 fn sigterm_checkpoints_at_the_next_step_and_exits_143() {
     let dir = scratch_dir("preempt");
     let step = preempt(&dir, Launch::Tchrun, libc::SIGTERM, Delivery::Launcher);
-    // And the run resumes from it.
+    // And the run resumes from it, mid-epoch (5 steps an epoch), to the parameters
+    // and optimizer state of a run that was not preempted, bit for bit: the loader
+    // continues where it stopped.
     let ckpt = dir.join("ckpt");
-    let run = train(
-        &dir,
-        ckpt.to_str().unwrap(),
-        &(step + 1).to_string(),
-        "adam",
-        None,
-    );
+    let last = (step + 7).to_string();
+    let run = train(&dir, ckpt.to_str().unwrap(), &last, "adam", None);
     run.assert_success();
     assert!(
         run.stdout.contains(&format!("resumed at step {step},")),
         "{}",
         run.stdout
     );
+    let whole = scratch_dir("preempt-whole");
+    let ckpt = whole.join("ckpt");
+    train(&whole, ckpt.to_str().unwrap(), &last, "adam", None).assert_success();
+    assert_same(&dir, &whole, "preempted and resumed against not preempted");
 }
 
 /// Ctrl-C in a terminal: SIGINT to the whole foreground process group, the launcher
