@@ -3,10 +3,11 @@
 //! chapter describes: the attribute averages their gradients with a DDP (the c10d
 //! Reducer) that it builds over their variables at their first step. On 2 ranks
 //! every rank ends with the parameters of one process on the global batch, whether
-//! the step is spelled out with `loss.backward()`, is tch's `backward_step_clip_norm`,
-//! or is the SDK optimizer's accumulation; ranks that start apart end together (the
-//! DDP adopts rank 0's parameters); and a layer that one rank alone uses ends the job
-//! with an `Error:` line that names the fix, not a hang.
+//! the step is spelled out with `loss.backward()`, is one of tch's backward steps
+//! (plain, clipped by value or by norm), or is the SDK optimizer's accumulation; ranks
+//! that start apart end together (the DDP adopts rank 0's parameters); and a layer
+//! that one rank alone uses ends the job with an `Error:` line that names the fix, not
+//! a hang.
 
 use std::process::Command;
 use std::time::Duration;

@@ -10,7 +10,8 @@
 //!
 //! - `tch`: tch's `nn::Optimizer` (SGD, momentum 0.9), the step spelled out:
 //!   `zero_grad`, `loss.backward()`, `step`;
-//! - `tch-steps`: the same optimizer stepped with `backward_step_clip_norm`;
+//! - `tch-steps`: the same optimizer stepped with `backward_step`, then
+//!   `backward_step_clip`, then `backward_step_clip_norm` (limits it does not reach);
 //! - `sdk`: the SDK's `Optimizer` (same SGD), accumulating 2 micro-batches of 4 rows a
 //!   step (`zero_grad`, `backward`, `step`, with `?`);
 //! - `partial-1`, `partial-2`: tch's optimizer with a second head that rank 0 alone
@@ -68,7 +69,11 @@ macro_rules! train {
                     }
                     "tch-steps" => {
                         let loss = loss_of(&xs, &ys);
-                        tch_opt.backward_step_clip_norm(&loss, 100.0);
+                        match step {
+                            0 => tch_opt.backward_step(&loss),
+                            1 => tch_opt.backward_step_clip(&loss, 100.0),
+                            _ => tch_opt.backward_step_clip_norm(&loss, 100.0),
+                        }
                     }
                     _ => {
                         let loss = loss_of(&xs, &ys);
