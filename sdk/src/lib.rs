@@ -71,3 +71,77 @@ pub use tch_distributed_macros::distributed;
 #[cfg(doctest)]
 #[doc = include_str!("../../README.md")]
 pub struct ReadmeDoctests;
+
+/// The error variants a caller matches on, each from the SDK's own calls: at the
+/// crate's root, which may use every module (in `error.rs` it would make `error`
+/// depend on the modules that depend on it).
+#[cfg(test)]
+mod error_variants {
+    /// Each kind of failure comes as its own variant, from the SDK's own calls, with
+    /// the text it always had.
+    #[test]
+    fn callers_can_match_on_what_went_wrong() {
+        use crate::{Checkpointer, Error, GradScaler, Implementation, Optimizer, TensorDataset};
+        use tch::{nn, Device, Kind, Tensor};
+
+        // Data the program hands over.
+        let xs = Tensor::zeros([3, 2], (Kind::Float, Device::Cpu));
+        let ys = Tensor::zeros([2], (Kind::Int64, Device::Cpu));
+        match TensorDataset::new(&xs, &ys) {
+            Err(Error::InvalidInput(m)) => assert!(m.starts_with("TensorDataset: inputs"), "{m}"),
+            other => panic!("{:?}", other.err()),
+        }
+
+        // A call that cannot work.
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let w = vs.root().zeros("w", &[2]);
+        let rms = Optimizer::new(&nn::RmsProp::default(), &vs, 0.1).unwrap();
+        match rms.with_implementation(Implementation::Fused) {
+            Err(Error::Usage(m)) => assert!(m.starts_with("RMSprop has no fused kernel"), "{m}"),
+            other => panic!("{:?}", other.err()),
+        }
+
+        // A checkpoint that cannot be used: step 8 has no COMPLETE marker.
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("step-0000000008")).unwrap();
+        let ckpt = Checkpointer::new(dir.path());
+        let mut sgd = Optimizer::new(&nn::Sgd::default(), &vs, 0.1).unwrap();
+        match ckpt.load_state(&mut vs, &mut sgd) {
+            Err(e @ Error::Checkpoint { .. }) => {
+                let Error::Checkpoint { path, .. } = &e else {
+                    unreachable!()
+                };
+                assert_eq!(path.as_deref(), Some(dir.path()));
+                let m = e.to_string();
+                assert!(m.starts_with("no usable checkpoint in "), "{m}");
+                assert!(m.contains("(incomplete (no COMPLETE marker))"), "{m}");
+            }
+            other => panic!("{:?}", other.err()),
+        }
+        // An optimizer state that is not one: no path, the reason as its source.
+        match sgd.load_state(b"not a safetensors file") {
+            Err(Error::Checkpoint {
+                path: None,
+                message,
+                source: Some(_),
+            }) => assert!(message.starts_with("optimizer state: "), "{message}"),
+            other => panic!("{:?}", other.err()),
+        }
+
+        // fp16 gradients that keep overflowing.
+        (&w * f64::INFINITY).sum(Kind::Float).backward();
+        let mut scaler = GradScaler::new().max_consecutive_skips(1);
+        scaler.unscale_gradients(&[w.shallow_clone()]).unwrap();
+        let e = scaler.update().unwrap_err();
+        assert!(
+            matches!(e, Error::Diverged { skipped: 1, scale } if scale == 32768.0),
+            "{e:?}"
+        );
+        assert!(
+            e.to_string().starts_with(
+                "fp16: 1 steps in a row had inf or NaN gradients and were skipped (the scale is now 32768): "
+            ),
+            "{e}"
+        );
+    }
+}
