@@ -111,9 +111,10 @@ fn mixed_precision_autocasts_the_forward_pass_and_says_why() {
 
 #[test]
 fn bucket_cap_mb_caps_the_first_bucket_too_as_in_pytorch() {
-    // 8 gradients of 1 KiB and 256 KiB alternately, 1,028 KiB in all: with PyTorch's
-    // 1 MiB first bucket they would all share one bucket; `bucket_cap_mb = 0.5`
-    // given explicitly caps the first bucket too (torch 2.11), so two buckets of 4.
+    // 12 gradients of 1 KiB and 256 KiB alternately, 1,542 KiB in all: PyTorch's
+    // defaults (a 1 MiB first bucket, then 25 MiB) would make buckets of 8 and 4;
+    // `bucket_cap_mb = 0.5` given explicitly caps the first bucket too (torch 2.11)
+    // and every later one, so three buckets of 4.
     let dir = scratch_dir("settings-buckets");
     let d = dir.to_str().unwrap();
     run_tchrun(
@@ -126,7 +127,7 @@ fn bucket_cap_mb_caps_the_first_bucket_too_as_in_pytorch() {
     for rank in 0..2 {
         assert_eq!(
             read(&dir, &format!("buckets{rank}.txt")),
-            "[4, 4]",
+            "[4, 4, 4]",
             "rank {rank}"
         );
     }

@@ -83,13 +83,13 @@ fn accum_reference(out: &str) -> anyhow::Result<()> {
     write_params(out, &vs)
 }
 
-/// `bucket_cap_mb = 0.5` over 4 × Linear(256, 256) (4 × 257 KiB of gradients): after
+/// `bucket_cap_mb = 0.5` over 6 × Linear(256, 256) (6 × 257 KiB of gradients): after
 /// the rebuild at the second backward, writes the bucket sizes to
 /// `OUT/buckets{rank}.txt`.
 #[tch_distributed::distributed(bucket_cap_mb = 0.5)]
 fn buckets(out: &str) -> anyhow::Result<()> {
     let vs = nn::VarStore::new(Device::cuda_if_available());
-    let layers: Vec<nn::Linear> = (0..4)
+    let layers: Vec<nn::Linear> = (0..6)
         .map(|i| nn::linear(vs.root() / i, 256, 256, Default::default()))
         .collect();
     let mut opt = nn::Sgd::default().build(&vs, 0.1)?;
