@@ -4,7 +4,8 @@
 //! Reducer) that it builds over their variables at their first step. On 2 ranks
 //! every rank ends with the parameters of one process on the global batch, whether
 //! the step is spelled out with `loss.backward()`, is one of tch's backward steps
-//! (plain, clipped by value or by norm), or is the SDK optimizer's accumulation; ranks
+//! (plain, clipped by value or by norm), steps two models' optimizers (each with a DDP
+//! of its own), or is the SDK optimizer's accumulation; ranks
 //! that start apart end together (the DDP adopts rank 0's parameters); and a layer
 //! that one rank alone uses ends the job with an `Error:` line that names the fix, not
 //! a hang.
@@ -29,7 +30,7 @@ fn two_ranks(dir: &std::path::Path, mode: &str, seed: &str) -> tch_distributed_t
 fn an_optimizer_made_before_the_function_trains_as_one_process_on_the_global_batch() {
     let dir = scratch_dir("outside-optimizer");
     let d = dir.to_str().unwrap();
-    for mode in ["tch", "tch-steps", "sdk"] {
+    for mode in ["tch", "tch-steps", "two", "sdk"] {
         let mut plain = Command::new(WORKER);
         plain
             .args([d, mode, "--plain"])
@@ -54,11 +55,12 @@ fn an_optimizer_made_before_the_function_trains_as_one_process_on_the_global_bat
 #[test]
 fn ranks_that_start_apart_end_with_the_same_parameters() {
     let dir = scratch_dir("outside-optimizer-apart");
-    let run = two_ranks(&dir, "tch", "rank");
+    // Both models' optimizers: each DDP adopts rank 0's values of its own model.
+    let run = two_ranks(&dir, "two", "rank");
     run.assert_success();
     let same = compare::files(
-        &dir.join("params0-tch.safetensors"),
-        &dir.join("params1-tch.safetensors"),
+        &dir.join("params0-two.safetensors"),
+        &dir.join("params1-two.safetensors"),
     );
     assert_eq!(same.max_abs, 0.0, "rank 0's parameters adopted: {same:?}");
 }

@@ -12,6 +12,8 @@
 //!   `zero_grad`, `loss.backward()`, `step`;
 //! - `tch-steps`: the same optimizer stepped with `backward_step`, then
 //!   `backward_step_clip`, then `backward_step_clip_norm` (limits it does not reach);
+//! - `two`: tch's optimizer on the MLP and a second one on a second model (a linear
+//!   critic, as a GAN has), each stepped with `backward_step`;
 //! - `sdk`: the SDK's `Optimizer` (same SGD), accumulating 2 micro-batches of 4 rows a
 //!   step (`zero_grad`, `backward`, `step`, with `?`);
 //! - `partial-1`, `partial-2`: tch's optimizer with a second head that rank 0 alone
@@ -33,6 +35,7 @@ macro_rules! train {
             head: &nn::Linear,
             tch_opt: &mut nn::Optimizer,
             sdk_opt: &mut tch_distributed::Optimizer,
+            (critic, critic_opt): (&nn::Linear, &mut nn::Optimizer),
         ) -> anyhow::Result<()> {
             let (rank, world) = tch_distributed::current()
                 .map_or((0, 1), |c| (c.rank(), c.world_size()));
@@ -66,6 +69,11 @@ macro_rules! train {
                             sdk_opt.backward(&loss)?;
                         }
                         sdk_opt.step()?;
+                    }
+                    "two" => {
+                        tch_opt.backward_step(&loss_of(&xs, &ys));
+                        let critic_loss = critic.forward(&xs).mse_loss(&ys, tch::Reduction::Mean);
+                        critic_opt.backward_step(&critic_loss);
                     }
                     "tch-steps" => {
                         let loss = loss_of(&xs, &ys);
@@ -120,12 +128,18 @@ fn main() -> anyhow::Result<()> {
     };
     let mut tch_opt = sgd.build(&vs, 0.01)?;
     let mut sdk_opt = tch_distributed::Optimizer::new(&sgd, &vs, 0.01)?.accumulate(2);
+    // A second model with its own optimizer, as a GAN's critic.
+    let critic_vs = nn::VarStore::new(Device::Cpu);
+    let critic = nn::linear(critic_vs.root() / "critic", 2, 1, Default::default());
+    let mut critic_opt = sgd.build(&critic_vs, 0.01)?;
+    let critic_pair = (&critic, &mut critic_opt);
     if args.get(3).map(String::as_str) == Some("--plain") {
-        train_plain(mode, &net, &head, &mut tch_opt, &mut sdk_opt)?;
+        train_plain(mode, &net, &head, &mut tch_opt, &mut sdk_opt, critic_pair)?;
     } else {
-        train(mode, &net, &head, &mut tch_opt, &mut sdk_opt)?;
+        train(mode, &net, &head, &mut tch_opt, &mut sdk_opt, critic_pair)?;
     }
     let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    params.extend(critic_vs.variables());
     params.sort_by(|a, b| a.0.cmp(&b.0));
     Tensor::write_safetensors(&params, format!("{dir}/params{rank}-{mode}.safetensors"))?;
     Ok(())
