@@ -112,10 +112,7 @@ impl<I: Iterator> Sharded<I> {
             let Some(item) = self.inner.next() else {
                 break;
             };
-            self.seen += 1;
-            if self.seen <= self.rank {
-                self.first.push(item);
-            }
+            self.passed(item);
         }
         if let Some(ctx) = init::current() {
             let position = LoopPosition {
@@ -241,15 +238,13 @@ impl<I: Iterator> Iterator for Sharded<I> {
             let Some(item) = self.inner.next() else {
                 break;
             };
-            self.seen += 1;
             got += 1;
             if i == self.rank {
+                self.seen += 1;
                 self.skip_rest(i);
                 return self.yielded(item);
             }
-            if self.seen <= self.rank {
-                self.first.push(item);
-            }
+            self.passed(item);
         }
         self.done = true;
         if got == 0 || self.first.is_empty() {
@@ -298,6 +293,16 @@ impl<I: Iterator> Drop for Sharded<I> {
 }
 
 impl<I: Iterator> Sharded<I> {
+    /// Counts a batch that another rank takes (or that a resumed loop skips), keeping
+    /// it if it is one of the epoch's first `rank` batches, which a final incomplete
+    /// round reuses.
+    fn passed(&mut self, item: I::Item) {
+        self.seen += 1;
+        if self.seen <= self.rank {
+            self.first.push(item);
+        }
+    }
+
     /// Consumes the rest of the round after this rank's batch at position `i`.
     fn skip_rest(&mut self, i: usize) {
         for _ in i + 1..self.world_size {
