@@ -8,7 +8,7 @@ use syn::{parse_quote, parse_quote_spanned, Expr, ItemFn};
 
 use crate::analysis::{calls, receiver_ident, Analysis};
 use crate::attr::Options;
-use crate::rules::{ADAPTORS, FORWARD_METHODS, RESULT_METHODS};
+use crate::rules::{ADAPTORS, FORWARD_METHODS, RESULT_METHODS, UNEVEN_ADAPTORS};
 
 /// The rewrites of DESIGN.md's table.
 struct Rewrite {
@@ -19,6 +19,8 @@ struct Rewrite {
     /// Identifies the function's `for` loops, the same in every rank's binary: a hash
     /// of the function's name, and how many loops came before.
     loop_site: u64,
+    /// Numbers the statements whose exits are agreed (their labels and names).
+    exits: u64,
     errors: Vec<syn::Error>,
 }
 
@@ -42,6 +44,21 @@ fn source_of(expr: &mut Expr) -> &mut Expr {
         source = &mut m.receiver;
     }
     source
+}
+
+/// The [`ADAPTORS`] a loop's iterator expression ends with, outermost first.
+fn adaptors(expr: &Expr) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut e = expr;
+    while let Expr::MethodCall(m) = e {
+        let name = m.method.to_string();
+        if !ADAPTORS.contains(&name.as_str()) {
+            break;
+        }
+        names.push(name);
+        e = &m.receiver;
+    }
+    names
 }
 
 /// Whether `expr` names a place without running anything: `opt`, `self.opt`,
@@ -227,6 +244,19 @@ impl VisitMut for Rewrite {
                 )))
                 .__tchd_iter());
                 *iter = new_iter;
+                // Behind an adaptor that keeps a number of batches of its own (a
+                // `filter`), the ranks may run out at different steps: they agree on
+                // the loop's end.
+                if adaptors(&f.expr).iter().any(|a| UNEVEN_ADAPTORS.contains(&a.as_str())) {
+                    let whole = &f.expr;
+                    f.expr = Box::new(parse_quote!(#k::__private::agreed_ends(#whole)));
+                }
+                let own = f.label.as_ref().map(|l| l.name.clone());
+                if let Err(errors) =
+                    crate::exits::agree(k, &mut f.body, own.as_ref(), &mut self.exits)
+                {
+                    self.errors.extend(errors);
+                }
                 None
             }
             Expr::Macro(m) if is_print(&m.mac) => Some(print_on_main(k, &m.mac)),
@@ -375,6 +405,7 @@ pub fn expand(options: Options, analysis: Analysis, mut func: ItemFn) -> syn::Re
             .fold(0xcbf2_9ce4_8422_2325, |h, b| {
                 (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
             }),
+        exits: 0,
         errors: Vec::new(),
     };
     rewrite.visit_block_mut(&mut func.block);

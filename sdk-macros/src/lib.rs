@@ -5,6 +5,7 @@ use proc_macro::TokenStream;
 
 mod analysis;
 mod attr;
+mod exits;
 mod expand;
 mod rules;
 mod validate;

@@ -96,6 +96,24 @@ pub const ADAPTORS: &[&str] = &[
     "peekable",
     "fuse",
     "chain",
+    "flat_map",
+    "flatten",
+];
+
+/// The [`ADAPTORS`] that keep a number of items that depends on the items
+/// themselves: behind them, ranks may run out of batches at different steps, so a
+/// sharded loop's end is agreed over the ranks (`__private::agreed_ends`: one
+/// all-reduce per step; every rank stops when the first runs out). The others keep
+/// the count equal on every rank (`take(n)`, `step_by(k)`, `zip` with a range, …)
+/// and cost nothing.
+pub const UNEVEN_ADAPTORS: &[&str] = &[
+    "filter",
+    "filter_map",
+    "take_while",
+    "skip_while",
+    "map_while",
+    "flat_map",
+    "flatten",
 ];
 
 /// Calls that every rank must make together: `#[distributed]` turns them into (or

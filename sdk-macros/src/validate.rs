@@ -41,6 +41,7 @@ pub fn validate(func: &ItemFn, analysis: &Analysis) -> syn::Result<()> {
         loops: Vec::new(),
         loops_at_branch: 0,
         next_loop: 0,
+        sharded: Vec::new(),
         order: 0,
         collectives: Vec::new(),
         exits: Vec::new(),
@@ -99,6 +100,8 @@ struct Walk<'e> {
     loops: Vec<usize>,
     loops_at_branch: usize,
     next_loop: usize,
+    /// The loops that #[distributed] shards: their exits are agreed over the ranks.
+    sharded: Vec<usize>,
     order: usize,
     collectives: Vec<Collective>,
     exits: Vec<Exit>,
@@ -166,6 +169,11 @@ impl Walk<'_> {
 
     fn exit(&mut self, keyword: &'static str, at: &dyn ToTokens) {
         if self.depth == 0 {
+            return;
+        }
+        // Taken in the body of a loop that #[distributed] shards (not in a loop inside
+        // it): every rank takes it with the first that does (see `exits.rs`).
+        if self.loops.last().is_some_and(|l| self.sharded.contains(l)) {
             return;
         }
         // A `break` or `continue` of a loop that runs inside the branch stays inside
@@ -275,6 +283,7 @@ impl<'ast> Visit<'ast> for Walk<'_> {
     fn visit_expr_for_loop(&mut self, e: &'ast syn::ExprForLoop) {
         self.visit_expr(&e.expr);
         if self.analysis.sharded_loop(&e.expr, &e.body) {
+            self.sharded.push(self.next_loop + 1);
             // The rewrite shards it: its start agrees on the shuffle and the first
             // batch with every rank.
             self.collective(

@@ -313,7 +313,11 @@ impl DistributedDataParallel {
         } else {
             self.prepare(Some(loss))?
         };
-        loss.f_backward().map_err(|e| {
+        let done = loss.f_backward();
+        if let Some((n, _)) = &entered {
+            self.group.leave(*n);
+        }
+        done.map_err(|e| {
             let text = crate::error::torch_text(e);
             match entered {
                 // The Reducer's all-reduce runs inside backward: its timeout is

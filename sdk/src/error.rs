@@ -117,6 +117,22 @@ pub enum Error {
         source: TorchText,
     },
 
+    /// A collective that cannot complete: another rank entered a different collective
+    /// under the same number (the ranks called collectives in different orders), found
+    /// from the ranks' records in the store after this rank had waited `waited` (the
+    /// run's `deadlock_check`), long before the timeout. `report` names those ranks
+    /// and says what to change. Ends the rank from a thread of its own, as the
+    /// collective cannot return.
+    #[error("{op} cannot complete (found after {}): {report}", seconds(*waited))]
+    Deadlock {
+        /// The operation, e.g. `all_reduce (collective 5 of rank 0)`.
+        op: String,
+        waited: Duration,
+        /// The ranks in another collective.
+        stalled: Vec<usize>,
+        report: String,
+    },
+
     /// DDP could not finish averaging the gradients: `variables` (their names in the
     /// model's variable store) got no gradient in the last backward pass on this rank,
     /// as PyTorch's Reducer reports it ("Expected to have finished reduction in the

@@ -337,6 +337,9 @@ impl Context {
         .map_err(place)?;
         let group = ProcessGroup::new(&store, env.rank, env.world_size, backend, device, timeout)
             .map_err(place)?;
+        if let Some(after) = settings.deadlock_check {
+            group.check_deadlocks_after(Duration::from_secs_f64(after));
+        }
         Ok(Context {
             rank: env.rank,
             local_rank: env.local_rank,

@@ -59,7 +59,7 @@ pub use loop_position::LoopPosition;
 pub use observe::{Tracker, PROGRESS_ENV};
 pub use optim::{Algorithm, Implementation, Optimizer, OptimizerKind};
 pub use process_group::{Backend, ProcessGroup, ReduceOp};
-pub use rank_helpers::{local_main_process_first, main_process_first};
+pub use rank_helpers::{any_rank, local_main_process_first, main_process_first};
 pub use rendezvous::{GlooAddress, Store};
 pub use rng::AgreedSeed;
 

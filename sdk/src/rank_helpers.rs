@@ -51,6 +51,33 @@ pub fn local_main_process_first<R>(f: impl FnOnce() -> R) -> Result<R> {
     goes_first(Context::is_local_main_process, f)
 }
 
+/// Whether `flag` is true on any rank: every rank gets the same answer, so that all
+/// can take the same path (leave a loop, skip a step, save) at a point every rank
+/// reaches. As Accelerate's `set_trigger()` on the rank that decides and
+/// `check_trigger()` on all. In a loop that `#[distributed]` shards, a `break`,
+/// `continue` or `return` is agreed this way already; this is for loops and
+/// decisions it does not see.
+///
+/// ```no_run
+/// # fn main() -> anyhow::Result<()> {
+/// # let _ctx = tch_distributed::init()?;
+/// # let loss = 0.1;
+/// if tch_distributed::any_rank(loss < 0.05)? {
+///     // every rank, together
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// A collective: every rank must call it, the same number of times. With one
+/// process, or before the job is joined, it returns `flag`.
+///
+/// # Errors
+/// [`Error`](crate::Error) when the all-reduce fails (a rank died, or the timeout
+/// passed).
+pub fn any_rank(flag: bool) -> Result<bool> {
+    Ok(init::all_reduce_scalar(flag as i64, crate::ReduceOp::Max)? != 0)
+}
+
 /// Accelerate's `_goes_first(is_main)`: the others wait before `f`, the first rank(s)
 /// after it.
 fn goes_first<R>(first: impl Fn(&Context) -> bool, f: impl FnOnce() -> R) -> Result<R> {
@@ -74,5 +101,7 @@ mod tests {
     fn one_process_just_runs_it() {
         assert_eq!(super::main_process_first(|| 7).unwrap(), 7);
         assert_eq!(super::local_main_process_first(|| "x").unwrap(), "x");
+        assert!(super::any_rank(true).unwrap());
+        assert!(!super::any_rank(false).unwrap());
     }
 }

@@ -17,13 +17,25 @@
 //! When the store itself does not answer, its host may be the one stalled: rank 0
 //! when the ranks host the store themselves (SLURM, MPI, ranks started by hand), the
 //! launcher when tchrun or torchrun hosts it.
+//!
+//! Some waits cannot end but at the timeout: the ranks called collectives in
+//! different orders (rank 0 in the exit barrier, having left its loop, while rank 1
+//! is in the next step's gradient all-reduce). The heartbeat thread watches for that
+//! while this rank waits: once a collective has waited the run's `deadlock_check`
+//! (5 s by default), it reads the other ranks' records every beat, and when one of
+//! them entered another collective under the same number, the deadlock is certain:
+//! it ends this rank at once with the timeout's diagnosis
+//! ([`Error::Deadlock`](crate::Error::Deadlock)), and the launcher stops the others.
+//! A rank that is behind, computing in no collective, is no proof: it waits for the
+//! timeout as before. Each beat reads at most [`WINDOW`] ranks' records, in turn, so
+//! that the store's load stays bounded in large jobs.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::error::{seconds, Result};
+use crate::error::{seconds, Error, Result};
 use crate::launch::remote::{Failure, FAILURE_PREFIX};
 use crate::rendezvous::store::{Host, Store};
 
@@ -35,12 +47,20 @@ const WATCH: Duration = Duration::from_millis(2500);
 const STORE_WAIT: Duration = Duration::from_secs(5);
 /// At most this many ranks are described one by one.
 const LISTED: usize = 8;
+/// At most this many other ranks' records are read per beat while watching for a
+/// deadlock.
+const WINDOW: usize = 16;
+/// How long a collective waits before the other ranks' records are read, when the
+/// run does not say (`deadlock_check`).
+pub(crate) const DEADLOCK_CHECK: Duration = Duration::from_secs(5);
 
 /// This rank's record of its collectives, and its heartbeat; see the module's doc.
 pub(crate) struct CollectiveRecord {
     rank: usize,
     world_size: usize,
     entered: AtomicU64,
+    /// The collective this rank is in, shared with the heartbeat, which watches it.
+    watch: Arc<Watch>,
     /// The store under this group's prefix (`tchd/pg{k}`), shared with the heartbeat.
     view: Arc<Store>,
     /// The store under the attempt's failure prefix, where launchers report a rank
@@ -60,24 +80,55 @@ pub(crate) struct Findings {
 /// One rank's record: the number of the last collective it entered, and its name.
 type Record = (u64, String);
 
+/// What the heartbeat watches: the collective this rank waits in, and after how long
+/// the other ranks' records are read.
+struct Watch {
+    /// The collective's number and name, and when this rank entered it; `None`
+    /// between collectives.
+    waiting: Mutex<Option<(u64, String, Instant)>>,
+    /// Milliseconds a collective waits before the records are read.
+    check_after_ms: AtomicU64,
+    /// The group's timeout, for the message.
+    timeout: Duration,
+}
+
 impl CollectiveRecord {
     /// Starts the record of this rank (`rank` of `world_size`) in `store`, under a
     /// prefix of its own for the `group`-th process group of this process, and the
     /// heartbeat thread.
-    pub(crate) fn start(store: &Store, group: u64, rank: usize, world_size: usize) -> Result<Self> {
+    pub(crate) fn start(
+        store: &Store,
+        group: u64,
+        rank: usize,
+        world_size: usize,
+        timeout: Duration,
+    ) -> Result<Self> {
         let view = Arc::new(store.with_prefix(&format!("tchd/pg{group}"))?);
         let key = format!("progress/{rank}");
         view.set(&key, b"0 ")?;
         let beat_key = format!("alive/{rank}");
         view.set(&beat_key, b"0")?;
+        let watch = Arc::new(Watch {
+            waiting: Mutex::new(None),
+            check_after_ms: AtomicU64::new(DEADLOCK_CHECK.as_millis() as u64),
+            timeout,
+        });
         let (tx, rx) = mpsc::channel::<()>();
         let beat_view = Arc::clone(&view);
+        let watched = Arc::clone(&watch);
         let spawned = std::thread::Builder::new()
             .name("tchd-heartbeat".into())
             .spawn(move || {
+                let mut next = (rank + 1) % world_size;
+                // Its own connection, with a bounded wait: a read must not hold up
+                // the heartbeat for the store's whole timeout.
+                let reader = beat_view.clone_connection().ok().filter(|s| s.set_timeout(STORE_WAIT).is_ok());
                 for beat in 1u64.. {
                     // A failure (the store's host gone) is the collectives' to report.
                     let _ = beat_view.set(&beat_key, beat.to_string().as_bytes());
+                    if let Some(reader) = &reader {
+                        watched.check(reader, rank, world_size, &mut next);
+                    }
                     match rx.recv_timeout(BEAT) {
                         Err(RecvTimeoutError::Timeout) => {}
                         _ => return,
@@ -93,6 +144,7 @@ impl CollectiveRecord {
             rank,
             world_size,
             entered: AtomicU64::new(0),
+            watch,
             failures: store.with_prefix(FAILURE_PREFIX)?,
             view,
             key,
@@ -111,7 +163,25 @@ impl CollectiveRecord {
         let n = self.entered.fetch_add(1, Ordering::Relaxed) + 1;
         // A store that cannot be written to shows up in the collective itself.
         let _ = self.view.set(&self.key, format!("{n} {what}").as_bytes());
+        *self.watch.waiting.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((n, what.to_string(), Instant::now()));
         n
+    }
+
+    /// Records that this rank left collective `n` (completed or failed).
+    pub(crate) fn leave(&self, n: u64) {
+        let mut waiting = self.watch.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        if waiting.as_ref().is_some_and(|(m, _, _)| *m == n) {
+            *waiting = None;
+        }
+    }
+
+    /// Reads the other ranks' records once a collective has waited `after` (see the
+    /// module's doc).
+    pub(crate) fn check_deadlocks_after(&self, after: Duration) {
+        self.watch
+            .check_after_ms
+            .store(after.as_millis().min(u64::MAX as u128) as u64, Ordering::Relaxed);
     }
 
     /// The line in which a launcher reported a rank that failed in this attempt
@@ -221,6 +291,106 @@ impl CollectiveRecord {
         };
         findings(n, what, &others, &records, &beats, timeout)
     }
+}
+
+impl Watch {
+    /// When this rank has waited in its collective long enough: reads the records of
+    /// the next [`WINDOW`] ranks after `*next` (in turn, over the beats) and ends the
+    /// process when one entered another collective under the same number.
+    fn check(&self, store: &Store, rank: usize, world_size: usize, next: &mut usize) {
+        let Some((n, what, since)) = self.waiting.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        else {
+            return;
+        };
+        let after = Duration::from_millis(self.check_after_ms.load(Ordering::Relaxed));
+        if since.elapsed() < after {
+            return;
+        }
+        let mut ranks = Vec::new();
+        let mut records = Vec::new();
+        for _ in 0..(world_size - 1).min(WINDOW) {
+            if *next == rank {
+                *next = (*next + 1) % world_size;
+            }
+            let r = *next;
+            *next = (*next + 1) % world_size;
+            // An unanswered read is no proof of anything: the timeout will tell.
+            let Ok(value) = store.get(&format!("progress/{r}")) else {
+                return;
+            };
+            ranks.push(r);
+            records.push(parse_record(&value));
+        }
+        let Some(e) = deadlock(n, &what, rank, &ranks, &records, since.elapsed(), self.timeout)
+        else {
+            return;
+        };
+        // Still in it? A collective that completed meanwhile proves nothing.
+        let still = self.waiting.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|w| w.0) == Some(n);
+        if still {
+            fail_now(rank, &e);
+        }
+    }
+}
+
+/// The error when some of `ranks` (their `records`) entered another collective than
+/// `what` under the same number `n`, which this rank has waited in for `waited`;
+/// `None` when none did.
+fn deadlock(
+    n: u64,
+    what: &str,
+    rank: usize,
+    ranks: &[usize],
+    records: &[Option<Record>],
+    waited: Duration,
+    timeout: Duration,
+) -> Option<Error> {
+    let mut stalled = Vec::new();
+    let mut sentences = Vec::new();
+    for (&r, record) in ranks.iter().zip(records) {
+        if let Some((m, other)) = record {
+            if *m == n && other != what {
+                stalled.push(r);
+                sentences.push(format!("rank {r} is waiting in another collective, {other}"));
+            }
+        }
+    }
+    if stalled.is_empty() {
+        return None;
+    }
+    if sentences.len() > LISTED {
+        let more = sentences.len() - LISTED;
+        sentences.truncate(LISTED);
+        sentences.push(format!("{more} more ranks likewise"));
+    }
+    Some(Error::Deadlock {
+        op: format!("{what} (collective {n} of rank {rank})"),
+        waited,
+        report: format!(
+            "{}: the ranks called collectives in different orders, and would wait for each \
+             other until the timeout ({}). A rank took another path: it left a loop early on \
+             a value of its own (a `break`, a `return`, a shorter data source), or skipped a \
+             collective in a branch. Make every rank call the same collectives in the same \
+             order: in a loop that #[distributed] shards, an exit agrees across the ranks; \
+             elsewhere, agree first (`tch_distributed::any_rank`). See \"When ranks take \
+             different paths\" in the guide",
+            sentences.join("; "),
+            seconds(timeout)
+        ),
+        stalled,
+    })
+}
+
+/// Ends this process with `e`, as `main` returning it would, from the heartbeat
+/// thread: the main thread is blocked in a collective that cannot complete. One write
+/// to stderr, the launcher's error file (the root cause tchrun and torchrun report),
+/// then `_exit`: libtorch's exit handlers could wait on that collective.
+fn fail_now(rank: usize, e: &Error) -> ! {
+    let line = format!("Error: rank {rank}: {e}\n");
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+    crate::launch::error_file::record(line.trim_end(), None);
+    // SAFETY: `_exit` ends the process without running any handler.
+    unsafe { libc::_exit(1) }
 }
 
 /// `"{n} {what}"` as a record.

@@ -148,7 +148,7 @@ impl ProcessGroup {
         let group = GROUPS.fetch_add(1, Ordering::Relaxed);
         let collectives = if world_size > 1 {
             Some(
-                CollectiveRecord::start(store, group, rank, world_size)
+                CollectiveRecord::start(store, group, rank, world_size, timeout)
                     .map_err(|e| rendezvous_error(e.to_string()))?,
             )
         } else {
@@ -229,6 +229,22 @@ impl ProcessGroup {
         match &self.shared.collectives {
             Some(p) => p.enter(what),
             None => 0,
+        }
+    }
+
+    /// Records that this rank left collective `n` (numbered by [`enter`](Self::enter)),
+    /// completed or failed.
+    pub(crate) fn leave(&self, n: u64) {
+        if let Some(p) = &self.shared.collectives {
+            p.leave(n);
+        }
+    }
+
+    /// How long a collective waits before this rank reads the other ranks' records
+    /// for a collective that cannot match (see [`Error::Deadlock`]); 5 s unless set.
+    pub(crate) fn check_deadlocks_after(&self, after: Duration) {
+        if let Some(p) = &self.shared.collectives {
+            p.check_deadlocks_after(after);
         }
     }
 
@@ -320,7 +336,9 @@ impl ProcessGroup {
     /// [`enter`](Self::enter).
     fn run(&self, op: &'static str, call: impl FnOnce() -> i32) -> Result<()> {
         let n = self.enter(op);
-        ffi::check_text(call()).map_err(|text| {
+        let status = call();
+        self.leave(n);
+        ffi::check_text(status).map_err(|text| {
             if text.is_timeout() {
                 self.timed_out(op, n, text)
             } else {

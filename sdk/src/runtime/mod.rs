@@ -7,12 +7,15 @@
 //! - [`rewrites`]: what the rewritten calls run (`build`, the backward steps and the
 //!   gradient averaging of optimizers the function did not build, `save`/`load`,
 //!   autocast, the device);
+//! - [`agreement`]: what the ranks agree on in a sharded loop: an exit one rank
+//!   takes, the end of a loop whose adaptors keep batches of their own;
 //! - [`probes`]: type-directed dispatch (autoref specialization) that lets a rewrite
 //!   apply to some types and leave every other alone: sharded loops, `VarStore`s,
 //!   optimizers' `step`, the function's `Result`.
 
 use crate::init::{self, Context};
 
+mod agreement;
 mod entry;
 mod probes;
 mod rewrites;
@@ -22,6 +25,7 @@ pub use crate::error::Error;
 pub use crate::optim::Implementation;
 pub use crate::process_group::Backend;
 pub use crate::settings::Settings;
+pub use agreement::{agree_exit, agreed_ends, AgreedEnds};
 pub use entry::{enter, Session};
 pub use probes::*;
 pub use rewrites::*;

@@ -368,6 +368,12 @@ settings! {
         var: "TCH_DISTRIBUTED_TIMEOUT", file: true, value_name: "SECONDS",
         values: "a positive number of seconds", default: "1800, as torch.distributed",
     }
+    /// Seconds a collective waits before the rank reads the other ranks' records in the store: one that entered another collective under the same number (the ranks called collectives in different orders) stops the job then, not at the timeout.
+    deadlock_check: f64 [positive] {
+        attribute: true, flag: Some("deadlock-check"), alias: None,
+        var: "TCH_DISTRIBUTED_DEADLOCK_CHECK", file: true, value_name: "SECONDS",
+        values: "a positive number of seconds", default: "5",
+    }
     /// Mixed precision of the forward pass (autocast), with loss scaling for fp16.
     mixed_precision: MixedPrecisionMode [any] {
         attribute: true, flag: Some("mixed-precision"), alias: Some("mixed_precision"),
