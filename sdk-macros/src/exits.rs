@@ -96,9 +96,9 @@ impl Finder<'_> {
         self.exits.push(Exit { again, priority });
         let label = &self.label;
         if self.in_let {
-            parse_quote!(break #label ::std::result::Result::Err(#k))
+            parse_quote!(break #label (::std::result::Result::Err(#k)))
         } else {
-            parse_quote!(break #label ::std::option::Option::Some(#k))
+            parse_quote!(break #label (::std::option::Option::Some(#k)))
         }
     }
 }

@@ -16,11 +16,23 @@ use super::fail;
 /// `None`. Every rank gets the same answer: the winning exit of any rank, else
 /// `None`. As Accelerate's `set_trigger`/`check_trigger`, written by the macro.
 pub fn agree_exit(taken: Option<u32>, priorities: &[u8]) -> Option<u32> {
-    let score = |k: u32| 1 + ((priorities[k as usize] as i64) << 32) + (u32::MAX - k) as i64;
+    // The priority above the exit's number, reversed (the first written wins among
+    // equals); 0 for none.
+    let score = |k: u32| ((priorities[k as usize] as i64 + 1) << 32) | (u32::MAX - k) as i64;
     let mine = taken.map_or(0, score);
     let best = init::all_reduce_scalar(mine, ReduceOp::Max)
         .unwrap_or_else(|e| fail("agreeing on a loop's exit with the other ranks", e));
     (best != 0).then(|| u32::MAX - (best & 0xffff_ffff) as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn one_process_takes_its_own_exit() {
+        assert_eq!(super::agree_exit(None, &[1, 0]), None);
+        assert_eq!(super::agree_exit(Some(0), &[1, 0]), Some(0));
+        assert_eq!(super::agree_exit(Some(1), &[1, 0]), Some(1));
+    }
 }
 
 /// `iter`, ended on every rank when the first runs out: see [`AgreedEnds`].
