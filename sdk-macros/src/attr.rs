@@ -4,7 +4,7 @@ use proc_macro2::Span;
 use syn::parse::{Parse, ParseStream};
 use syn::{LitBool, LitFloat, LitInt, LitStr, Token};
 
-pub const VALID: &str = "backend, nproc_per_node, bucket_cap_mb, find_unused_parameters, static_graph, timeout, mixed_precision, grad_accum, optimizer, zero, crate";
+pub const VALID: &str = "backend, nproc_per_node, bucket_cap_mb, find_unused_parameters, static_graph, timeout, deadlock_check, mixed_precision, grad_accum, optimizer, zero, crate";
 
 /// The options of `#[distributed(…)]`, validated.
 #[derive(Default)]
@@ -16,6 +16,7 @@ pub struct Options {
     pub find_unused_parameters: Option<bool>,
     pub static_graph: Option<bool>,
     pub timeout: Option<f64>,
+    pub deadlock_check: Option<f64>,
     /// `Auto`, or the variant of `MixedPrecision` (`No`, `Bf16`, `Fp16`), spanned at
     /// the user's literal.
     pub mixed_precision: Option<syn::Ident>,
@@ -138,15 +139,9 @@ impl Parse for Options {
                     let lit: LitBool = expect(input, "static_graph = true or … = false")?;
                     options.static_graph = Some(lit.value);
                 }
-                "timeout" => {
-                    let (secs, span) = number(input, "timeout", "600")?;
-                    if secs.is_nan() || secs <= 0.0 {
-                        return Err(syn::Error::new(
-                            span,
-                            "`timeout` must be a positive number of seconds, e.g. `timeout = 600`",
-                        ));
-                    }
-                    options.timeout = Some(secs);
+                "timeout" => options.timeout = Some(seconds(input, "timeout", "600")?),
+                "deadlock_check" => {
+                    options.deadlock_check = Some(seconds(input, "deadlock_check", "10")?)
                 }
                 "mixed_precision" => {
                     options.mixed_precision = Some(one_of(
@@ -212,4 +207,16 @@ impl Parse for Options {
         }
         Ok(options)
     }
+}
+
+/// A positive number of seconds for option `name` (`example` in the error).
+fn seconds(input: ParseStream, name: &str, example: &str) -> syn::Result<f64> {
+    let (secs, span) = number(input, name, example)?;
+    if secs.is_nan() || secs <= 0.0 {
+        return Err(syn::Error::new(
+            span,
+            format!("`{name}` must be a positive number of seconds, e.g. `{name} = {example}`"),
+        ));
+    }
+    Ok(secs)
 }

@@ -374,6 +374,9 @@ pub fn expand(options: Options, analysis: Analysis, mut func: ItemFn) -> syn::Re
     if let Some(t) = options.timeout {
         give("timeout", quote!(#t));
     }
+    if let Some(t) = options.deadlock_check {
+        give("deadlock_check", quote!(#t));
+    }
     if let Some(p) = &options.mixed_precision {
         give(
             "mixed_precision",

@@ -210,8 +210,8 @@ impl Walk<'_> {
                 format!(
                     "`{keyword}` inside {} (`{}`) would hang: the ranks that take it skip \
                      {} while the others wait for them there. Decide on every rank alike \
-                     (e.g. all-reduce the condition, or test a value every rank shares), \
-                     or leave after the last collective",
+                     (`if tch_distributed::any_rank(…)? {{ … }}`, or a value every rank \
+                     shares), or leave after the last collective",
                     exit.what, exit.condition, skipped.name
                 ),
             ));

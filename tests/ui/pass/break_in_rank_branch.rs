@@ -13,7 +13,8 @@ fn train() -> anyhow::Result<()> {
     for (step, (x, y)) in Iter2::new(&xs, &ys, 8).enumerate() {
         let loss = net.forward(&x).mse_loss(&y, tch::Reduction::Mean);
         opt.backward_step(&loss);
-        // Early stopping decided by one rank: the others step on without it.
+        // Early stopping decided by one rank: a sharded loop's exit is agreed, so every
+        // rank leaves at this step with it.
         if rank == 0 && step >= 2 {
             break;
         }
