@@ -6,6 +6,8 @@
 #   scripts/bench.sh ddp|allreduce [flags] one side-by-side benchmark's Rust side, one process
 #   scripts/bench.sh optim [flags]         the optimizer step alone: tch's, the SDK's implementations
 #                                          (and torch.optim's with --python PYTHON)
+#   scripts/bench.sh agree [STEPS] [ROUNDS] what a sharded loop's agreed exit and agreed end
+#                                          cost a step: 2 ranks over Gloo
 #   scripts/bench.sh zero                  ZeRO stage 1's memory: Adam on 52.5 M parameters, 1/2/4 ranks
 #   scripts/bench.sh multi-node [STEPS]    shakespeare's tokens/s, 1 host × 2 ranks against 2 hosts ×
 #                                          1 rank (network namespaces; root and `ip`)

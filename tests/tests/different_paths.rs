@@ -14,6 +14,10 @@ use std::time::Duration;
 
 use tch_distributed_tests::{compare, run_with, scratch_dir, Run};
 
+#[path = "support/messages.rs"]
+mod messages;
+use messages::{assert_recorded, message_block, redact};
+
 const WORKER: &str = env!("CARGO_BIN_EXE_different_paths_worker");
 
 /// Runs `mode` on 2 ranks under tchrun.
@@ -100,6 +104,12 @@ fn a_filter_that_keeps_different_counts_stops_every_rank_with_the_first() {
         "rank 0 says how many were dropped ({dropped}):\n{}",
         run.stderr
     );
+    let line = run
+        .stderr
+        .lines()
+        .find(|l| l.contains("a sharded loop ran out of batches"))
+        .unwrap();
+    assert_recorded("uneven-batches", line);
     let reference = alone(&dir, "filter", 0);
     for rank in 0..2 {
         compare::files(&dir.join(format!("params{rank}-filter.safetensors")), &reference)
@@ -134,20 +144,18 @@ fn collectives_that_cannot_match_are_named_in_seconds() {
         run.elapsed,
         run.stderr
     );
-    let named = [
-        "rank 0 is waiting in another collective, barrier",
-        "rank 1 is waiting in another collective, the gradient all-reduce of backward pass 4",
-    ];
+    // Rank 1 reads the records first (the worker sets its `deadlock_check` to 2 s).
+    let message = message_block(&run.stderr, "Error: rank 1: ");
+    for text in [
+        "Error: rank 1: the gradient all-reduce of backward pass 4 (collective 7 of rank 1) cannot complete (found after ",
+        "rank 0 is waiting in another collective, barrier: the ranks called collectives in different orders",
+    ] {
+        assert!(message.contains(text), "{text:?} in:\n{}", run.stderr);
+    }
     assert!(
-        named.iter().any(|n| run.stderr.contains(n)),
-        "the other rank and its collective are named:\n{}",
+        run.stderr.contains("tchrun: root cause: rank 1 (local rank 1, pid "),
+        "tchrun's root cause names rank 1:\n{}",
         run.stderr
     );
-    for text in [
-        "cannot complete (found after ",
-        "the ranks called collectives in different orders",
-        "tchrun: root cause: rank ",
-    ] {
-        assert!(run.stderr.contains(text), "{text:?} in:\n{}", run.stderr);
-    }
+    assert_recorded("collectives-mismatch", &redact(&message, &[("found after ", "{t}")]));
 }

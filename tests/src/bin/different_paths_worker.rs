@@ -14,7 +14,8 @@
 //!   mean size is above 0.145 (`kept`: how many this rank's filter kept in all);
 //! - `manual-break` (no attribute: `init`, a DDP, `shard`): rank 0 alone leaves its
 //!   loop after 3 steps and waits at a barrier while rank 1 is in the next step's
-//!   gradient all-reduce: a deadlock that must be named in seconds;
+//!   gradient all-reduce: a deadlock that must be named in seconds (rank 1 reads the
+//!   records after 2 s, rank 0 after 20, so that rank 1 names it);
 //! - `any-rank` (no attribute): the same loop, left when `any_rank(rank 0 at step
 //!   3)`: both ranks leave it together.
 //!
@@ -66,6 +67,7 @@ fn train(mode: &str, vs: &nn::VarStore, net: &nn::Sequential, stats: &mut Stats)
     let mut opt = nn::Sgd::default().build(vs, 0.05)?;
     match mode {
         "early-stop" => {
+            // ANCHOR: early_stop
             for (x, y) in Iter2::new(&xs, &ys, BATCH) {
                 let loss = net.forward(&x).mse_loss(&y, tch::Reduction::Mean);
                 opt.backward_step(&loss);
@@ -76,6 +78,7 @@ fn train(mode: &str, vs: &nn::VarStore, net: &nn::Sequential, stats: &mut Stats)
                 }
             }
             println!("stopped after {} steps", stats.steps);
+            // ANCHOR_END: early_stop
         }
         "early-return" => {
             for (x, y) in Iter2::new(&xs, &ys, BATCH) {
@@ -91,6 +94,7 @@ fn train(mode: &str, vs: &nn::VarStore, net: &nn::Sequential, stats: &mut Stats)
         }
         "filter" => {
             let kept = &stats.kept;
+            // ANCHOR: filter
             for (x, y) in Iter2::new(&xs, &ys, BATCH).filter(|(_, y)| {
                 let k = keep(y);
                 kept.set(kept.get() + k as usize);
@@ -100,6 +104,7 @@ fn train(mode: &str, vs: &nn::VarStore, net: &nn::Sequential, stats: &mut Stats)
                 opt.backward_step(&loss);
                 stats.steps += 1;
             }
+            // ANCHOR_END: filter
         }
         other => anyhow::bail!("unknown mode {other}"),
     }
@@ -136,6 +141,10 @@ fn train_plain(mode: &str, vs: &nn::VarStore, net: &nn::Sequential, steps: usize
 
 /// `manual-break` and `any-rank`: the loop without the attribute.
 fn by_hand(mode: &str, vs: &nn::VarStore, net: &nn::Sequential, stats: &mut Stats) -> anyhow::Result<()> {
+    // Rank 1 reads the records first (after 2 s), so that its message is the one
+    // named, run after run; rank 0 would after 20 s.
+    let check = if std::env::var("RANK").as_deref() == Ok("1") { "2" } else { "20" };
+    std::env::set_var("TCH_DISTRIBUTED_DEADLOCK_CHECK", check);
     let ctx = tch_distributed::init()?;
     let ddp = tch_distributed::DistributedDataParallel::new(vs, ctx.process_group(), Default::default())?;
     let mut opt = nn::Sgd::default().build(vs, 0.05)?;
