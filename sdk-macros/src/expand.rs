@@ -249,7 +249,7 @@ impl VisitMut for Rewrite {
                 // the loop's end.
                 if adaptors(&f.expr).iter().any(|a| UNEVEN_ADAPTORS.contains(&a.as_str())) {
                     let whole = &f.expr;
-                    f.expr = Box::new(parse_quote!(#k::__private::agreed_ends(#whole)));
+                    *f.expr = parse_quote!(#k::__private::agreed_ends(#whole));
                 }
                 let own = f.label.as_ref().map(|l| l.name.clone());
                 if let Err(errors) =
