@@ -1,7 +1,9 @@
 //! Shapes of training code that the attribute must see through:
 //!
 //! - optimizers the `#[distributed]` function did not build: a trainer struct's field
-//!   stepped with the training step spelled out (`src/bin/trainer.rs`), and a
+//!   stepped with the training step spelled out (`src/bin/trainer.rs`), or in a method
+//!   of its own that `fit` calls, with the attribute on the `impl` block
+//!   (`src/bin/trainer_methods.rs`), and a
 //!   `&mut nn::Optimizer` argument stepped with `backward_step_clip_norm`
 //!   (`src/bin/train_fn.rs`), and an `Option<nn::Optimizer>` field that a helper
 //!   fills, stepped through `self.opt.as_mut().unwrap()` (`src/bin/lazy_optimizer.rs`):
@@ -90,6 +92,16 @@ fn a_trainer_structs_optimizer_field_is_averaged_over_2_ranks() {
         "trainer",
         env!("CARGO_BIN_EXE_trainer"),
         env!("CARGO_BIN_EXE_trainer_plain"),
+        7,
+    );
+}
+
+#[test]
+fn a_trainer_that_steps_in_a_method_of_its_own_is_averaged_with_the_attribute_on_its_impl() {
+    let _ = check(
+        "trainer_methods",
+        env!("CARGO_BIN_EXE_trainer_methods"),
+        env!("CARGO_BIN_EXE_trainer_methods_plain"),
         7,
     );
 }

@@ -10,6 +10,18 @@ use crate::analysis::{calls, receiver_ident, Analysis};
 use crate::attr::Options;
 use crate::rules::{ADAPTORS, FORWARD_METHODS, RESULT_METHODS, UNEVEN_ADAPTORS};
 
+/// Where a function is: at the top level (`Scope::default()`), or a method of an
+/// `impl` block under the attribute.
+#[derive(Default)]
+pub struct Scope {
+    /// The block's type and `::` (`Trainer::`), which tells its methods' loops from
+    /// other functions' of the same name; empty for a function.
+    pub name: String,
+    /// A method that returns the block's type (`-> Self`, `-> Result<Trainer>`): it
+    /// builds the struct's fields, whose types the struct declares.
+    pub constructor: bool,
+}
+
 /// The rewrites of DESIGN.md's table.
 struct Rewrite {
     krate: TokenStream,
@@ -21,6 +33,10 @@ struct Rewrite {
     loop_site: u64,
     /// Numbers the statements whose exits are agreed (their labels and names).
     exits: u64,
+    /// Leave `.build(&vs, lr)` as written: in a constructor of an `impl` block under
+    /// the attribute, whose optimizer goes into a field of the struct's own type
+    /// (tch's `nn::Optimizer`), averaged by the DDP built at its first step.
+    keep_build: bool,
     errors: Vec<syn::Error>,
 }
 
@@ -123,6 +139,7 @@ impl VisitMut for Rewrite {
                     // written is type-checked (its arguments against tch's own
                     // signature, an error pointing at the user's argument) and runs
                     // for a receiver that is no configuration the SDK knows.
+                    ("build", [_, _]) if self.keep_build => None,
                     ("build", [vs, lr]) => {
                         let method = &m.method;
                         let (v, l) = (
@@ -343,7 +360,12 @@ fn print_on_main(k: &TokenStream, mac: &syn::Macro) -> Expr {
 }
 
 /// The function with its body rewritten and the entry prepended.
-pub fn expand(options: Options, analysis: Analysis, mut func: ItemFn) -> syn::Result<TokenStream> {
+pub fn expand(
+    options: Options,
+    analysis: Analysis,
+    mut func: ItemFn,
+    scope: &Scope,
+) -> syn::Result<TokenStream> {
     let krate = match &options.krate {
         Some(path) => quote!(#path),
         None => quote!(::tch_distributed),
@@ -400,15 +422,13 @@ pub fn expand(options: Options, analysis: Analysis, mut func: ItemFn) -> syn::Re
     let mut rewrite = Rewrite {
         krate: krate.clone(),
         analysis,
-        loop_site: func
-            .sig
-            .ident
-            .to_string()
+        loop_site: format!("{}{}", scope.name, func.sig.ident)
             .bytes()
             .fold(0xcbf2_9ce4_8422_2325, |h, b| {
                 (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
             }),
         exits: 0,
+        keep_build: scope.constructor,
         errors: Vec::new(),
     };
     rewrite.visit_block_mut(&mut func.block);

@@ -68,6 +68,9 @@ struct Run {
     optimizer_ddps: OptimizerDdps,
     /// Where the sharded loops stand, and where a loaded checkpoint resumes them.
     loops: LoopPositions,
+    /// Whether rank 0 printed the banner: once a run, however many `#[distributed]`
+    /// functions or methods the program enters.
+    banner: std::sync::atomic::AtomicBool,
 }
 
 /// The DDP of each optimizer the function did not build, by its first variable's
@@ -356,8 +359,17 @@ impl Context {
                 why: precision.1,
                 optimizer_ddps: OptimizerDdps::default(),
                 loops: LoopPositions::default(),
+                banner: std::sync::atomic::AtomicBool::new(false),
             }),
         })
+    }
+
+    /// Whether this is the first call in the run (the banner is printed once).
+    pub(crate) fn first_banner(&self) -> bool {
+        !self
+            .run
+            .banner
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Where the run's sharded loops stand ([`LoopPositions`]).

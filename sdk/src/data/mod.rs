@@ -278,7 +278,9 @@ impl<I: Iterator> Drop for Sharded<I> {
                 "warning: a training loop that #[distributed] sharded ran {} steps on each of \
                  {} ranks and averaged no gradients over them: the optimizer steps where the \
                  attribute cannot see it (a method or helper that steps it, or an optimizer \
-                 that is not tch's or the SDK's), so each rank trains on its own. Step the \
+                 that is not tch's or the SDK's), so each rank trains on its own. Put the \
+                 attribute on the `impl` block instead (`#[distributed] impl Trainer {{ … }}`): \
+                 it adapts every method, the one that steps the optimizer too. Or step the \
                  optimizer in the #[distributed] function itself (`self.opt.backward_step(&loss)` \
                  in `fn fit(&mut self)`), or build it there with `.build(&vs, lr)`. A loop that \
                  only evaluates was sharded because it calls a method on `self`: each rank saw \

@@ -77,7 +77,9 @@ pub fn enter(attribute: Settings) -> Session {
             fail("sharing rank 0's random state", e)
         }
     }
-    if ctx.is_main_process() {
+    // Once a run: a program may enter several functions, or the methods of an
+    // `impl` block under the attribute, one after the other.
+    if ctx.is_main_process() && ctx.first_banner() {
         for line in overridden {
             crate::log::warn(line);
         }
