@@ -100,6 +100,7 @@ fn main() -> ExitCode {
         master_port: run.master_port.unwrap_or(defaults.master_port),
         stop_grace,
         max_restarts: run.max_restarts.unwrap_or(defaults.max_restarts),
+        all_ranks_stdout: run.all_ranks_stdout.unwrap_or(defaults.all_ranks_stdout),
         launcher: Launcher::Tchrun,
     };
     let (program, rest) = match args.command.split_first() {
