@@ -345,6 +345,7 @@ pub fn without_launcher(cmd: &mut Command) -> &mut Command {
         "TCH_DISTRIBUTED_GRAD_ACCUM",
         "TCH_DISTRIBUTED_GPUS",
         "TCH_DISTRIBUTED_MAX_RESTARTS",
+        ALL_RANKS_STDOUT_VAR,
     ] {
         cmd.env_remove(var);
     }
@@ -424,6 +425,46 @@ impl Run {
         );
         self
     }
+
+    /// This run with its stdout as the ranks wrote it ([`without_rank_prefixes`]), for a
+    /// launcher that showed every rank's ([`all_ranks_stdout`]).
+    pub fn without_rank_prefixes(mut self) -> Run {
+        self.stdout = without_rank_prefixes(&self.stdout);
+        self
+    }
+}
+
+/// The variable of the `all_ranks_stdout` setting. By default `tchrun` and a program that
+/// starts its own ranks show global rank 0's standard output alone, as torchrun's
+/// `--local-ranks-filter 0`; with it `true` they show every rank's, each line after
+/// `[rank N] ` ([`rank_line`]). A test that reads other ranks' lines, or counts lines to
+/// show that only rank 0 printed, sets it ([`all_ranks_stdout`], [`run_tchrun_all_ranks`]).
+pub const ALL_RANKS_STDOUT_VAR: &str = "TCH_DISTRIBUTED_ALL_RANKS_STDOUT";
+
+/// Sets [`ALL_RANKS_STDOUT_VAR`] for `cmd`: the launcher it runs (`tchrun`, or a program
+/// that starts its own ranks) shows every rank's standard output.
+pub fn all_ranks_stdout(cmd: &mut Command) -> &mut Command {
+    cmd.env(ALL_RANKS_STDOUT_VAR, "true")
+}
+
+/// A line of a launcher that shows every rank's standard output: the rank that wrote it
+/// and the line as the rank wrote it. `[rank 3] loss 0.5` is `(Some(3), "loss 0.5")`; a
+/// line without the prefix (the launcher's own) is `(None, line)`.
+pub fn rank_line(line: &str) -> (Option<usize>, &str) {
+    line.strip_prefix("[rank ")
+        .and_then(|rest| rest.split_once("] "))
+        .and_then(|(rank, text)| Some((Some(rank.parse().ok()?), text)))
+        .unwrap_or((None, line))
+}
+
+/// The standard output of a launcher that shows every rank's, each line without the
+/// `[rank N] ` before it ([`rank_line`]), in the order the launcher showed them: what the
+/// ranks wrote, for a test that reads their lines.
+pub fn without_rank_prefixes(stdout: &str) -> String {
+    stdout
+        .lines()
+        .map(|line| format!("{}\n", rank_line(line).1))
+        .collect()
 }
 
 /// A process started in a process group of its own, whose whole group is SIGKILLed
@@ -616,6 +657,20 @@ pub fn run_tchrun(
     let mut cmd = Command::new(tchrun());
     cmd.args(args);
     run_with(cmd, dir, timeout, while_running)
+}
+
+/// [`run_tchrun`] showing every rank's standard output (`tchrun --all-ranks-stdout`),
+/// the run's stdout as the ranks wrote it ([`Run::without_rank_prefixes`]): for a test
+/// that reads other ranks' lines, or counts lines to show that only rank 0 printed.
+pub fn run_tchrun_all_ranks(
+    dir: &Path,
+    args: &[&str],
+    timeout: Duration,
+    while_running: impl FnOnce(u32, &Path),
+) -> Run {
+    let mut cmd = Command::new(tchrun());
+    cmd.arg("--all-ranks-stdout").args(args);
+    run_with(cmd, dir, timeout, while_running).without_rank_prefixes()
 }
 
 /// Waits up to `timeout` until `file` exists and contains `needle`; returns its text.
@@ -1022,6 +1077,18 @@ mod tests {
         }));
         assert!(failed.is_err());
         assert!(start.elapsed() < Duration::from_secs(30));
+    }
+
+    #[test]
+    fn rank_prefixes_are_read_and_removed() {
+        assert_eq!(rank_line("[rank 3] loss 0.5"), (Some(3), "loss 0.5"));
+        assert_eq!(rank_line("[rank 12] "), (Some(12), ""));
+        assert_eq!(rank_line("[rank x] y"), (None, "[rank x] y"));
+        assert_eq!(rank_line("plain"), (None, "plain"));
+        assert_eq!(
+            without_rank_prefixes("[rank 0] a\n[rank 1] [rank 0] b\nc\n"),
+            "a\n[rank 0] b\nc\n"
+        );
     }
 
     #[test]

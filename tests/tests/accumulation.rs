@@ -6,7 +6,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{compare, run_tchrun, run_with, scratch_dir};
+use tch_distributed_tests::{compare, run_tchrun_all_ranks, run_with, scratch_dir};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_accumulation_worker");
 
@@ -27,7 +27,7 @@ fn three_micro_batches_on_two_ranks_equal_one_batch_six_times_larger() {
     // `backward_step` on each micro-batch, then the training step spelled out: both
     // step on the cycle's third micro-batch only.
     for mode in ["accum", "spelled"] {
-        let run = run_tchrun(
+        let run = run_tchrun_all_ranks(
             &dir,
             &["--nproc-per-node", "2", WORKER, d, mode],
             Duration::from_secs(60),
@@ -83,7 +83,7 @@ fn norms(stdout: &str) -> Vec<(f64, f64)> {
 fn every_rank_clips_by_the_global_norm_of_the_averaged_gradient() {
     let dir = scratch_dir("clip");
     let d = dir.to_str().unwrap();
-    let run = run_tchrun(
+    let run = run_tchrun_all_ranks(
         &dir,
         &["--nproc-per-node", "2", WORKER, d, "clip"],
         Duration::from_secs(60),

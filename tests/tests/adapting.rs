@@ -8,7 +8,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{compare, run_tchrun, run_with, scratch_dir, Run};
+use tch_distributed_tests::{
+    all_ranks_stdout, compare, run_tchrun, run_tchrun_all_ranks, run_with, scratch_dir, Run,
+};
 
 #[path = "support/distributed_program_reference.rs"]
 mod distributed_program_reference;
@@ -31,7 +33,8 @@ fn seen(dir: &Path, rank: usize, epoch: usize) -> Vec<i64> {
 /// Checks a finished `world`-rank run of `distributed_program` over `rows` samples in
 /// batches of 4 (the smaller last batch kept): the shards, and a model that is the
 /// one-process closed form of DDP's training on the batches the ranks logged
-/// (`distributed_program_reference`), the same on every rank.
+/// (`distributed_program_reference`), the same on every rank. `run` showed every rank's
+/// stdout (`all_ranks_stdout`), so that what only rank 0 prints is seen once.
 fn check_run(run: &Run, dir: &Path, world: usize, rows: i64) {
     run.assert_success();
     assert_eq!(
@@ -110,7 +113,7 @@ fn three_ranks_uneven_data() {
     // 30 samples, batch 4: 8 batches (the last of 2); 3 ranks get 3 each, with one
     // batch repeated.
     let d = dir.to_str().unwrap();
-    let run = run_tchrun(
+    let run = run_tchrun_all_ranks(
         &dir,
         &["--nproc-per-node", "3", WORKER, d, "30"],
         TIMEOUT,
@@ -126,7 +129,8 @@ fn two_ranks_launched_by_the_program_itself() {
     let mut cmd = Command::new(WORKER);
     cmd.args([dir.to_str().unwrap(), "26"])
         .env("TCH_DISTRIBUTED_NPROC", "2");
-    let run = run_with(cmd, &dir, TIMEOUT, |_, _| {});
+    all_ranks_stdout(&mut cmd);
+    let run = run_with(cmd, &dir, TIMEOUT, |_, _| {}).without_rank_prefixes();
     assert!(
         run.stderr.contains("starting 2 ranks"),
         "no launcher environment: the program starts its ranks\n{}",

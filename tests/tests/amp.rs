@@ -7,7 +7,7 @@ use std::time::Duration;
 use tch::nn::{self, VarStore};
 use tch::{Device, Kind, Tensor};
 use tch_distributed::{GradScaler, Optimizer};
-use tch_distributed_tests::{run_python, run_tchrun, scratch_dir};
+use tch_distributed_tests::{run_python, run_tchrun_all_ranks, scratch_dir};
 
 /// Per step: the gradient the unscaled loss would give (inf and NaN included).
 const GRADS: &[[f32; 3]] = &[
@@ -139,7 +139,7 @@ fn max_consecutive_skips_is_the_limit_that_update_enforces() {
 fn an_overflow_on_one_rank_skips_the_step_on_every_rank() {
     let dir = scratch_dir("amp");
     let worker = env!("CARGO_BIN_EXE_amp_worker");
-    let run = run_tchrun(
+    let run = run_tchrun_all_ranks(
         &dir,
         &["--nproc-per-node", "2", worker],
         Duration::from_secs(60),

@@ -129,13 +129,15 @@ fn workspace_targets(dir: &Path) -> Targets {
 }
 
 /// The options of `tchrun`, from its help, each with whether it takes a value
-/// (`--nproc-per-node <N>`).
+/// (`--nproc-per-node <N>`; a flag whose value is optional and follows an `=`,
+/// `--all-ranks-stdout[=<BOOL>]`, takes none after it).
 fn options(help: &str) -> BTreeMap<String, bool> {
     help.lines()
         .filter_map(|l| {
             let l = l.trim_start();
             let l = l.strip_prefix("-h, ").unwrap_or(l);
             let (flag, rest) = l.split_once(' ').unwrap_or((l, ""));
+            let flag = flag.split_once("[=").map_or(flag, |(flag, _)| flag);
             flag.starts_with("--")
                 .then(|| (flag.to_string(), rest.starts_with('<')))
         })
@@ -378,9 +380,10 @@ fn every_shell_command_in_the_readme_and_the_book_works_as_pasted() {
     assert_eq!(
         (
             checker.tchrun_options.get("--nproc-per-node"),
-            checker.tchrun_options.get("--help")
+            checker.tchrun_options.get("--help"),
+            checker.tchrun_options.get("--all-ranks-stdout")
         ),
-        (Some(&true), Some(&false)),
+        (Some(&true), Some(&false), Some(&false)),
         "{:?}",
         checker.tchrun_options
     );

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use tch_distributed_tests::{run_tchrun, scratch_dir};
+use tch_distributed_tests::{run_tchrun_all_ranks, scratch_dir};
 
 #[path = "support/messages.rs"]
 mod messages;
@@ -12,7 +12,7 @@ const WORKER: &str = env!("CARGO_BIN_EXE_collectives");
 
 fn check(ranks: usize) {
     let dir = scratch_dir("collectives");
-    let run = run_tchrun(
+    let run = run_tchrun_all_ranks(
         &dir,
         &["--nproc-per-node", &ranks.to_string(), WORKER],
         Duration::from_secs(60),

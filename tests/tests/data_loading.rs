@@ -6,7 +6,7 @@ use std::fs;
 use std::path::Path;
 use std::time::Duration;
 
-use tch_distributed_tests::{run_tchrun, scratch_dir};
+use tch_distributed_tests::{run_tchrun, run_tchrun_all_ranks, scratch_dir};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_data_loading_worker");
 const TIMEOUT: Duration = Duration::from_secs(90);
@@ -98,7 +98,8 @@ fn every_world_size_covers_the_dataset_plus_exactly_the_padding() {
 #[test]
 fn datasets_of_different_lengths_fail_before_training() {
     let dir = scratch_dir("data-uneven");
-    let run = run_tchrun(
+    // Every rank's stdout: none built a loader.
+    let run = run_tchrun_all_ranks(
         &dir,
         &["--nproc-per-node", "2", WORKER, "uneven"],
         TIMEOUT,

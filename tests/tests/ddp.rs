@@ -5,7 +5,7 @@ use std::time::Duration;
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 use tch_distributed::{DdpOptions, DdpStats, DistributedDataParallel};
-use tch_distributed_tests::{run_tchrun, scratch_dir, Run};
+use tch_distributed_tests::{run_tchrun_all_ranks, scratch_dir, Run};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ddp_worker");
 const TIMEOUT: Duration = Duration::from_secs(90);
@@ -15,7 +15,7 @@ fn ddp(ranks: usize, args: &[&str]) -> Run {
     let n = ranks.to_string();
     let mut all = vec!["--nproc-per-node", &n, WORKER];
     all.extend_from_slice(args);
-    let run = run_tchrun(&dir, &all, TIMEOUT, |_, _| {});
+    let run = run_tchrun_all_ranks(&dir, &all, TIMEOUT, |_, _| {});
     run.assert_success();
     run
 }

@@ -15,7 +15,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{run_tchrun, run_with, scratch_dir, without_launcher, Run};
+use tch_distributed_tests::{run_tchrun_all_ranks, run_with, scratch_dir, without_launcher, Run};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_error_hints_worker");
 const TIMEOUT: Duration = Duration::from_secs(90);
@@ -102,7 +102,7 @@ const UNUSED_FIX: &str = "turn on find_unused_parameters (#[distributed(find_unu
 #[test]
 fn an_unused_parameter_error_names_the_variables_and_how_to_turn_on_find_unused_parameters() {
     let dir = scratch_dir("hint-unused");
-    let run = run_tchrun(
+    let run = run_tchrun_all_ranks(
         &dir,
         &["--nproc-per-node", "2", WORKER, "unused"],
         TIMEOUT,
@@ -143,7 +143,7 @@ fn an_unused_parameter_error_names_the_variables_and_how_to_turn_on_find_unused_
 
     // With the option, the same model trains.
     let dir = scratch_dir("hint-unused-found");
-    let run = run_tchrun(
+    let run = run_tchrun_all_ranks(
         &dir,
         &["--nproc-per-node", "2", WORKER, "unused-found"],
         TIMEOUT,
@@ -190,7 +190,7 @@ fn a_static_graph_trains_a_model_with_an_unused_layer_as_find_unused_parameters_
 #[test]
 fn an_autograd_error_inside_a_synchronized_backward_is_not_a_timeout() {
     let dir = scratch_dir("hint-nograd");
-    let run = run_tchrun(
+    let run = run_tchrun_all_ranks(
         &dir,
         &["--nproc-per-node", "2", WORKER, "nograd"],
         TIMEOUT,
@@ -211,7 +211,7 @@ fn an_autograd_error_inside_a_synchronized_backward_is_not_a_timeout() {
 #[test]
 fn variables_created_after_the_optimizer_are_refused_on_several_ranks() {
     let dir = scratch_dir("hint-late");
-    let run = run_tchrun(
+    let run = run_tchrun_all_ranks(
         &dir,
         &["--nproc-per-node", "2", WORKER, "late"],
         TIMEOUT,

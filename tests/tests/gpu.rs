@@ -49,7 +49,9 @@ enum Backend {
 }
 
 /// `program args…` on `ranks` ranks under `tchrun` with `backend` and `envs`;
-/// not checked for success.
+/// not checked for success. Every rank's stdout, as the ranks wrote it
+/// (`--all-ranks-stdout`): the workers print a line per rank, and what only rank 0
+/// prints is seen once.
 fn launch(
     ranks: usize,
     backend: Backend,
@@ -60,6 +62,7 @@ fn launch(
 ) -> Run {
     let mut cmd = Command::new(tchrun());
     without_launcher(&mut cmd)
+        .arg("--all-ranks-stdout")
         .arg("--nproc-per-node")
         .arg(ranks.to_string())
         .arg(program)
@@ -70,7 +73,7 @@ fn launch(
         Backend::Nccl => cmd.env("TCH_DISTRIBUTED_BACKEND", "nccl"),
     };
     cmd.envs(envs.iter().copied());
-    run_with(cmd, dir, TIMEOUT, |_, _| {})
+    run_with(cmd, dir, TIMEOUT, |_, _| {}).without_rank_prefixes()
 }
 
 /// `program args…` as one process without a launcher (nor a backend override).

@@ -6,8 +6,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use tch_distributed_tests::{
-    children, compare, free_port, run_tchrun, run_together, run_with, scratch_dir, torchrun,
-    wait_for_text, Run,
+    children, compare, free_port, rank_line, run_tchrun, run_together, run_with, scratch_dir,
+    torchrun, wait_for_text, Run,
 };
 
 #[path = "support/distributed_program_reference.rs"]
@@ -142,7 +142,9 @@ fn port_in_use_is_a_clear_error_within_seconds() {
 #[test]
 fn rank_killed_mid_training_stops_the_job_within_10_seconds() {
     let dir = scratch_dir("sigkill");
+    // Every rank's stdout, for rank 1's pid.
     let args = [
+        "--all-ranks-stdout",
         "--nproc-per-node",
         "2",
         WORKER,
@@ -156,7 +158,10 @@ fn rank_killed_mid_training_stops_the_job_within_10_seconds() {
         let out = wait_for_text(&dir.join("run.stdout"), "pid 1 ", Duration::from_secs(30));
         let pid: i32 = out
             .lines()
-            .find_map(|l| l.strip_prefix("pid 1 "))
+            .find_map(|l| match rank_line(l) {
+                (Some(1), text) => text.strip_prefix("pid 1 "),
+                _ => None,
+            })
             .unwrap()
             .trim()
             .parse()
@@ -268,7 +273,9 @@ fn kill_launcher(cmd: Command, name: &str, ready: &str) -> Result<Duration, Vec<
 #[test]
 fn ranks_exit_when_tchrun_is_sigkilled() {
     let mut cmd = Command::new(tch_distributed_tests::tchrun());
+    // Every rank's stdout, for rank 1's pid line.
     cmd.args([
+        "--all-ranks-stdout",
         "--nproc-per-node",
         "2",
         WORKER,
@@ -278,7 +285,7 @@ fn ranks_exit_when_tchrun_is_sigkilled() {
         "--sleep-ms",
         "5",
     ]);
-    let took = kill_launcher(cmd, "orphans-tchrun", "pid 1 ")
+    let took = kill_launcher(cmd, "orphans-tchrun", "[rank 1] pid 1 ")
         .unwrap_or_else(|left| panic!("ranks {left:?} still run 10 s after tchrun died"));
     eprintln!("ranks exited {took:?} after tchrun was killed");
 }
@@ -517,4 +524,137 @@ fn two_nodes_restart_together_at_node_0s_store() {
         .collect();
     assert_eq!(params[0], params[1], "one model trained by both nodes");
     distributed_program_reference::assert_model_equals_reference(&dir, 2);
+}
+
+const HELPER_PRINT: &str = env!("CARGO_BIN_EXE_helper_print_worker");
+
+/// Epochs of `helper_print_worker`: its helper prints one `eval loss` line per epoch.
+const EPOCHS: usize = 3;
+
+/// `helper_print_worker EPOCHS` on 2 ranks: under `tchrun` (`tchrun_args` before the
+/// program), or, with no `tchrun_args`, launching its own ranks; `env` added.
+fn helper_print(name: &str, tchrun_args: Option<&[&str]>, env: &[(&str, &str)]) -> Run {
+    let dir = scratch_dir(name);
+    let mut cmd = match tchrun_args {
+        Some(args) => {
+            let mut cmd = Command::new(tch_distributed_tests::tchrun());
+            cmd.args(args).args(["--nproc-per-node", "2", HELPER_PRINT]);
+            cmd
+        }
+        None => Command::new(HELPER_PRINT),
+    };
+    tch_distributed_tests::without_launcher(&mut cmd)
+        .arg(EPOCHS.to_string())
+        .envs(env.iter().copied());
+    if tchrun_args.is_none() {
+        cmd.env("TCH_DISTRIBUTED_NPROC", "2");
+    }
+    let run = run_with(cmd, &dir, TIMEOUT, |_, _| {});
+    run.assert_success();
+    // Standard error is every rank's, whatever the setting.
+    for rank in 0..2 {
+        let line = format!("stderr from rank {rank}");
+        assert_eq!(
+            run.stderr.lines().filter(|l| *l == line).count(),
+            1,
+            "{line:?} once in:\n{}",
+            run.stderr
+        );
+    }
+    run
+}
+
+/// The losses of the `eval loss L epoch E` lines among `lines`, in order; panics on any
+/// other line that starts with `eval loss` (one cut or mixed with another).
+fn eval_losses<'a>(lines: impl Iterator<Item = &'a str>) -> Vec<String> {
+    lines
+        .filter(|l| l.starts_with("eval loss"))
+        .enumerate()
+        .map(|(epoch, l)| {
+            let (loss, at) = l
+                .strip_prefix("eval loss ")
+                .and_then(|rest| rest.split_once(" epoch "))
+                .unwrap_or_else(|| panic!("not a whole line: {l:?}"));
+            assert_eq!(at, epoch.to_string(), "{l:?}");
+            assert!(loss.parse::<f64>().is_ok(), "{l:?}");
+            loss.to_string()
+        })
+        .collect()
+}
+
+/// By default rank 0's stdout alone: the helper's line once per call, and the
+/// function's own line once, no line with a rank before it.
+fn assert_rank_0s_stdout_alone(run: &Run) {
+    let losses = eval_losses(run.stdout.lines());
+    assert_eq!(losses.len(), EPOCHS, "once per epoch:\n{}", run.stdout);
+    let done = run.stdout.lines().filter(|l| l.ends_with(" done")).count();
+    assert_eq!(done, EPOCHS, "{}", run.stdout);
+    assert!(!run.stdout.contains("[rank "), "{}", run.stdout);
+}
+
+/// With `all_ranks_stdout`, every rank's stdout: each line after `[rank N] `, whole; the
+/// helper's line once per call on each rank (the same losses: one model), the
+/// function's own lines and the banner on rank 0 alone.
+fn assert_every_ranks_stdout(run: &Run) {
+    let mut of_rank: [Vec<&str>; 2] = Default::default();
+    for line in run.stdout.lines() {
+        let (rank, text) = rank_line(line);
+        let rank = rank.unwrap_or_else(|| panic!("no rank before {line:?}:\n{}", run.stdout));
+        of_rank[rank].push(text);
+    }
+    let losses = of_rank.clone().map(|lines| eval_losses(lines.into_iter()));
+    assert_eq!(
+        losses[0].len(),
+        EPOCHS,
+        "rank 0, once per epoch:\n{}",
+        run.stdout
+    );
+    assert_eq!(losses[0], losses[1], "rank 1 as rank 0:\n{}", run.stdout);
+    let others = |rank: usize| -> Vec<&str> {
+        of_rank[rank]
+            .iter()
+            .copied()
+            .filter(|l| !l.starts_with("eval loss"))
+            .collect()
+    };
+    assert!(others(1).is_empty(), "rank 1 printed {:?}", others(1));
+    let done: Vec<&str> = others(0)
+        .into_iter()
+        .filter(|l| !l.starts_with("tch-distributed: backend gloo, world size 2"))
+        .collect();
+    let expected: Vec<String> = (0..EPOCHS).map(|e| format!("epoch {e} done")).collect();
+    assert_eq!(done, expected, "{}", run.stdout);
+}
+
+/// A `println!` in a helper that `#[distributed]` cannot see runs on every rank: under
+/// `tchrun` it shows once per call, rank 0's, as `torchrun --local-ranks-filter 0`
+/// shows; `--all-ranks-stdout` (or its variable) shows every rank's, each line after
+/// `[rank N] `. Every rank's stderr shows either way.
+#[test]
+fn a_helpers_println_shows_once_under_tchrun_and_every_ranks_with_all_ranks_stdout() {
+    let run = helper_print("helper-print-tchrun", Some(&[]), &[]);
+    assert_rank_0s_stdout_alone(&run);
+    let run = helper_print("helper-print-flag", Some(&["--all-ranks-stdout"]), &[]);
+    assert_every_ranks_stdout(&run);
+    let run = helper_print(
+        "helper-print-var",
+        Some(&[]),
+        &[("TCH_DISTRIBUTED_ALL_RANKS_STDOUT", "1")],
+    );
+    assert_every_ranks_stdout(&run);
+}
+
+/// The same for a program that starts its own ranks: rank 0's stdout alone, every
+/// rank's with `TCH_DISTRIBUTED_ALL_RANKS_STDOUT`.
+#[test]
+fn a_helpers_println_shows_once_when_a_program_starts_its_own_ranks() {
+    let run = helper_print("helper-print-self", None, &[]);
+    assert!(run.stderr.contains("starting 2 ranks"), "{}", run.stderr);
+    assert_rank_0s_stdout_alone(&run);
+    let run = helper_print(
+        "helper-print-self-all",
+        None,
+        &[("TCH_DISTRIBUTED_ALL_RANKS_STDOUT", "true")],
+    );
+    assert_every_ranks_stdout(&run);
 }

@@ -5,7 +5,9 @@ use std::fs;
 use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{example, run_tchrun, run_with, scratch_dir, write_mnist};
+use tch_distributed_tests::{
+    example, run_tchrun, run_tchrun_all_ranks, run_with, scratch_dir, write_mnist,
+};
 
 #[test]
 fn two_ranks_learn_synthetic_mnist_with_one_printer_and_one_checkpoint() {
@@ -13,7 +15,8 @@ fn two_ranks_learn_synthetic_mnist_with_one_printer_and_one_checkpoint() {
     write_mnist(&dir, 512, 128);
     let exe = example("mnist");
     let checkpoint = dir.join("mnist.safetensors");
-    let run = run_tchrun(
+    // Every rank's stdout: what only rank 0 prints is seen once.
+    let run = run_tchrun_all_ranks(
         &dir,
         &[
             "--nproc-per-node",

@@ -14,7 +14,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use tch::Tensor;
-use tch_distributed_tests::{compare, run_with, scratch_dir, without_launcher};
+use tch_distributed_tests::{all_ranks_stdout, compare, run_with, scratch_dir, without_launcher};
 
 #[path = "support/messages.rs"]
 mod messages;
@@ -115,7 +115,9 @@ fn a_user_crate_on_this_tch_adds_the_sdk_and_trains_on_two_ranks() {
         .env_remove("LD_LIBRARY_PATH")
         .env("TCH_DISTRIBUTED_NPROC", "2")
         .env("TCH_DISTRIBUTED_RECORD", &record);
-    let ran = run_with(run, &dir, Duration::from_secs(180), |_, _| {});
+    // Every rank's stdout: what only rank 0 prints is seen once.
+    all_ranks_stdout(&mut run);
+    let ran = run_with(run, &dir, Duration::from_secs(180), |_, _| {}).without_rank_prefixes();
     ran.assert_success();
     assert!(
         ran.stdout.contains("backend gloo, world size 2"),

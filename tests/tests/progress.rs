@@ -8,7 +8,9 @@
 use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{on_path, run_tchrun, run_with, scratch_dir, skip, tchrun, Run};
+use tch_distributed_tests::{
+    on_path, run_tchrun_all_ranks, run_with, scratch_dir, skip, tchrun, Run,
+};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_tracker_worker");
 const TIMEOUT: Duration = Duration::from_secs(120);
@@ -77,7 +79,8 @@ fn without_a_terminal_nothing_is_drawn() {
         let d = dir.to_str().unwrap();
         let mut args = vec!["--nproc-per-node", "2", WORKER, d, "--no-average"];
         args.extend(extra);
-        let run = run_tchrun(&dir, &args, TIMEOUT, |_, _| {});
+        // Every rank's stdout and stderr.
+        let run = run_tchrun_all_ranks(&dir, &args, TIMEOUT, |_, _| {});
         run.assert_success();
         for text in [&run.stdout, &run.stderr] {
             assert!(!text.contains("epoch 0"), "{text}");

@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{run_with, scratch_dir, tchrun, without_launcher, Run};
+use tch_distributed_tests::{
+    run_with, scratch_dir, tchrun, without_launcher, without_rank_prefixes, Run,
+};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_run_config_worker");
 const TIMEOUT: Duration = Duration::from_secs(90);
@@ -56,8 +58,9 @@ fn tchrun_in(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Run {
 }
 
 /// Ranks that print `RANK WORLD_SIZE CUDA_VISIBLE_DEVICES` and the settings that reach
-/// the program, one line each, sorted by rank.
-const PRINT_ENV: [&str; 3] = [
+/// the program, one line each, sorted by rank (`--all-ranks-stdout`: every rank's line).
+const PRINT_ENV: [&str; 4] = [
+    "--all-ranks-stdout",
     "sh",
     "-c",
     "echo \"$RANK $WORLD_SIZE ${CUDA_VISIBLE_DEVICES:--} ${TCH_DISTRIBUTED_BACKEND:--} \
@@ -66,7 +69,8 @@ const PRINT_ENV: [&str; 3] = [
 
 fn sorted_lines(run: &Run) -> Vec<String> {
     run.assert_success();
-    let mut lines: Vec<String> = run.stdout.lines().map(str::to_string).collect();
+    let stdout = without_rank_prefixes(&run.stdout);
+    let mut lines: Vec<String> = stdout.lines().map(str::to_string).collect();
     lines.sort();
     lines
 }

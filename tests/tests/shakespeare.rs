@@ -6,7 +6,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{children, compare, example, run_with, scratch_dir, tchrun, Scratch};
+use tch_distributed_tests::{
+    all_ranks_stdout, children, compare, example, run_with, scratch_dir, tchrun, Scratch,
+};
 
 #[test]
 fn launches_two_ranks_itself_trains_and_writes_one_checkpoint() {
@@ -28,7 +30,9 @@ fn launches_two_ranks_itself_trains_and_writes_one_checkpoint() {
         .args(["--steps", "6", "--log-every", "3", "--batch-size", "4"])
         .args(["--seq-len", "16", "--hidden", "32"])
         .env("TCH_DISTRIBUTED_NPROC", "2");
-    let run = run_with(cmd, &dir, Duration::from_secs(120), |_, _| {});
+    // Every rank's stdout: what only rank 0 prints is seen once.
+    all_ranks_stdout(&mut cmd);
+    let run = run_with(cmd, &dir, Duration::from_secs(120), |_, _| {}).without_rank_prefixes();
     run.assert_success();
     assert!(run.stderr.contains("starting 2 ranks"), "{}", run.stderr);
     for once in [
@@ -95,6 +99,8 @@ fn a_killed_rank_under_max_restarts_resumes_from_the_newest_checkpoint() {
     let (mut cmd, dir) = main_job_under_tchrun("shakespeare-restart", &["--max-restarts", "1"]);
     let ckpt = dir.join("ckpt");
     restart_args(&mut cmd, "400");
+    // Every rank's stdout: the job ends once, on rank 0.
+    all_ranks_stdout(&mut cmd);
     let run = run_with(cmd, &dir, Duration::from_secs(300), |pid, _| {
         // Once a checkpoint is complete, kill a rank.
         let deadline = std::time::Instant::now() + Duration::from_secs(120);
@@ -108,7 +114,8 @@ fn a_killed_rank_under_max_restarts_resumes_from_the_newest_checkpoint() {
         let ranks = children(pid);
         assert_eq!(ranks.len(), 2, "tchrun's ranks: {ranks:?}");
         unsafe { libc::kill(*ranks.iter().max().unwrap() as i32, libc::SIGKILL) };
-    });
+    })
+    .without_rank_prefixes();
     run.assert_success();
     let resumed = run
         .stdout

@@ -6,7 +6,7 @@ use std::process::Command;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use tch_distributed_tests::{run_tchrun, scratch_dir};
+use tch_distributed_tests::{rank_line, run_tchrun, scratch_dir};
 
 /// Waits until `n` files named `ready.*` exist in `dir`.
 fn wait_ready(dir: &Path, n: usize) {
@@ -38,6 +38,24 @@ fn send_signal(pid: u32, signal: &str) {
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The lines of a run that showed every rank's stdout, as the ranks wrote them, each
+/// checked to come from the rank that its first word names (`$RANK`).
+fn lines_of_their_ranks(run: &tch_distributed_tests::Run) -> Vec<&str> {
+    run.stdout
+        .lines()
+        .map(|line| {
+            let (rank, text) = rank_line(line);
+            let named = text.split(' ').next().and_then(|r| r.parse().ok());
+            assert!(
+                rank.is_some() && rank == named,
+                "{line:?} in:\n{}",
+                run.stdout
+            );
+            text
+        })
+        .collect()
+}
+
 /// A run that tchrun stopped because a rank failed: exit 1 within 10 s, with every
 /// `needle` in its stderr.
 fn assert_failed_fast(run: &tch_distributed_tests::Run, needles: &[&str]) {
@@ -64,6 +82,7 @@ fn ranks_get_torchrun_environment() {
     let run = run_tchrun(
         &dir,
         &[
+            "--all-ranks-stdout",
             "--nproc-per-node",
             "3",
             "--",
@@ -78,7 +97,10 @@ fn ranks_get_torchrun_environment() {
         |_, _| {},
     );
     assert!(run.status.success(), "stderr: {}", run.stderr);
-    let mut lines: Vec<Vec<&str>> = run.stdout.lines().map(|l| l.split(' ').collect()).collect();
+    let mut lines: Vec<Vec<&str>> = lines_of_their_ranks(&run)
+        .into_iter()
+        .map(|l| l.split(' ').collect())
+        .collect();
     lines.sort();
     assert_eq!(lines.len(), 3, "stdout: {}", run.stdout);
     let port = lines[0][5];
@@ -107,6 +129,7 @@ fn multi_node_ranks_and_explicit_port() {
     let run = run_tchrun(
         &dir,
         &[
+            "--all-ranks-stdout",
             "--nproc-per-node",
             "2",
             "--nnodes",
@@ -123,7 +146,7 @@ fn multi_node_ranks_and_explicit_port() {
         |_, _| {},
     );
     assert!(run.status.success(), "stderr: {}", run.stderr);
-    let mut lines: Vec<&str> = run.stdout.lines().collect();
+    let mut lines = lines_of_their_ranks(&run);
     lines.sort();
     assert_eq!(lines, ["4 0 6 2 29555", "5 1 6 2 29555"]);
 }

@@ -11,7 +11,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use tch_distributed_tests::compare::files as compare;
-use tch_distributed_tests::{run_tchrun, run_with, scratch_dir, tchrun, without_launcher};
+use tch_distributed_tests::{
+    run_tchrun_all_ranks, run_with, scratch_dir, tchrun, without_launcher,
+};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_zero_worker");
 const TIMEOUT: Duration = Duration::from_secs(120);
@@ -194,7 +196,7 @@ fn a_variable_created_after_a_zero_optimizer_without_ddp_joins_the_partition() {
         env!("CARGO_BIN_EXE_ddp_worker"),
         "zero_late",
     ];
-    let run = run_tchrun(&dir, &args, TIMEOUT, |_, _| {});
+    let run = run_tchrun_all_ranks(&dir, &args, TIMEOUT, |_, _| {});
     run.assert_success();
     assert_eq!(
         run.stdout.matches("ok zero_late").count(),

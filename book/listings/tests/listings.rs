@@ -9,7 +9,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{free_port, run_with, scratch_dir, tchrun, Run};
+use tch_distributed_tests::{
+    all_ranks_stdout, free_port, run_with, scratch_dir, tchrun, Run, ALL_RANKS_STDOUT_VAR,
+};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -31,11 +33,17 @@ fn command(program: impl AsRef<std::ffi::OsStr>) -> Command {
     cmd
 }
 
-/// `tchrun --nproc-per-node n listing args…`, which must succeed.
+/// `tchrun --all-ranks-stdout --nproc-per-node n listing args…`, which must succeed:
+/// every rank's lines, each after `[rank N] `.
 fn tchrun_listing(dir: &Path, n: usize, listing: &str, args: &[&str]) -> Run {
     let mut cmd = command(tchrun());
-    cmd.args(["--nproc-per-node", &n.to_string(), listing])
-        .args(args);
+    cmd.args([
+        "--all-ranks-stdout",
+        "--nproc-per-node",
+        &n.to_string(),
+        listing,
+    ])
+    .args(args);
     let run = run_with(cmd, dir, TIMEOUT, |_, _| {});
     run.assert_success();
     run
@@ -100,6 +108,8 @@ fn data_parallel_starts_two_ranks_itself() {
     let mut cmd = command(env!("CARGO_BIN_EXE_data_parallel"));
     cmd.arg(dir.join("model.safetensors"))
         .env("TCH_DISTRIBUTED_NPROC", "2");
+    // Every rank's stdout: what only rank 0 prints is seen once.
+    all_ranks_stdout(&mut cmd);
     let run = run_ok(cmd, &dir);
     assert!(run.stderr.contains("starting 2 ranks"), "{}", run.stderr);
     for once in [
@@ -121,16 +131,22 @@ fn data_parallel_starts_two_ranks_itself() {
 fn hello_ranks_under_tchrun() {
     let dir = scratch_dir("hello");
     let run = tchrun_listing(&dir, 3, env!("CARGO_BIN_EXE_hello_ranks"), &[]);
+    // As the launching chapter shows it: each line after the rank that wrote it.
     for rank in 0..3 {
-        let line = format!("rank {rank} of 3: local rank {rank}, device Cpu");
+        let line = format!("[rank {rank}] rank {rank} of 3: local rank {rank}, device Cpu\n");
         assert!(run.stdout.contains(&line), "{line}: {}", run.stdout);
     }
     assert!(
-        run.stdout.contains("all_reduce: 6 (expected 6)"),
+        run.stdout.contains("[rank 0] all_reduce: 6 (expected 6)\n"),
         "{}",
         run.stdout
     );
     assert_eq!(run.stdout.matches("tch-distributed: backend").count(), 1);
+    assert!(
+        run.stdout.contains("[rank 0] tch-distributed: backend"),
+        "{}",
+        run.stdout
+    );
 }
 
 #[test]
@@ -149,6 +165,7 @@ fn two_nodes_by_hand_on_one_machine() {
             "1",
         ])
         .args(["--master-addr", "127.0.0.1", "--master-port", &port])
+        .arg("--all-ranks-stdout")
         .arg(env!("CARGO_BIN_EXE_hello_ranks"));
         cmd
     };
@@ -161,7 +178,7 @@ fn two_nodes_by_hand_on_one_machine() {
     let node0 = run_ok(node("0"), &dir);
     let node1 = node1.join().unwrap();
     assert!(
-        node0.stdout.contains("rank 0 of 2: local rank 0"),
+        node0.stdout.contains("[rank 0] rank 0 of 2: local rank 0"),
         "{}",
         node0.stdout
     );
@@ -171,7 +188,7 @@ fn two_nodes_by_hand_on_one_machine() {
         node0.stdout
     );
     assert!(
-        node1.stdout.contains("rank 1 of 2: local rank 0"),
+        node1.stdout.contains("[rank 1] rank 1 of 2: local rank 0"),
         "{}",
         node1.stdout
     );
@@ -221,6 +238,8 @@ fn slurm_script_with_stand_ins_for_srun_and_scontrol() {
             ("scontrol", "echo 127.0.0.1".into()),
         ],
         &[
+            // tchrun shows every rank's lines.
+            (ALL_RANKS_STDOUT_VAR, "true".into()),
             ("SLURM_JOB_NODELIST", "node[01-02]".into()),
             ("SLURM_NNODES", "1".into()),
             ("SLURM_GPUS_ON_NODE", "2".into()),

@@ -20,7 +20,9 @@ pub static RNG: Mutex<()> = Mutex::new(());
 pub const TIMEOUT: Duration = Duration::from_secs(240);
 
 /// Runs `program args…` on `ranks` ranks under `tchrun`, recording into `dir/record`
-/// (`TCH_DISTRIBUTED_RECORD`); panics with the output unless it exits 0.
+/// (`TCH_DISTRIBUTED_RECORD`); panics with the output unless it exits 0. The run's
+/// stdout is every rank's (`--all-ranks-stdout`), as the ranks wrote it, so that
+/// [`assert_printed`] sees what each rank printed.
 pub fn run_ranks(program: &str, args: &[&str], ranks: usize, dir: &Path) -> Run {
     run_ranks_with(program, args, ranks, dir, &[])
 }
@@ -35,14 +37,15 @@ pub fn run_ranks_with(
     envs: &[(&str, &str)],
 ) -> Run {
     let mut cmd = Command::new(tchrun());
-    cmd.arg("--nproc-per-node")
+    cmd.arg("--all-ranks-stdout")
+        .arg("--nproc-per-node")
         .arg(ranks.to_string())
         .arg(program)
         .args(args)
         .env("TCH_DISTRIBUTED_RECORD", dir.join("record"))
         .env_remove("TCH_DISTRIBUTED_NPROC")
         .envs(envs.iter().copied());
-    let run = run_with(cmd, dir, TIMEOUT, |_, _| {});
+    let run = run_with(cmd, dir, TIMEOUT, |_, _| {}).without_rank_prefixes();
     run.assert_success();
     // Every program here steps its optimizer where the attribute sees it: no
     // sharded loop trains without averaging its gradients over the ranks.
@@ -193,7 +196,7 @@ pub fn assert_shards_partition(
 }
 
 /// Asserts that `stdout` holds exactly `count` lines starting with `prefix` (rank 0's,
-/// once each).
+/// once each: [`run_ranks`] shows every rank's lines).
 pub fn assert_printed(stdout: &str, prefix: &str, count: usize) {
     let n = stdout.lines().filter(|l| l.starts_with(prefix)).count();
     assert_eq!(n, count, "lines starting with {prefix:?} in:\n{stdout}");

@@ -33,7 +33,8 @@ $XDG_CONFIG_HOME/tch-distributed/config.toml, else ~/.config/tch-distributed/con
 /// LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...) and supervises the
 /// ranks: when one fails the others are stopped and tchrun exits with 1, or,
 /// with --max-restarts, all are started again; SIGINT/SIGTERM are forwarded to
-/// the ranks; if tchrun dies, its ranks are killed.
+/// the ranks; if tchrun dies, its ranks are killed. It shows rank 0's standard
+/// output (every rank's with --all-ranks-stdout) and every rank's standard error.
 #[derive(Debug, Parser)]
 #[command(
     name = "tchrun",
@@ -100,6 +101,7 @@ fn main() -> ExitCode {
         master_port: run.master_port.unwrap_or(defaults.master_port),
         stop_grace,
         max_restarts: run.max_restarts.unwrap_or(defaults.max_restarts),
+        all_ranks_stdout: run.all_ranks_stdout.unwrap_or(defaults.all_ranks_stdout),
         launcher: Launcher::Tchrun,
     };
     let (program, rest) = match args.command.split_first() {

@@ -11,7 +11,8 @@
 //! `restart`: the rendezvous that every attempt meets at; `remote`: what the
 //! launchers of several nodes tell each other (a rank that failed); `error_file`:
 //! torchrun's `TORCHELASTIC_ERROR_FILE`, which failing ranks write and the
-//! launcher reports.
+//! launcher reports; `output`: where each rank's standard output goes (rank 0's
+//! alone, or every rank's line by line after `[rank N] `).
 
 use std::ffi::{OsStr, OsString};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -23,6 +24,7 @@ use crate::error::{Error, Result};
 use crate::rendezvous::job_token::{JobToken, JOB_TOKEN_ENV};
 
 pub(crate) mod error_file;
+mod output;
 pub(crate) mod remote;
 mod restart;
 mod supervise;
@@ -56,6 +58,12 @@ pub struct LaunchConfig {
     /// How many times to start every rank again after one fails
     /// (`--max-restarts`, as torchrun's); 0 ends the job at the first failure.
     pub max_restarts: usize,
+    /// Whether every rank's standard output reaches the launcher's, each line after
+    /// `[rank N] ` (`N` the global rank), copied whole so that ranks' lines never mix
+    /// (`--all-ranks-stdout`, the `all_ranks_stdout` setting). When false, only global
+    /// rank 0's does, as torchrun's `--local-ranks-filter 0` shows (the other ranks' goes
+    /// to `/dev/null`). Standard error is every rank's either way.
+    pub all_ranks_stdout: bool,
     /// Who launches: what starts the launcher's own lines on stderr and how they name
     /// its settings.
     pub launcher: Launcher,
@@ -96,7 +104,8 @@ impl Launcher {
 
 impl Default for LaunchConfig {
     /// One rank on one node, rank 0, master at `127.0.0.1` on a free port,
-    /// 5 s stop grace period, no restarts, launched by `tchrun`.
+    /// 5 s stop grace period, no restarts, rank 0's standard output only, launched by
+    /// `tchrun`.
     fn default() -> Self {
         Self {
             nproc_per_node: 1,
@@ -106,6 +115,7 @@ impl Default for LaunchConfig {
             master_port: 0,
             stop_grace: Duration::from_secs(5),
             max_restarts: 0,
+            all_ranks_stdout: false,
             launcher: Launcher::Tchrun,
         }
     }
@@ -155,8 +165,13 @@ impl LaunchConfig {
 /// `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `ROLE_RANK`,
 /// `ROLE_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, `TORCHELASTIC_*`) plus
 /// `TCHRUN=1`; `OMP_NUM_THREADS=1` is added (with a warning on stderr) when
-/// it is unset and more than one rank runs per node. Ranks inherit stdout and
-/// stderr; stdin is null.
+/// it is unset and more than one rank runs per node. Every rank inherits stderr and
+/// stdin is null. Global rank 0 inherits stdout and the other ranks' goes to
+/// `/dev/null`, as torchrun's `--local-ranks-filter 0` shows it, so that a `println!`
+/// the attribute cannot see (in a helper function) appears once; with
+/// [`LaunchConfig::all_ranks_stdout`], every rank's stdout is piped and copied to the
+/// launcher's, line by line, each line after `[rank N] `, and every line a rank wrote
+/// is copied before its attempt ends.
 ///
 /// When a rank exits non-zero or is killed by a signal, the failure is
 /// printed to stderr and the remaining ranks are stopped (`SIGTERM`, then

@@ -11,6 +11,7 @@ use signal_hook::consts::{SIGKILL, SIGTERM};
 use signal_hook::iterator::Signals;
 
 use super::error_file::{self, ErrorDir, ERROR_FILE_ENV};
+use super::output::RankOutput;
 use super::remote::{Failure, Remote};
 use super::LaunchConfig;
 use crate::error::{Error, Result};
@@ -51,12 +52,14 @@ pub(super) enum Outcome {
 }
 
 impl Attempt<'_> {
-    /// The command that starts global rank `rank` (local rank `local_rank`).
-    fn command(&self, rank: usize, local_rank: usize) -> Command {
+    /// The command that starts global rank `rank` (local rank `local_rank`), its
+    /// standard output as `output` says.
+    fn command(&self, rank: usize, local_rank: usize, output: &RankOutput) -> Command {
         let config = self.config;
         let mut cmd = Command::new(self.program);
         cmd.args(self.args)
             .stdin(Stdio::null())
+            .stdout(output.stdio(rank))
             .envs(self.extra_env.iter().map(|(k, v)| (k, v)))
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", local_rank.to_string())
@@ -95,34 +98,71 @@ impl Attempt<'_> {
     /// node's ranks: they get [`ELSEWHERE_GRACE`] to fail by themselves on the lost
     /// connection (and say so) before they are stopped: [`Outcome::Failed`].
     ///
+    /// Each rank's standard output goes where [`RankOutput`] says (rank 0's alone, or
+    /// every rank's copied line by line); every line the ranks wrote has been copied
+    /// when this returns.
+    ///
     /// Errors with [`Error::Io`] when a rank cannot be started (the ranks already
     /// started are stopped first) or its status cannot be read.
     pub(super) fn run(&self, signals: &mut Signals, remote: &mut Remote) -> Result<Outcome> {
-        let config = self.config;
         let mut ranks = Ranks::default();
+        let mut output = RankOutput::new(self.config.all_ranks_stdout);
+        let outcome = self
+            .start(&mut ranks, &mut output, signals)
+            .and_then(|()| self.supervise(&mut ranks, signals, remote));
+        // Every rank has exited by now, but on an error: then they are killed here.
+        drop(ranks);
+        output.finish();
+        outcome
+    }
+
+    /// Starts this attempt's ranks into `ranks`, their standard output into `output`.
+    /// When one cannot be started (or its output cannot be copied), stops those already
+    /// started and errors with [`Error::Io`].
+    fn start(
+        &self,
+        ranks: &mut Ranks,
+        output: &mut RankOutput,
+        signals: &mut Signals,
+    ) -> Result<()> {
+        let config = self.config;
         for local_rank in 0..config.nproc_per_node {
             let rank = config.node_rank * config.nproc_per_node + local_rank;
             let _ = std::fs::remove_file(self.error_files.file(self.number, rank));
-            match self.command(rank, local_rank).spawn() {
-                Ok(child) => ranks.0.push(Rank {
+            let started = self.command(rank, local_rank, output).spawn();
+            // A rank whose output cannot be copied is stopped with the others.
+            let copied = started.and_then(|mut child| {
+                let copied = output.copy(rank, &mut child);
+                ranks.0.push(Rank {
                     rank,
                     local_rank,
                     child,
                     status: None,
-                }),
-                Err(source) => {
-                    ranks.stop(SIGTERM, config, signals)?;
-                    return Err(Error::Io {
-                        context: format!(
-                            "cannot start rank {rank} (program {})",
-                            self.program.to_string_lossy()
-                        ),
-                        source,
-                    });
-                }
+                });
+                copied
+            });
+            if let Err(source) = copied {
+                ranks.stop(SIGTERM, config, signals)?;
+                return Err(Error::Io {
+                    context: format!(
+                        "cannot start rank {rank} (program {})",
+                        self.program.to_string_lossy()
+                    ),
+                    source,
+                });
             }
         }
+        Ok(())
+    }
 
+    /// Watches the started `ranks` until they have all exited (see [`Attempt::run`]).
+    fn supervise(
+        &self,
+        ranks: &mut Ranks,
+        signals: &mut Signals,
+        remote: &mut Remote,
+    ) -> Result<Outcome> {
+        let config = self.config;
         let mut elsewhere: Option<Instant> = None;
         loop {
             if let Some(signo) = signals.pending().next() {

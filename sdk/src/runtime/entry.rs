@@ -62,7 +62,7 @@ pub fn enter(attribute: Settings) -> Session {
             .nproc_per_node
             .unwrap_or_else(|| crate::devices::visible_gpus().max(1));
         if ranks > 1 {
-            std::process::exit(self_launch(ranks, settings.max_restarts.unwrap_or(0)));
+            std::process::exit(self_launch(ranks, &settings));
         }
     }
     record_panics();
@@ -125,13 +125,17 @@ fn banner(ctx: &Context) -> String {
     line
 }
 
-fn self_launch(ranks: usize, max_restarts: usize) -> i32 {
+/// Starts `ranks` ranks of this program through the launcher behind `tchrun`, with the
+/// launcher's settings (`max_restarts`, `all_ranks_stdout`), and returns the exit code
+/// to exit with.
+fn self_launch(ranks: usize, settings: &Settings) -> i32 {
     let exe = std::env::current_exe()
         .unwrap_or_else(|e| fail("finding this program to launch its ranks", e));
     let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
     let config = crate::launch::LaunchConfig {
         nproc_per_node: ranks,
-        max_restarts,
+        max_restarts: settings.max_restarts.unwrap_or(0),
+        all_ranks_stdout: settings.all_ranks_stdout.unwrap_or(false),
         launcher: crate::launch::Launcher::SelfLaunch,
         ..Default::default()
     };

@@ -429,6 +429,12 @@ settings! {
         var: "TCH_DISTRIBUTED_PROGRESS", file: true, value_name: "BOOL",
         values: "true or false", default: "true",
     }
+    /// Whether tchrun, or a program that starts its own ranks, shows every rank's standard output, each line after `[rank N]` (as torchrun's --tee 1 prefixes each line); standard error is every rank's either way.
+    all_ranks_stdout: bool [any] {
+        attribute: false, flag: Some("all-ranks-stdout"), alias: None,
+        var: "TCH_DISTRIBUTED_ALL_RANKS_STDOUT", file: true, value_name: "BOOL",
+        values: "true or false", default: "false: rank 0's only, as torchrun's --local-ranks-filter 0",
+    }
     /// The job's secret: the rendezvous store's keys go under a prefix derived from it and its values are sealed with it; tchrun makes a fresh one per job.
     job_token: Secret [any] {
         attribute: false, flag: None, alias: None,

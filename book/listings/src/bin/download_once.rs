@@ -12,7 +12,8 @@ use tch::{Device, Kind, Tensor};
 // ANCHOR: download
 /// Stands in for a download (or a slow preprocessing step): writes the dataset into
 /// `cache` unless an earlier run, or another rank, already did. A function without the
-/// attribute: its output comes from every rank that runs it.
+/// attribute: its output comes from every rank that runs it (`tchrun --all-ranks-stdout`
+/// shows every rank's).
 fn download_if_missing(cache: &Path) -> std::io::Result<PathBuf> {
     // ANCHOR: rank
     let rank = tch_distributed::current().map_or(0, |c| c.rank());
