@@ -16,6 +16,7 @@ struct Trainer {
     opt: nn::Optimizer,
 }
 
+// ANCHOR: impl
 #[tch_distributed::distributed]
 impl Trainer {
     fn new() -> Result<Trainer> {
@@ -60,6 +61,7 @@ impl Trainer {
         Ok(())
     }
 }
+// ANCHOR_END: impl
 
 fn main() -> Result<()> {
     tch::set_num_threads(1);
