@@ -6,7 +6,8 @@
 //! first that runs out (rank 0 says how many batches were dropped) instead of
 //! hanging; `any_rank` agrees by hand; and ranks whose collectives cannot match (rank
 //! 0 at a barrier, rank 1 in a gradient all-reduce) are named within seconds, not at
-//! the 30-minute timeout.
+//! the 30-minute timeout, while a rank that is only slow (computing, in no collective)
+//! is waited for.
 
 use std::path::Path;
 use std::process::Command;
@@ -129,6 +130,19 @@ fn any_rank_leaves_a_loop_written_by_hand_together() {
         &dir.join("params1-any-rank.safetensors"),
     )
     .assert_within(0.0, "the two ranks' parameters");
+}
+
+#[test]
+fn a_rank_that_is_only_slow_is_no_deadlock() {
+    let dir = scratch_dir("different-paths-slow");
+    // Rank 1 computes for 8 s while rank 0 waits in the gradient all-reduce; both read
+    // the records after 2 s and find rank 1 behind, in no collective.
+    let run = two_ranks(&dir, "slow-rank");
+    run.assert_success();
+    assert!(run.elapsed > Duration::from_secs(8), "{:?}", run.elapsed);
+    for rank in 0..2 {
+        assert_eq!(stats(&dir, rank, "slow-rank").0, 16, "rank {rank} ran every step");
+    }
 }
 
 #[test]

@@ -17,7 +17,10 @@
 //!   gradient all-reduce: a deadlock that must be named in seconds (rank 1 reads the
 //!   records after 2 s, rank 0 after 20, so that rank 1 names it);
 //! - `any-rank` (no attribute): the same loop, left when `any_rank(rank 0 at step
-//!   3)`: both ranks leave it together.
+//!   3)`: both ranks leave it together;
+//! - `slow-rank` (no attribute): the same loop run to its end, where rank 1 computes
+//!   for 8 s before its second backward pass while rank 0 waits in the all-reduce,
+//!   both ranks reading the records after 2 s: slow is no deadlock.
 //!
 //! With `--plain STEPS` the attributed function's body runs as one process on the
 //! global batches (each step's batches of every rank together): `early-stop` and
@@ -143,7 +146,11 @@ fn train_plain(mode: &str, vs: &nn::VarStore, net: &nn::Sequential, steps: usize
 fn by_hand(mode: &str, vs: &nn::VarStore, net: &nn::Sequential, stats: &mut Stats) -> anyhow::Result<()> {
     // Rank 1 reads the records first (after 2 s), so that its message is the one
     // named, run after run; rank 0 would after 20 s.
-    let check = if std::env::var("RANK").as_deref() == Ok("1") { "2" } else { "20" };
+    let check = if mode == "slow-rank" || std::env::var("RANK").as_deref() == Ok("1") {
+        "2"
+    } else {
+        "20"
+    };
     std::env::set_var("TCH_DISTRIBUTED_DEADLOCK_CHECK", check);
     let ctx = tch_distributed::init()?;
     let ddp = tch_distributed::DistributedDataParallel::new(vs, ctx.process_group(), Default::default())?;
@@ -151,11 +158,15 @@ fn by_hand(mode: &str, vs: &nn::VarStore, net: &nn::Sequential, stats: &mut Stat
     let (xs, ys) = data();
     for (x, y) in tch_distributed::shard(Iter2::new(&xs, &ys, BATCH)) {
         let loss = net.forward(&x).mse_loss(&y, tch::Reduction::Mean);
+        if mode == "slow-rank" && ctx.rank() == 1 && stats.steps == 1 {
+            // Computing, in no collective, for 4 times the deadlock check.
+            std::thread::sleep(std::time::Duration::from_secs(8));
+        }
         opt.zero_grad();
         ddp.backward(&loss)?;
         opt.step();
         stats.steps += 1;
-        let leave = ctx.rank() == 0 && stats.steps == 3;
+        let leave = mode != "slow-rank" && ctx.rank() == 0 && stats.steps == 3;
         let leave = match mode {
             "any-rank" => tch_distributed::any_rank(leave)?,
             _ => leave,
@@ -183,7 +194,7 @@ fn main() -> anyhow::Result<()> {
     let mut stats = Stats::default();
     match (mode, args.get(3).map(String::as_str)) {
         (_, Some("--plain")) => train_plain(mode, &vs, &net, args[4].parse()?, &mut stats)?,
-        ("manual-break" | "any-rank", _) => by_hand(mode, &vs, &net, &mut stats)?,
+        ("manual-break" | "any-rank" | "slow-rank", _) => by_hand(mode, &vs, &net, &mut stats)?,
         _ => train(mode, &vs, &net, &mut stats)?,
     }
     vs.save(format!("{dir}/params{rank}-{mode}.safetensors"))?;
