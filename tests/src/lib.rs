@@ -668,9 +668,8 @@ pub fn run_tchrun_all_ranks(
     timeout: Duration,
     while_running: impl FnOnce(u32, &Path),
 ) -> Run {
-    let mut cmd = Command::new(tchrun());
-    cmd.arg("--all-ranks-stdout").args(args);
-    run_with(cmd, dir, timeout, while_running).without_rank_prefixes()
+    let all: Vec<&str> = std::iter::once("--all-ranks-stdout").chain(args.iter().copied()).collect();
+    run_tchrun(dir, &all, timeout, while_running).without_rank_prefixes()
 }
 
 /// Waits up to `timeout` until `file` exists and contains `needle`; returns its text.
