@@ -138,3 +138,31 @@ fn in_a_world_of_one_ddp_keeps_its_options_and_counts_its_backward_passes() {
     let grad = Vec::<f32>::try_from(net.ws.grad().reshape([-1])).unwrap();
     assert_eq!(grad, [6.0, 6.0, 6.0]);
 }
+
+/// A bucket cap that is no positive number of MiB (zero, negative, infinite, NaN) is
+/// refused when the DDP is made, naming the option, rather than building buckets of
+/// nothing or of everything.
+#[test]
+fn a_bucket_cap_that_is_no_positive_number_is_refused() {
+    let ctx = tch_distributed_tests::init_on_cpu();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _net = nn::linear(vs.root(), 3, 1, Default::default());
+    for bad in [0.0, -1.0, f64::INFINITY, f64::NAN] {
+        for first in [false, true] {
+            let mut options = DdpOptions::default();
+            if first {
+                options.first_bucket_cap_mb = bad;
+            } else {
+                options.bucket_cap_mb = bad;
+            }
+            let name = if first { "first_bucket_cap_mb" } else { "bucket_cap_mb" };
+            match DistributedDataParallel::new(&vs, ctx.process_group(), options) {
+                Err(e) => assert!(
+                    e.to_string().contains(&format!("{name} must be a positive number of MiB")),
+                    "{name} = {bad}: {e}"
+                ),
+                Ok(_) => panic!("{name} = {bad} was accepted"),
+            }
+        }
+    }
+}
