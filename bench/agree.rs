@@ -64,8 +64,16 @@ fn bench(steps: i64, rounds: usize) -> anyhow::Result<()> {
     let [plain, exit, filter] = times.map(median);
     println!("agree: 2 ranks over Gloo, {steps} steps a rank, median of {rounds} rounds");
     println!("plain   {:8.1} µs/step", plain * 1e6);
-    println!("exit    {:8.1} µs/step  ({:+.1} µs: one all-reduce of one number a step)", exit * 1e6, (exit - plain) * 1e6);
-    println!("filter  {:8.1} µs/step  ({:+.1} µs: one all-reduce of one number a step)", filter * 1e6, (filter - plain) * 1e6);
+    println!(
+        "exit    {:8.1} µs/step  ({:+.1} µs: one all-reduce of one number a step)",
+        exit * 1e6,
+        (exit - plain) * 1e6
+    );
+    println!(
+        "filter  {:8.1} µs/step  ({:+.1} µs: one all-reduce of one number a step)",
+        filter * 1e6,
+        (filter - plain) * 1e6
+    );
     Ok(())
 }
 

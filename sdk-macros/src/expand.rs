@@ -264,7 +264,10 @@ impl VisitMut for Rewrite {
                 // Behind an adaptor that keeps a number of batches of its own (a
                 // `filter`), the ranks may run out at different steps: they agree on
                 // the loop's end.
-                if adaptors(&f.expr).iter().any(|a| UNEVEN_ADAPTORS.contains(&a.as_str())) {
+                if adaptors(&f.expr)
+                    .iter()
+                    .any(|a| UNEVEN_ADAPTORS.contains(&a.as_str()))
+                {
                     let whole = &f.expr;
                     *f.expr = parse_quote!(#k::__private::agreed_ends(#whole));
                 }

@@ -63,7 +63,10 @@ fn entry(
 /// stepping `self.opt`) is adapted whole. The first method a rank calls joins the job;
 /// one called from another shares it; each call from outside ends with the exit
 /// barrier, so every rank must call the same methods.
-fn entry_impl(args: proc_macro2::TokenStream, mut block: syn::ItemImpl) -> proc_macro2::TokenStream {
+fn entry_impl(
+    args: proc_macro2::TokenStream,
+    mut block: syn::ItemImpl,
+) -> proc_macro2::TokenStream {
     let mut errors: Vec<syn::Error> = Vec::new();
     if let Err(e) = syn::parse2::<attr::Options>(args.clone()) {
         errors.push(e);
@@ -73,7 +76,9 @@ fn entry_impl(args: proc_macro2::TokenStream, mut block: syn::ItemImpl) -> proc_
     let type_name = quote::quote!(#ty).to_string();
     let name = format!("{type_name}::");
     for item in &mut block.items {
-        let syn::ImplItem::Fn(method) = item else { continue };
+        let syn::ImplItem::Fn(method) = item else {
+            continue;
+        };
         let func = syn::ItemFn {
             attrs: std::mem::take(&mut method.attrs),
             vis: method.vis.clone(),

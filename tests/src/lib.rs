@@ -668,7 +668,9 @@ pub fn run_tchrun_all_ranks(
     timeout: Duration,
     while_running: impl FnOnce(u32, &Path),
 ) -> Run {
-    let all: Vec<&str> = std::iter::once("--all-ranks-stdout").chain(args.iter().copied()).collect();
+    let all: Vec<&str> = std::iter::once("--all-ranks-stdout")
+        .chain(args.iter().copied())
+        .collect();
     run_tchrun(dir, &all, timeout, while_running).without_rank_prefixes()
 }
 

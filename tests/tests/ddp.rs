@@ -155,10 +155,15 @@ fn a_bucket_cap_that_is_no_positive_number_is_refused() {
             } else {
                 options.bucket_cap_mb = bad;
             }
-            let name = if first { "first_bucket_cap_mb" } else { "bucket_cap_mb" };
+            let name = if first {
+                "first_bucket_cap_mb"
+            } else {
+                "bucket_cap_mb"
+            };
             match DistributedDataParallel::new(&vs, ctx.process_group(), options) {
                 Err(e) => assert!(
-                    e.to_string().contains(&format!("{name} must be a positive number of MiB")),
+                    e.to_string()
+                        .contains(&format!("{name} must be a positive number of MiB")),
                     "{name} = {bad}: {e}"
                 ),
                 Ok(_) => panic!("{name} = {bad} was accepted"),

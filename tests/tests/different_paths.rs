@@ -64,14 +64,22 @@ fn an_exit_on_one_ranks_own_loss_stops_every_rank_at_that_step() {
         run.assert_success();
         let (steps0, own0, _) = stats(&dir, 0, mode);
         let (steps1, own1, _) = stats(&dir, 1, mode);
-        assert_eq!(steps0, steps1, "{mode}: both ranks stopped at the same step");
+        assert_eq!(
+            steps0, steps1,
+            "{mode}: both ranks stopped at the same step"
+        );
         assert!(steps0 < 16, "{mode}: stopped before the epoch's 16 steps");
         // Rank 1's batches have the small targets: its loss fell first, and rank 0,
         // whose own loss had not, stopped with it.
-        assert!(own1 && !own0, "{mode}: rank 0 own {own0}, rank 1 own {own1}");
+        assert!(
+            own1 && !own0,
+            "{mode}: rank 0 own {own0}, rank 1 own {own1}"
+        );
         if mode == "early-stop" {
             assert_eq!(
-                run.stdout.matches(&format!("stopped after {steps0} steps")).count(),
+                run.stdout
+                    .matches(&format!("stopped after {steps0} steps"))
+                    .count(),
                 1,
                 "rank 0 alone prints:\n{}",
                 run.stdout
@@ -79,11 +87,16 @@ fn an_exit_on_one_ranks_own_loss_stops_every_rank_at_that_step() {
         }
         let reference = alone(&dir, mode, steps0);
         for rank in 0..2 {
-            compare::files(&dir.join(format!("params{rank}-{mode}.safetensors")), &reference)
-                .assert_within(
-                    1e-6,
-                    &format!("{mode}: rank {rank} against one process on the same {steps0} global batches"),
-                );
+            compare::files(
+                &dir.join(format!("params{rank}-{mode}.safetensors")),
+                &reference,
+            )
+            .assert_within(
+                1e-6,
+                &format!(
+                    "{mode}: rank {rank} against one process on the same {steps0} global batches"
+                ),
+            );
         }
     }
 }
@@ -95,13 +108,21 @@ fn a_filter_that_keeps_different_counts_stops_every_rank_with_the_first() {
     run.assert_success();
     let (steps0, _, kept0) = stats(&dir, 0, "filter");
     let (steps1, _, kept1) = stats(&dir, 1, "filter");
-    assert_ne!(kept0, kept1, "the filter keeps different numbers on the two ranks");
+    assert_ne!(
+        kept0, kept1,
+        "the filter keeps different numbers on the two ranks"
+    );
     assert_eq!(steps0, steps1, "both ranks took the same steps");
-    assert_eq!(steps0, kept0.min(kept1), "they stopped when the first ran out");
+    assert_eq!(
+        steps0,
+        kept0.min(kept1),
+        "they stopped when the first ran out"
+    );
     let dropped = kept0.max(kept1) - steps0;
     assert!(
-        run.stderr
-            .contains(&format!("the other ranks' {dropped} remaining batches were dropped")),
+        run.stderr.contains(&format!(
+            "the other ranks' {dropped} remaining batches were dropped"
+        )),
         "rank 0 says how many were dropped ({dropped}):\n{}",
         run.stderr
     );
@@ -113,8 +134,14 @@ fn a_filter_that_keeps_different_counts_stops_every_rank_with_the_first() {
     assert_recorded("uneven-batches", line);
     let reference = alone(&dir, "filter", 0);
     for rank in 0..2 {
-        compare::files(&dir.join(format!("params{rank}-filter.safetensors")), &reference)
-            .assert_within(1e-6, &format!("filter: rank {rank} against one process on the kept batches"));
+        compare::files(
+            &dir.join(format!("params{rank}-filter.safetensors")),
+            &reference,
+        )
+        .assert_within(
+            1e-6,
+            &format!("filter: rank {rank} against one process on the kept batches"),
+        );
     }
 }
 
@@ -123,7 +150,11 @@ fn any_rank_leaves_a_loop_written_by_hand_together() {
     let dir = scratch_dir("different-paths-any-rank");
     two_ranks(&dir, "any-rank").assert_success();
     for rank in 0..2 {
-        assert_eq!(stats(&dir, rank, "any-rank").0, 3, "rank {rank} left after 3 steps");
+        assert_eq!(
+            stats(&dir, rank, "any-rank").0,
+            3,
+            "rank {rank} left after 3 steps"
+        );
     }
     compare::files(
         &dir.join("params0-any-rank.safetensors"),
@@ -141,7 +172,11 @@ fn a_rank_that_is_only_slow_is_no_deadlock() {
     run.assert_success();
     assert!(run.elapsed > Duration::from_secs(8), "{:?}", run.elapsed);
     for rank in 0..2 {
-        assert_eq!(stats(&dir, rank, "slow-rank").0, 16, "rank {rank} ran every step");
+        assert_eq!(
+            stats(&dir, rank, "slow-rank").0,
+            16,
+            "rank {rank} ran every step"
+        );
     }
 }
 
@@ -167,9 +202,13 @@ fn collectives_that_cannot_match_are_named_in_seconds() {
         assert!(message.contains(text), "{text:?} in:\n{}", run.stderr);
     }
     assert!(
-        run.stderr.contains("tchrun: root cause: rank 1 (local rank 1, pid "),
+        run.stderr
+            .contains("tchrun: root cause: rank 1 (local rank 1, pid "),
         "tchrun's root cause names rank 1:\n{}",
         run.stderr
     );
-    assert_recorded("collectives-mismatch", &redact(&message, &[("found after ", "{t}")]));
+    assert_recorded(
+        "collectives-mismatch",
+        &redact(&message, &[("found after ", "{t}")]),
+    );
 }

@@ -102,7 +102,11 @@ fn running_statistic(name: &str) -> bool {
 /// generator's step) updates them from the same batch on every rank, but cuDNN may
 /// choose a different convolution algorithm in each process, and those round
 /// differently. Every other variable is still compared bit for bit.
-pub fn assert_ranks_agree_with_statistics_within(dir: &Path, ranks: usize, tolerance: f64) -> usize {
+pub fn assert_ranks_agree_with_statistics_within(
+    dir: &Path,
+    ranks: usize,
+    tolerance: f64,
+) -> usize {
     let record = dir.join("record");
     let mut models = 0;
     while record
@@ -120,7 +124,8 @@ pub fn assert_ranks_agree_with_statistics_within(dir: &Path, ranks: usize, toler
                 continue;
             }
             let list = |m| -> Vec<(&String, &Tensor)> { BTreeMap::iter(m).collect() };
-            let exact = compare::named_where(&list(&rank0), &list(&other), |n| !running_statistic(n));
+            let exact =
+                compare::named_where(&list(&rank0), &list(&other), |n| !running_statistic(n));
             assert!(exact.is_exact(), "{what}: not bit for bit equal: {exact:?}");
             compare::named_where(&list(&rank0), &list(&other), running_statistic)
                 .assert_within(tolerance, &format!("{what}, running statistics"));

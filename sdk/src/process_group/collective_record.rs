@@ -122,7 +122,10 @@ impl CollectiveRecord {
                 let mut next = (rank + 1) % world_size;
                 // Its own connection, with a bounded wait: a read must not hold up
                 // the heartbeat for the store's whole timeout.
-                let reader = beat_view.clone_connection().ok().filter(|s| s.set_timeout(STORE_WAIT).is_ok());
+                let reader = beat_view
+                    .clone_connection()
+                    .ok()
+                    .filter(|s| s.set_timeout(STORE_WAIT).is_ok());
                 for beat in 1u64.. {
                     // A failure (the store's host gone) is the collectives' to report.
                     let _ = beat_view.set(&beat_key, beat.to_string().as_bytes());
@@ -179,9 +182,10 @@ impl CollectiveRecord {
     /// Reads the other ranks' records once a collective has waited `after` (see the
     /// module's doc).
     pub(crate) fn check_deadlocks_after(&self, after: Duration) {
-        self.watch
-            .check_after_ms
-            .store(after.as_millis().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+        self.watch.check_after_ms.store(
+            after.as_millis().min(u64::MAX as u128) as u64,
+            Ordering::Relaxed,
+        );
     }
 
     /// The line in which a launcher reported a rank that failed in this attempt
@@ -298,7 +302,11 @@ impl Watch {
     /// the next [`WINDOW`] ranks after `*next` (in turn, over the beats) and ends the
     /// process when one entered another collective under the same number.
     fn check(&self, store: &Store, rank: usize, world_size: usize, next: &mut usize) {
-        let Some((n, what, since)) = self.waiting.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        let Some((n, what, since)) = self
+            .waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
         else {
             return;
         };
@@ -321,12 +329,25 @@ impl Watch {
             ranks.push(r);
             records.push(parse_record(&value));
         }
-        let Some(e) = deadlock(n, &what, rank, &ranks, &records, since.elapsed(), self.timeout)
-        else {
+        let Some(e) = deadlock(
+            n,
+            &what,
+            rank,
+            &ranks,
+            &records,
+            since.elapsed(),
+            self.timeout,
+        ) else {
             return;
         };
         // Still in it? A collective that completed meanwhile proves nothing.
-        let still = self.waiting.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|w| w.0) == Some(n);
+        let still = self
+            .waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|w| w.0)
+            == Some(n);
         if still {
             fail_now(rank, &e);
         }
@@ -351,7 +372,9 @@ fn deadlock(
         if let Some((m, other)) = record {
             if *m == n && other != what {
                 stalled.push(r);
-                sentences.push(format!("rank {r} is waiting in another collective, {other}"));
+                sentences.push(format!(
+                    "rank {r} is waiting in another collective, {other}"
+                ));
             }
         }
     }

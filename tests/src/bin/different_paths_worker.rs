@@ -65,7 +65,12 @@ struct Stats {
 }
 
 #[tch_distributed::distributed]
-fn train(mode: &str, vs: &nn::VarStore, net: &nn::Sequential, stats: &mut Stats) -> anyhow::Result<()> {
+fn train(
+    mode: &str,
+    vs: &nn::VarStore,
+    net: &nn::Sequential,
+    stats: &mut Stats,
+) -> anyhow::Result<()> {
     let (xs, ys) = data();
     let mut opt = nn::Sgd::default().build(vs, 0.05)?;
     match mode {
@@ -115,7 +120,13 @@ fn train(mode: &str, vs: &nn::VarStore, net: &nn::Sequential, stats: &mut Stats)
 }
 
 /// The reference: one process, each step on the batches every rank had at that step.
-fn train_plain(mode: &str, vs: &nn::VarStore, net: &nn::Sequential, steps: usize, stats: &mut Stats) -> anyhow::Result<()> {
+fn train_plain(
+    mode: &str,
+    vs: &nn::VarStore,
+    net: &nn::Sequential,
+    steps: usize,
+    stats: &mut Stats,
+) -> anyhow::Result<()> {
     let (xs, ys) = data();
     let mut opt = nn::Sgd::default().build(vs, 0.05)?;
     let global: Vec<(Tensor, Tensor)> = match mode {
@@ -124,7 +135,12 @@ fn train_plain(mode: &str, vs: &nn::VarStore, net: &nn::Sequential, steps: usize
             // Dealt round-robin to 2 ranks, then filtered on each.
             let batches: Vec<(Tensor, Tensor)> = Iter2::new(&xs, &ys, BATCH).collect();
             let dealt = |r: usize| -> Vec<&(Tensor, Tensor)> {
-                batches.iter().skip(r).step_by(2).filter(|(_, y)| keep(y)).collect()
+                batches
+                    .iter()
+                    .skip(r)
+                    .step_by(2)
+                    .filter(|(_, y)| keep(y))
+                    .collect()
             };
             let (a, b) = (dealt(0), dealt(1));
             a.iter()
@@ -143,7 +159,12 @@ fn train_plain(mode: &str, vs: &nn::VarStore, net: &nn::Sequential, steps: usize
 }
 
 /// `manual-break` and `any-rank`: the loop without the attribute.
-fn by_hand(mode: &str, vs: &nn::VarStore, net: &nn::Sequential, stats: &mut Stats) -> anyhow::Result<()> {
+fn by_hand(
+    mode: &str,
+    vs: &nn::VarStore,
+    net: &nn::Sequential,
+    stats: &mut Stats,
+) -> anyhow::Result<()> {
     // Rank 1 reads the records first (after 2 s), so that its message is the one
     // named, run after run; rank 0 would after 20 s.
     let check = if mode == "slow-rank" || std::env::var("RANK").as_deref() == Ok("1") {
@@ -153,7 +174,8 @@ fn by_hand(mode: &str, vs: &nn::VarStore, net: &nn::Sequential, stats: &mut Stat
     };
     std::env::set_var("TCH_DISTRIBUTED_DEADLOCK_CHECK", check);
     let ctx = tch_distributed::init()?;
-    let ddp = tch_distributed::DistributedDataParallel::new(vs, ctx.process_group(), Default::default())?;
+    let ddp =
+        tch_distributed::DistributedDataParallel::new(vs, ctx.process_group(), Default::default())?;
     let mut opt = nn::Sgd::default().build(vs, 0.05)?;
     let (xs, ys) = data();
     for (x, y) in tch_distributed::shard(Iter2::new(&xs, &ys, BATCH)) {
@@ -183,7 +205,10 @@ fn main() -> anyhow::Result<()> {
     tch::set_num_threads(1);
     let args: Vec<String> = std::env::args().collect();
     let (dir, mode) = (&args[1], args[2].as_str());
-    let rank: usize = std::env::var("RANK").ok().and_then(|r| r.parse().ok()).unwrap_or(0);
+    let rank: usize = std::env::var("RANK")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(0);
     tch::manual_seed(0);
     let vs = nn::VarStore::new(Device::Cpu);
     let root = vs.root();
@@ -200,7 +225,12 @@ fn main() -> anyhow::Result<()> {
     vs.save(format!("{dir}/params{rank}-{mode}.safetensors"))?;
     std::fs::write(
         format!("{dir}/stats{rank}-{mode}.txt"),
-        format!("steps {} own {} kept {}", stats.steps, stats.own, stats.kept.get()),
+        format!(
+            "steps {} own {} kept {}",
+            stats.steps,
+            stats.own,
+            stats.kept.get()
+        ),
     )?;
     Ok(())
 }
