@@ -30,7 +30,7 @@ fi
 # NAME -> the file it mutates and the test targets (of the workspace) that cover
 # it. tchrun, which those tests start, is built once unmutated: it only launches.
 declare -A FILE TESTS
-FILE[ddp]=sdk/src/ddp.rs;                  TESTS[ddp]="ddp accumulation parity adapting error_hints stalled_ranks entry_errors"
+FILE[ddp]=sdk/src/ddp.rs;                  TESTS[ddp]="ddp accumulation parity adapting error_hints stalled_ranks entry_errors outside_optimizer"
 # The optimizer, file by file (`optim` names all four): its step and accumulation
 # (mod.rs) under every test that trains through it; its kernels under the tests that
 # compare updates with torch.optim, tch and closed forms; its state under the
