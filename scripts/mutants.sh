@@ -48,7 +48,7 @@ FILE[files]=sdk/src/files.rs;              TESTS[files]="checkpoint run_config t
 FILE[amp]=sdk/src/amp.rs;                  TESTS[amp]="amp accumulation grad_scaler"
 FILE[sampler]=sdk/src/data/sampler.rs;     TESTS[sampler]="sampler data_loading shuffles"
 FILE[loader]=sdk/src/data/loader.rs;       TESTS[loader]="data_loading accumulation checkpoint loader_epochs progress"
-FILE[state]=sdk/src/checkpoint/state.rs;   TESTS[state]="checkpoint grad_scaler preemption zero"
+FILE[state]=sdk/src/checkpoint/state.rs;   TESTS[state]="checkpoint grad_scaler preemption zero shakespeare loader_epochs"
 # Not in ALL (not the correctness core, and the multi-host tests need root): which
 # address Gloo binds across hosts, and how a failed connection is named.
 FILE[network]=sdk/src/rendezvous/network.rs;   TESTS[network]="multi_node error_hints launch"
