@@ -58,11 +58,16 @@ FILE[job_token]=sdk/src/rendezvous/job_token.rs; TESTS[job_token]="security mult
 FILE[store]=sdk/src/rendezvous/store.rs;   TESTS[store]="security multi_node launch"
 # The count at rendezvous: who joined, who is missing, sizes that differ.
 FILE[join]=sdk/src/rendezvous/join.rs;     TESTS[join]="rendezvous_counts"
+# What ranks that take different paths agree on: a sharded loop's exits and its end
+# behind a filter, checked against one process.
+FILE[agreement]=sdk/src/runtime/agreement.rs; TESTS[agreement]="different_paths adapting"
+# The collectives' records: a timeout's diagnosis and the deadlock check.
+FILE[collective_record]=sdk/src/process_group/collective_record.rs; TESTS[collective_record]="different_paths stalled_ranks"
 FILE[error]=sdk/src/error.rs;              TESTS[error]="error_hints"
 # What the attribute's rewritten calls run: the optimizer `.build` makes, the steps of
 # optimizers the function did not build and the DDP averaging them, save/load.
 FILE[rewrites]=sdk/src/runtime/rewrites.rs; TESTS[rewrites]="outside_optimizer adapting accumulation amp error_hints settings"
-ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader state)
+ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader state agreement collective_record)
 # A NAME that stands for several.
 declare -A GROUP
 GROUP[optim]="optim_mod optim_kernels optim_state optim_zero optim_scaler"

@@ -7,7 +7,7 @@ use syn::{LitBool, LitFloat, LitInt, LitStr, Token};
 pub const VALID: &str = "backend, nproc_per_node, bucket_cap_mb, find_unused_parameters, static_graph, timeout, deadlock_check, mixed_precision, grad_accum, optimizer, zero, crate";
 
 /// The options of `#[distributed(…)]`, validated.
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct Options {
     /// The variant of `Backend` (`Gloo`, `Nccl`), spanned at the user's literal.
     pub backend: Option<syn::Ident>,

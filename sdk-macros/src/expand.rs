@@ -44,14 +44,7 @@ struct Rewrite {
 /// [`ADAPTORS`] (`Iter2::new(…).shuffle()` in `Iter2::new(…).shuffle().enumerate()`),
 /// or the expression itself.
 fn source_of(expr: &mut Expr) -> &mut Expr {
-    let is_adaptor = |e: &Expr| matches!(e, Expr::MethodCall(m) if ADAPTORS.contains(&m.method.to_string().as_str()));
-    let mut depth = 0;
-    let mut e = &*expr;
-    while is_adaptor(e) {
-        let Expr::MethodCall(m) = e else { break };
-        e = &m.receiver;
-        depth += 1;
-    }
+    let depth = adaptors(expr).len();
     let mut source = expr;
     for _ in 0..depth {
         let Expr::MethodCall(m) = source else {

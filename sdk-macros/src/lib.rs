@@ -68,9 +68,10 @@ fn entry_impl(
     mut block: syn::ItemImpl,
 ) -> proc_macro2::TokenStream {
     let mut errors: Vec<syn::Error> = Vec::new();
-    if let Err(e) = syn::parse2::<attr::Options>(args.clone()) {
+    let options = syn::parse2::<attr::Options>(args).unwrap_or_else(|e| {
         errors.push(e);
-    }
+        attr::Options::default()
+    });
     // Loops are told apart by the type's name and the method's.
     let ty = &block.self_ty;
     let type_name = quote::quote!(#ty).to_string();
@@ -85,7 +86,6 @@ fn entry_impl(
             sig: method.sig.clone(),
             block: Box::new(method.block.clone()),
         };
-        let options = syn::parse2::<attr::Options>(args.clone()).unwrap_or_default();
         // A constructor (`-> Self`, `-> Result<Trainer>`) fills the struct's fields, whose
         // types the struct declares: its `.build(&vs, lr)` stays tch's optimizer,
         // averaged by the DDP the attribute builds at its first step.
@@ -101,7 +101,7 @@ fn entry_impl(
             constructor,
         };
         let mut method_errors = Vec::new();
-        match syn::parse2::<syn::ItemFn>(adapt(options, func, &scope, &mut method_errors)) {
+        match syn::parse2::<syn::ItemFn>(adapt(options.clone(), func, &scope, &mut method_errors)) {
             Ok(adapted) => {
                 method.attrs = adapted.attrs;
                 method.sig = adapted.sig;

@@ -381,11 +381,7 @@ fn deadlock(
     if stalled.is_empty() {
         return None;
     }
-    if sentences.len() > LISTED {
-        let more = sentences.len() - LISTED;
-        sentences.truncate(LISTED);
-        sentences.push(format!("{more} more ranks likewise"));
-    }
+    listed(&mut sentences);
     Some(Error::Deadlock {
         op: format!("{what} (collective {n} of rank {rank})"),
         waited,
@@ -479,11 +475,7 @@ fn findings(
             ),
         };
     }
-    if sentences.len() > LISTED {
-        let more = sentences.len() - LISTED;
-        sentences.truncate(LISTED);
-        sentences.push(format!("{more} more ranks likewise"));
-    }
+    listed(&mut sentences);
     Findings {
         report: format!(
             "{}. {}",
@@ -491,6 +483,15 @@ fn findings(
             what_to_check(&stalled, timeout)
         ),
         stalled,
+    }
+}
+
+/// Keeps the first [`LISTED`] of `sentences`, one per rank, and says how many more.
+fn listed(sentences: &mut Vec<String>) {
+    if sentences.len() > LISTED {
+        let more = sentences.len() - LISTED;
+        sentences.truncate(LISTED);
+        sentences.push(format!("{more} more ranks likewise"));
     }
 }
 
