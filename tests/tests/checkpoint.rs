@@ -132,6 +132,29 @@ fn one_process_resumes_bit_for_bit_too() {
     }
 }
 
+/// The epoch a checkpoint records: the loader's position when the program names none,
+/// the program's own when it does (`TrainState { epoch, .. }`); the loader resumes from
+/// its own position either way.
+#[test]
+fn a_checkpoint_records_the_program_s_epoch_or_else_the_loader_s() {
+    let mut finals = Vec::new();
+    for (epoch, expected) in [(None, 1), (Some("7"), 7)] {
+        let dir = scratch_dir(&format!("epoch-{}", epoch.unwrap_or("loader")));
+        let ckpt = dir.join("ckpt");
+        let c = ckpt.to_str().unwrap();
+        let given: Vec<(&str, &str)> = epoch.iter().map(|e| ("EPOCH", *e)).collect();
+        let kill = [given.clone(), vec![("KILL_AT", "14"), ("KILL_RANK", "0")]].concat();
+        assert!(!train_alone(&dir, c, "16", &kill).status.success());
+        let run = train_alone(&dir, c, "16", &given);
+        run.assert_success();
+        // 10 steps per epoch on one rank: the checkpoint of step 12 is in epoch 1.
+        let line = format!("resumed at step 12, epoch {expected}");
+        assert!(run.stdout.contains(&line), "{line}: {}", run.stdout);
+        finals.push(params(&dir, "final0"));
+    }
+    assert_equal(&finals[0], &finals[1], "the resumed runs' parameters");
+}
+
 #[test]
 fn a_checkpoint_of_another_model_shape_names_the_variable_and_both_shapes() {
     let dir = scratch_dir("other-shape");

@@ -8,7 +8,8 @@
 //! steps per epoch on 2 ranks), saving a checkpoint every 4 steps (`keep_last(2)`)
 //! and resuming from the newest usable one at start. With `KILL_AT=s` and
 //! `KILL_RANK=r`, rank r SIGKILLs itself after step s; with `HIDDEN=n` the hidden
-//! layer has n units instead of 16; with `CKPT_PER_RANK=1` rank r uses `CKPT-rank{r}`. On SIGTERM/SIGINT the ranks
+//! layer has n units instead of 16; with `CKPT_PER_RANK=1` rank r uses `CKPT-rank{r}`;
+//! with `EPOCH=e` the saved states name epoch e themselves (the program's own count). On SIGTERM/SIGINT the ranks
 //! checkpoint at the end of the step and exit with 128 + the signal. Rank 0 writes
 //! the last finished step to `OUT/progress`. At the end every rank writes
 //! its parameters to `OUT/final{rank}.safetensors`, then takes two more steps on a
@@ -91,6 +92,7 @@ fn train(out: &str, ckpt: &str, steps: u64, kind: &str) -> anyhow::Result<()> {
             step += 1;
             let state = || TrainState {
                 step,
+                epoch: env("EPOCH").unwrap_or(0),
                 config: serde_json::json!({ "optimizer": kind }),
                 ..Default::default()
             };
