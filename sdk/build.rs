@@ -193,6 +193,7 @@ fn main() {
         .file("csrc/shim.cpp")
         .file("csrc/sealed_store.cpp")
         .file("csrc/optim.cpp")
+        .file("csrc/sharding.cpp")
         .file("csrc/nccl.cpp");
 
     let has_cuda = lib_dir.join("libtorch_cuda.so").exists();
@@ -224,6 +225,7 @@ fn main() {
         "shim.cpp",
         "sealed_store.cpp",
         "optim.cpp",
+        "sharding.cpp",
         "shim.h",
         "internal.hpp",
         "nccl.cpp",

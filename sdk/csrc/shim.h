@@ -171,6 +171,32 @@ int tdc_autocast_exit(int device_type, int prev_enabled, int prev_dtype);
 /* The compute capability of CUDA device `device` (fails without CUDA support). */
 int tdc_cuda_capability(int device, int* major, int* minor);
 
+
+// ---- fully sharded training (sharding.cpp) ----
+// Called by a hook with the index it was registered with; returns 0, or non-zero to
+// fail the backward pass (the cause stays on the caller's side).
+typedef int (*tdc_callback)(void* ctx, int index);
+// Releases a hook's context, when the last hook holding it is gone.
+typedef void (*tdc_drop)(void* ctx);
+typedef struct tdc_grad_hooks tdc_grad_hooks;
+// Frees the memory of `t`'s storage (its sizes stay: FSDP2's resharding).
+int tdc_storage_free(tdc_tensor t);
+// Allocates `t`'s storage again if it was freed, and copies `src` into it without
+// counting a write to `t` (autograd's saved tensors of `t` stay valid).
+int tdc_storage_fill(tdc_tensor t, tdc_tensor src);
+// The bytes `t`'s storage holds now.
+int tdc_storage_bytes(tdc_tensor t, size_t* out);
+// Sets `t`'s `.grad` to `grad` (NULL: none).
+int tdc_set_grad(tdc_tensor t, tdc_tensor grad);
+// Calls `callback(ctx, index)` each time `t`'s gradient is computed in a backward pass.
+int tdc_hook_gradient(
+    tdc_tensor t, tdc_callback callback, void* ctx, tdc_drop drop, int index);
+// Calls `callback(ctx, i)` each time parameter i's `.grad` has been accumulated, until
+// the hooks are freed.
+tdc_grad_hooks* tdc_grad_hooks_new(
+    tdc_tensor* params, int n, tdc_callback callback, void* ctx, tdc_drop drop);
+void tdc_grad_hooks_free(tdc_grad_hooks* hooks);
+
 #ifdef __cplusplus
 }
 #endif

@@ -20,6 +20,17 @@ pub struct Reducer {
     _private: [u8; 0],
 }
 
+#[repr(C)]
+pub struct GradHooks {
+    _private: [u8; 0],
+}
+
+/// A hook's call into Rust with its context and index; 0, or non-zero to fail the
+/// backward pass (`tdc_callback`).
+pub type Callback = unsafe extern "C" fn(ctx: *mut c_void, index: c_int) -> c_int;
+/// Releases a hook's context (`tdc_drop`).
+pub type Drop = unsafe extern "C" fn(ctx: *mut c_void);
+
 /// The length of a sealed store's secret (`TDC_SECRET_BYTES`).
 pub const SECRET_BYTES: usize = 32;
 
@@ -227,6 +238,25 @@ extern "C" {
     pub fn tdc_set_onednn_enabled(enabled: c_int) -> c_int;
     pub fn tdc_cuda_capability(device: c_int, major: *mut c_int, minor: *mut c_int) -> c_int;
 
+    pub fn tdc_storage_free(t: Tensor) -> c_int;
+    pub fn tdc_storage_fill(t: Tensor, src: Tensor) -> c_int;
+    pub fn tdc_storage_bytes(t: Tensor, out: *mut usize) -> c_int;
+    pub fn tdc_set_grad(t: Tensor, grad: Tensor) -> c_int;
+    pub fn tdc_hook_gradient(
+        t: Tensor,
+        callback: Callback,
+        ctx: *mut c_void,
+        drop: Drop,
+        index: c_int,
+    ) -> c_int;
+    pub fn tdc_grad_hooks_new(
+        params: *const Tensor,
+        n: c_int,
+        callback: Callback,
+        ctx: *mut c_void,
+        drop: Drop,
+    ) -> *mut GradHooks;
+    pub fn tdc_grad_hooks_free(hooks: *mut GradHooks);
     pub fn tdc_amp_unscale(
         grads: *const Tensor,
         n: c_int,

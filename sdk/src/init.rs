@@ -68,6 +68,8 @@ struct Run {
     optimizer_ddps: OptimizerDdps,
     /// Where the sharded loops stand, and where a loaded checkpoint resumes them.
     loops: LoopPositions,
+    /// The units `fully_shard` declared, for the sharded optimizers built after.
+    units: crate::fsdp::Units,
     /// Whether rank 0 printed the banner: once a run, however many `#[distributed]`
     /// functions or methods the program enters.
     banner: std::sync::atomic::AtomicBool,
@@ -359,6 +361,7 @@ impl Context {
                 why: precision.1,
                 optimizer_ddps: OptimizerDdps::default(),
                 loops: LoopPositions::default(),
+                units: crate::fsdp::Units::default(),
                 banner: std::sync::atomic::AtomicBool::new(false),
             }),
         })
@@ -375,6 +378,11 @@ impl Context {
     /// Where the run's sharded loops stand ([`LoopPositions`]).
     pub(crate) fn loops(&self) -> &LoopPositions {
         &self.run.loops
+    }
+
+    /// The units `fully_shard` declared in this run.
+    pub(crate) fn units(&self) -> &crate::fsdp::Units {
+        &self.run.units
     }
 
     /// Runs `f` on the DDP that `#[distributed]` keeps for the optimizer whose first

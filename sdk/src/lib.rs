@@ -27,6 +27,7 @@ mod env;
 mod error;
 mod ffi;
 mod files;
+mod fsdp;
 mod init;
 pub mod launch;
 mod log;
@@ -54,6 +55,7 @@ pub use data::{
 pub use ddp::{DdpOptions, DdpStats, DistributedDataParallel, NoSync};
 pub use env::LaunchEnv;
 pub use error::{Error, Result};
+pub use fsdp::{fully_shard, FullyShard};
 pub use init::{current, init, init_with, Context, InitOptions, DEFAULT_TIMEOUT};
 pub use loop_position::LoopPosition;
 pub use observe::{Tracker, PROGRESS_ENV};

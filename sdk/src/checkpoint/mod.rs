@@ -28,11 +28,11 @@ pub use state::{Checkpointer, TrainState};
 pub fn save_var_store(ctx: &Context, vs: &VarStore, path: impl AsRef<Path>) -> Result<()> {
     let path = path.as_ref();
     ctx.barrier()?;
-    let written = if ctx.is_main_process() {
-        write_atomically(vs, path)
-    } else {
-        Ok(())
-    };
+    // Sharded parameters (ZeRO stage 3) are gathered for the write, on every rank.
+    let written = ctx.units().with_full_parameters(false, || match ctx.is_main_process() {
+        true => write_atomically(vs, path),
+        false => Ok(()),
+    });
     // Every rank reaches the second barrier, even when rank 0 failed to write.
     ctx.barrier()?;
     written
@@ -44,8 +44,11 @@ pub fn save_var_store(ctx: &Context, vs: &VarStore, path: impl AsRef<Path>) -> R
 /// Errors: [`Error::Torch`] when the file is missing or does not match `vs`.
 pub fn load_var_store(ctx: &Context, vs: &mut VarStore, path: impl AsRef<Path>) -> Result<()> {
     ctx.barrier()?;
-    vs.load(path.as_ref())
-        .map_err(|e| Error::Torch(format!("loading {}: {e}", path.as_ref().display())))
+    // Sharded parameters take the loaded values into their shards.
+    ctx.units().with_full_parameters(true, || {
+        vs.load(path.as_ref())
+            .map_err(|e| Error::Torch(format!("loading {}: {e}", path.as_ref().display())))
+    })
 }
 
 /// `vs.save(path)` (the format follows the extension), flushed to disk.

@@ -143,6 +143,9 @@ pub struct Optimizer {
     implementation: Implementation,
     /// ZeRO stage 1: which rank owns each parameter ([`zero`](Self::zero)).
     zero: Option<zero::Zero>,
+    /// ZeRO stages 2 and 3: the parameters, gradients and state sharded
+    /// ([`zero`](Self::zero)).
+    sharding: Option<crate::fsdp::Sharding>,
     /// Set by [`distributed`](Self::distributed), or by `#[distributed]` at the first
     /// step of an optimizer the function did not build.
     ddp: std::cell::OnceCell<DistributedDataParallel>,
@@ -181,6 +184,7 @@ impl Optimizer {
             state: Vec::new(),
             implementation: Implementation::preferred(&algorithm),
             zero: None,
+            sharding: None,
             ddp: std::cell::OnceCell::new(),
             accumulation_steps: 1,
             micro_step: 0,
@@ -214,36 +218,93 @@ impl Optimizer {
         Ok(self)
     }
 
-    /// ZeRO stage 1 (`stage` = 1), as PyTorch's `ZeroRedundancyOptimizer`: in a job of
-    /// several ranks, each rank keeps the state of, and updates, only its share of the
-    /// parameters (partitioned by size, largest first, each to the rank with the fewest
-    /// elements so far, as `ZeroRedundancyOptimizer` does), then every rank receives
-    /// the updated parameters from their owners (one `broadcast_coalesced` per rank).
-    /// DDP's gradient averaging is unchanged: every rank still has every gradient. The
-    /// state per rank is about 1/N of the whole ([`state_bytes`](Self::state_bytes));
-    /// the parameters are the same, bit for bit, as without it. In a world of one it
-    /// changes nothing. Checkpoints hold one shard per rank and load at any world size,
-    /// with or without ZeRO.
+    /// ZeRO, in a job of several ranks (in a world of one it changes nothing):
     ///
-    /// Errors with [`Error::Usage`] for another stage (2 and 3 shard the gradients and
-    /// the parameters too, which this SDK does not do).
+    /// - **stage 1**, as PyTorch's `ZeroRedundancyOptimizer`: each rank keeps the state
+    ///   of, and updates, only its share of the parameters (partitioned by size, largest
+    ///   first, each to the rank with the fewest elements so far, as
+    ///   `ZeroRedundancyOptimizer` does), then every rank receives the updated
+    ///   parameters from their owners (one `broadcast_coalesced` per rank). DDP's
+    ///   gradient averaging is unchanged: every rank still has every gradient.
+    /// - **stage 2**, as FSDP2's `fully_shard(reshard_after_forward=False)` (DeepSpeed's
+    ///   ZeRO-2): every parameter is cut on dim 0 into `world_size` chunks (padded, so
+    ///   exactly `1/N` each); each rank keeps its chunk of every parameter, of its
+    ///   gradient and of its state. Gradients are reduce-scattered (averaged) during
+    ///   backward, one collective per unit (see [`fully_shard`](crate::fully_shard))
+    ///   once its gradients are all accumulated, and the full gradients are dropped;
+    ///   the step updates the chunks; the parameters are all-gathered after it. No DDP
+    ///   is involved: build the optimizer without [`distributed`](Self::distributed).
+    /// - **stage 3**, as FSDP2's `fully_shard` (ZeRO-3): stage 2, and the parameters of
+    ///   each unit hold memory only around the unit's forward and backward passes
+    ///   (all-gathered before each, freed after each). Outside them a unit's variables
+    ///   hold no data: read them through the unit's forward pass or a checkpoint.
+    ///   Variables that no unit claims (the root unit) stay gathered, as at stage 2.
+    ///
+    /// The parameters after each step are those of DDP, up to rounding (the average
+    /// is taken in another order). Every rank gets rank 0's variables and buffers at
+    /// stages 2 and 3, as DDP's construction gives them.
+    ///
+    /// Errors with [`Error::Usage`] for a stage other than 1, 2 and 3, or for stages 2
+    /// and 3 on an optimizer that steps through a DDP; with [`Error::Collective`] when
+    /// the ranks' models differ.
     pub fn zero(mut self, stage: u8) -> Result<Self> {
-        if stage != 1 {
+        if !(1..=3).contains(&stage) {
             return Err(Error::Usage(format!(
-                "ZeRO stage {stage}: only stage 1 (optimizer-state sharding) is implemented; \
-                 use zero = 1"
+                "ZeRO stage {stage}: use 1 (optimizer state), 2 (and gradients) or 3 (and \
+                 parameters) sharded"
             )));
         }
-        if let Some(ctx) = crate::init::current().filter(|c| c.world_size() > 1) {
+        let Some(ctx) = crate::init::current().filter(|c| c.world_size() > 1) else {
+            return Ok(self);
+        };
+        if stage == 1 {
             self.zero = Some(zero::Zero::new(ctx));
             self.repartition();
+            return Ok(self);
         }
+        if self.ddp.get().is_some() {
+            return Err(Error::Usage(format!(
+                "ZeRO stage {stage} reduce-scatters the gradients itself: build the optimizer \
+                 without a DistributedDataParallel (no .distributed(ddp))"
+            )));
+        }
+        let (params, all) = {
+            let v = self.variables.lock().expect("variable store lock");
+            crate::fsdp::named(&self.params, &v.named_variables)
+        };
+        self.sharding = Some(crate::fsdp::Sharding::new(
+            ctx.process_group(),
+            stage,
+            params,
+            &all,
+            &ctx.units().declared(),
+        )?);
         Ok(self)
     }
 
     /// The ZeRO stage, when the state is sharded over several ranks.
     pub fn zero_stage(&self) -> Option<u8> {
-        self.zero.as_ref().map(|_| 1)
+        match &self.sharding {
+            Some(sharding) => Some(sharding.stage()),
+            None => self.zero.as_ref().map(|_| 1),
+        }
+    }
+
+    /// The tensors whose gradients the step updates from: the trainable variables, or
+    /// at ZeRO stages 2 and 3 this rank's shards of them.
+    pub(crate) fn stepped_tensors(&self) -> Vec<Tensor> {
+        match &self.sharding {
+            Some(sharding) => sharding.shards(),
+            None => self.trainable_variables(),
+        }
+    }
+
+    /// At ZeRO stages 2 and 3, the gradients of the cycle complete on the shards.
+    pub(crate) fn finish_gradients(&self) -> Result<()> {
+        match &self.sharding {
+            Some(sharding) => sharding.finish_gradients(),
+            None => Ok(()),
+        }
     }
 
     /// With ZeRO, partitions the parameters again (they changed) and drops the state
@@ -357,10 +418,11 @@ impl Optimizer {
             let v = self.variables.lock().expect("variable store lock");
             let before = self.params.len();
             let new = v.trainable_variables.len().saturating_sub(before);
-            let distributed = self
-                .ddp
-                .get()
-                .is_some_and(|d| d.process_group().world_size() > 1);
+            let distributed = self.sharding.is_some()
+                || self
+                    .ddp
+                    .get()
+                    .is_some_and(|d| d.process_group().world_size() > 1);
             if new > 0 && distributed {
                 let late: std::collections::HashSet<usize> = v.trainable_variables[before..]
                     .iter()
@@ -412,8 +474,9 @@ impl Optimizer {
     fn update(&mut self) -> Result<()> {
         self.add_missing_variables()?;
         let owned = self.zero.as_ref().map(zero::Zero::owned);
+        let shards = self.sharding.as_ref().map(crate::fsdp::Sharding::shards);
         kernels::update(
-            &self.params,
+            shards.as_deref().unwrap_or(&self.params),
             &self.groups_of,
             &self.groups,
             &mut self.state,
@@ -439,28 +502,35 @@ impl Optimizer {
         if !std::mem::take(&mut self.cycle_complete) && self.micro_step > 0 {
             return Ok(false);
         }
-        let Some(mut scaler) = self.scaler.take() else {
-            self.update()?;
-            return Ok(true);
-        };
-        let stepped = (|| {
-            let clean = !scaler.overflowed(|| self.trainable_variables())?;
-            if clean {
-                self.update()?;
+        self.finish_gradients()?;
+        let stepped = match self.scaler.take() {
+            None => self.update().map(|()| true),
+            Some(mut scaler) => {
+                let stepped = (|| {
+                    let clean = !scaler.overflowed(|| self.stepped_tensors())?;
+                    if clean {
+                        self.update()?;
+                    }
+                    scaler.update()?;
+                    Ok(clean)
+                })();
+                self.scaler = Some(scaler);
+                stepped
             }
-            scaler.update()?;
-            Ok(clean)
-        })();
-        self.scaler = Some(scaler);
-        stepped
+        }?;
+        if let Some(sharding) = &self.sharding {
+            sharding.after_step()?;
+        }
+        Ok(stepped)
     }
 
     /// With a [`grad_scaler`](Self::grad_scaler), divides this cycle's complete
     /// gradients by the scale (once), so that they can be clipped or inspected.
     fn unscale_for_clipping(&mut self) -> Result<()> {
         if self.cycle_complete {
+            self.finish_gradients()?;
             if let Some(mut scaler) = self.scaler.take() {
-                let r = scaler.overflowed(|| self.trainable_variables());
+                let r = scaler.overflowed(|| self.stepped_tensors());
                 self.scaler = Some(scaler);
                 r?;
             }
@@ -472,7 +542,7 @@ impl Optimizer {
     /// (after unscaling them, with a [`grad_scaler`](Self::grad_scaler)).
     pub fn clip_grad_value(&mut self, max: f64) -> Result<()> {
         self.unscale_for_clipping()?;
-        for var in self.trainable_variables() {
+        for var in self.stepped_tensors() {
             let mut grad = var.grad();
             if grad.defined() {
                 let _ = grad.f_clamp_(-max, max)?;
@@ -488,6 +558,9 @@ impl Optimizer {
     /// recipe does with `scaler.unscale_`.
     pub fn clip_grad_norm(&mut self, max: f64) -> Result<f64> {
         self.unscale_for_clipping()?;
+        if let Some(sharding) = &self.sharding {
+            return sharding.clip_grad_norm(max);
+        }
         Ok(tch::no_grad(|| {
             let grads: Vec<Tensor> = self
                 .trainable_variables()
@@ -532,13 +605,19 @@ impl Optimizer {
             scaled = scaler.scale(loss);
             loss = &scaled;
         }
-        match self.ddp.get() {
-            Some(ddp) if last => ddp.backward(loss)?,
-            Some(ddp) => {
+        match (self.ddp.get(), &self.sharding) {
+            (Some(ddp), _) if last => ddp.backward(loss)?,
+            (Some(ddp), _) => {
                 let _local = ddp.no_sync();
                 ddp.backward(loss)?
             }
-            None => loss.f_backward()?,
+            (None, Some(sharding)) => {
+                sharding.set_sync(last);
+                // A hook's own failure (a collective) is the cause, not autograd's text.
+                loss.f_backward()
+                    .map_err(|e| sharding.take_failure().unwrap_or(Error::from(e)))?
+            }
+            (None, None) => loss.f_backward()?,
         }
         if last {
             self.micro_step = 0;
@@ -673,6 +752,13 @@ impl Optimizer {
     /// Errors with [`Error::Checkpoint`] when the tensors cannot be serialized.
     pub fn state(&mut self) -> Result<Vec<u8>> {
         self.add_missing_variables()?;
+        if let Some(stage) = self.zero_stage().filter(|s| *s > 1) {
+            return Err(Error::Usage(format!(
+                "the state of a ZeRO stage {stage} optimizer is sharded on dim 0 and \
+                 its checkpoints are not written yet: save the model (VarStore) instead, \
+                 or train with zero = 1"
+            )));
+        }
         state::to_safetensors(self)
     }
 

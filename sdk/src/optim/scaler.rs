@@ -15,13 +15,15 @@ impl GradScaler {
     /// [`Error::Torch`](crate::Error::Torch) or [`Error::Collective`](crate::Error::Collective)
     /// when the kernels or the all-reduce fail.
     pub fn unscale(&mut self, opt: &Optimizer) -> Result<()> {
-        self.unscale_gradients(&opt.trainable_variables())
+        opt.finish_gradients()?;
+        self.unscale_gradients(&opt.stepped_tensors())
     }
 
     /// Unscales (unless [`unscale`](Self::unscale) already did) and runs `opt.step()`
     /// unless a gradient on any rank held an inf or NaN; returns whether it stepped.
     pub fn step(&mut self, opt: &mut Optimizer) -> Result<bool> {
-        let overflow = self.overflowed(|| opt.trainable_variables())?;
+        opt.finish_gradients()?;
+        let overflow = self.overflowed(|| opt.stepped_tensors())?;
         if !overflow {
             opt.step()?;
         }

@@ -392,17 +392,23 @@ impl ProcessGroup {
     pub fn all_gather(&self, tensor: &Tensor) -> Result<Vec<Tensor>> {
         let input = tensor.contiguous();
         let outputs: Vec<Tensor> = (0..self.world_size).map(|_| input.empty_like()).collect();
-        let ptrs = ffi::tensors(&outputs);
+        self.all_gather_into(&outputs, &input)?;
+        Ok(outputs)
+    }
+
+    /// [`all_gather`](Self::all_gather) into `outputs` (one contiguous tensor per
+    /// rank, of `input`'s shape and dtype; views of one buffer are fine).
+    pub(crate) fn all_gather_into(&self, outputs: &[Tensor], input: &Tensor) -> Result<()> {
+        let ptrs = ffi::tensors(outputs);
         self.run("all_gather", || unsafe {
             ffi::tdc_all_gather(
                 self.raw(),
                 ptrs.as_ptr(),
                 ptrs.len() as i32,
-                ffi::tensor(&input),
+                ffi::tensor(input),
                 millis(self.timeout),
             )
-        })?;
-        Ok(outputs)
+        })
     }
 
     /// Reduces `inputs[r]` across ranks with `op` and leaves the result on rank `r`,
@@ -427,18 +433,29 @@ impl ProcessGroup {
         }
         let inputs: Vec<Tensor> = inputs.iter().map(|t| t.contiguous()).collect();
         let output = inputs[0].empty_like();
-        let ptrs = ffi::tensors(&inputs);
+        self.reduce_scatter_into(&output, &inputs, op)?;
+        Ok(output)
+    }
+
+    /// [`reduce_scatter`](Self::reduce_scatter) into `output`, from contiguous `inputs`
+    /// of its shape (views of one buffer are fine), one per rank.
+    pub(crate) fn reduce_scatter_into(
+        &self,
+        output: &Tensor,
+        inputs: &[Tensor],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let ptrs = ffi::tensors(inputs);
         self.run("reduce_scatter", || unsafe {
             ffi::tdc_reduce_scatter(
                 self.raw(),
-                ffi::tensor(&output),
+                ffi::tensor(output),
                 ptrs.as_ptr(),
                 ptrs.len() as i32,
                 op.code(),
                 millis(self.timeout),
             )
-        })?;
-        Ok(output)
+        })
     }
 
     /// Blocks until every rank has reached this barrier, as `torch.distributed.barrier`.

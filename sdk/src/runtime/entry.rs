@@ -108,9 +108,14 @@ fn banner(ctx: &Context) -> String {
         };
         line += &format!(", mixed precision {name} ({why})");
     }
-    if settings.zero == Some(1) && ctx.world_size() > 1 {
+    if let Some(stage) = settings.zero.filter(|&s| s > 0 && ctx.world_size() > 1) {
+        let what = match stage {
+            1 => "optimizer state",
+            2 => "optimizer state and gradients",
+            _ => "optimizer state, gradients and parameters",
+        };
         line += &format!(
-            ", ZeRO stage 1 (optimizer state sharded over {} ranks)",
+            ", ZeRO stage {stage} ({what} sharded over {} ranks)",
             ctx.world_size()
         );
     }

@@ -41,17 +41,22 @@ pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Opti
     // Failing to wrap the model ends the program with the cause and the fix: returned
     // through the caller's `?`, tch's error type would print it as an "Internal torch
     // error".
-    let ddp = DistributedDataParallel::new(vs, ctx.process_group(), ddp_options)
-        .unwrap_or_else(|e| fail_with_source("wrapping the model in DistributedDataParallel", &e));
-    crate::record::model_built(vs);
+    let stage = options.zero.unwrap_or(0);
     let mut opt = Optimizer::new(config, vs, lr)
         .map_err(|e| TchError::Torch(format!("tch-distributed: building the optimizer: {e}")))?
-        .distributed(ddp)
         .accumulate(options.grad_accum.unwrap_or(1));
-    if options.zero == Some(1) {
+    // ZeRO stages 2 and 3 reduce-scatter the gradients themselves; the others average
+    // them through DDP.
+    if stage < 2 {
+        let ddp = DistributedDataParallel::new(vs, ctx.process_group(), ddp_options)
+            .unwrap_or_else(|e| fail_with_source("wrapping the model in DistributedDataParallel", &e));
+        opt = opt.distributed(ddp);
+    }
+    crate::record::model_built(vs);
+    if stage > 0 {
         opt = opt
-            .zero(1)
-            .unwrap_or_else(|e| fail("the attribute's zero", e));
+            .zero(stage)
+            .unwrap_or_else(|e| fail_with_source("sharding the model (the run's zero)", &e));
     }
     if let Some(implementation) = options.optimizer {
         opt = opt
@@ -208,7 +213,8 @@ impl SyncBeforeStep for tch::nn::Optimizer {
 
 impl SyncBeforeStep for Optimizer {
     fn sync_before_step(&self) {
-        if self.ddp().is_some() {
+        // Stepping through a DDP, or sharded (ZeRO stage 2 or 3), which averages itself.
+        if self.ddp().is_some() || self.zero_stage().is_some_and(|s| s > 1) {
             return;
         }
         let Some(ctx) = several_ranks() else { return };

@@ -219,8 +219,10 @@ fn not_blank(s: &String) -> std::result::Result<(), String> {
         .ok_or_else(|| "give a host name or an address".into())
 }
 fn zero_stage(stage: &u8) -> std::result::Result<(), String> {
-    (*stage <= 1).then_some(()).ok_or_else(|| {
-        "use 1 (optimizer-state sharding, as PyTorch's ZeroRedundancyOptimizer) or 0 (off)".into()
+    (*stage <= 3).then_some(()).ok_or_else(|| {
+        "use 1 (optimizer state sharded, as PyTorch's ZeroRedundancyOptimizer), 2 (and \
+         gradients), 3 (and parameters, as FSDP2's fully_shard) or 0 (off)"
+            .into()
     })
 }
 
@@ -393,11 +395,12 @@ settings! {
         var: "TCH_DISTRIBUTED_OPTIMIZER", file: true, value_name: "IMPL",
         values: "fused, foreach or tch", default: "as the optimizer's own default",
     }
-    /// ZeRO stage: 1 shards the optimizers' state over the ranks.
+    /// ZeRO stage: 1 shards the optimizers' state over the ranks, 2 their gradients too,
+    /// 3 the parameters too (FSDP2's `fully_shard`).
     zero: u8 [zero_stage] {
         attribute: true, flag: Some("zero"), alias: None,
         var: "TCH_DISTRIBUTED_ZERO", file: true, value_name: "STAGE",
-        values: "0 (off) or 1", default: "0",
+        values: "0 (off), 1, 2 or 3", default: "0",
     }
     /// Size cap of DDP's gradient buckets, in MiB (it also caps the first bucket).
     bucket_cap_mb: f64 [positive] {

@@ -1,0 +1,134 @@
+// Fully sharded training (ZeRO-3, FSDP2's `fully_shard`): what Rust cannot do through
+// tch. A unit's full parameters hold memory only between its all-gather and its
+// reshard: their storage is freed and refilled in place, as FSDP2 does with
+// `untyped_storage().resize_()`, so that autograd's saved tensors (which share that
+// storage) see the gathered values again in backward. The hooks call back into Rust:
+// one when a unit's output gets its gradient (gather before the unit's backward), one
+// when a parameter's gradient has been accumulated (reduce-scatter it).
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <ATen/ATen.h>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "internal.hpp"
+
+struct tdc_grad_hooks {
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  std::vector<uintptr_t> keys;
+  ~tdc_grad_hooks() {
+    for (size_t i = 0; i < accumulators.size(); i++) {
+      accumulators[i]->del_post_hook(keys[i]);
+    }
+  }
+};
+
+namespace {
+at::Tensor& tensor(tdc_tensor t) {
+  return *static_cast<at::Tensor*>(t);
+}
+
+// The Rust side's context, released (through `drop`) with the last hook holding it.
+std::shared_ptr<void> context(void* ctx, tdc_drop drop) {
+  return std::shared_ptr<void>(ctx, [drop](void* p) { drop(p); });
+}
+
+void call(tdc_callback callback, void* ctx, int index) {
+  if (callback(ctx, index) != 0) {
+    // The cause was kept on the Rust side, which reports it after `backward` fails.
+    throw std::runtime_error("tch-distributed: a sharded unit's gradient hook failed");
+  }
+}
+} // namespace
+
+int tdc_storage_free(tdc_tensor t) {
+  TDC_PROTECT(1, {
+    auto* storage = tensor(t).storage().unsafeGetStorageImpl();
+    storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
+    storage->set_nbytes(0);
+    return 0;
+  })
+}
+
+int tdc_storage_fill(tdc_tensor t, tdc_tensor src) {
+  TDC_PROTECT(1, {
+    auto& param = tensor(t);
+    auto* storage = param.storage().unsafeGetStorageImpl();
+    size_t nbytes = (param.storage_offset() + param.numel()) * param.element_size();
+    if (storage->nbytes() < nbytes) {
+      storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+      storage->set_nbytes(nbytes);
+    }
+    // A tensor of its own over the same storage: writing through it leaves the
+    // parameter's version counter alone, so the tensors autograd saved from it in the
+    // forward pass stay valid for the backward pass.
+    at::NoGradGuard no_grad;
+    at::Tensor alias = at::empty({0}, param.options());
+    alias.set_(param.storage(), param.storage_offset(), param.sizes(), param.strides());
+    alias.copy_(tensor(src));
+    return 0;
+  })
+}
+
+int tdc_storage_bytes(tdc_tensor t, size_t* out) {
+  TDC_PROTECT(1, {
+    *out = tensor(t).storage().nbytes();
+    return 0;
+  })
+}
+
+int tdc_set_grad(tdc_tensor t, tdc_tensor grad) {
+  TDC_PROTECT(1, {
+    tensor(t).mutable_grad() = grad == nullptr ? at::Tensor() : tensor(grad);
+    return 0;
+  })
+}
+
+int tdc_hook_gradient(
+    tdc_tensor t, tdc_callback callback, void* ctx, tdc_drop drop, int index) {
+  TDC_PROTECT(1, {
+    auto held = context(ctx, drop);
+    tensor(t).register_hook([callback, held, index](const at::Tensor&) {
+      call(callback, held.get(), index);
+    });
+    return 0;
+  })
+}
+
+tdc_grad_hooks* tdc_grad_hooks_new(
+    tdc_tensor* params, int n, tdc_callback callback, void* ctx, tdc_drop drop) {
+  TDC_PROTECT(nullptr, {
+    auto held = context(ctx, drop);
+    auto hooks = std::make_unique<tdc_grad_hooks>();
+    for (int i = 0; i < n; i++) {
+      // As c10d's Reducer: a post hook on the parameter's gradient accumulator runs
+      // once its `.grad` holds this backward's gradient. The accumulator is kept
+      // alive here (autograd holds it weakly).
+      auto accumulator = torch::autograd::impl::grad_accumulator(tensor(params[i]));
+      if (!accumulator) {
+        throw std::invalid_argument(
+            "parameter " + std::to_string(i) + " does not require a gradient");
+      }
+      auto key = accumulator->add_post_hook(
+          std::make_unique<torch::autograd::utils::LambdaPostHook>(
+              [callback, held, i](
+                  const torch::autograd::variable_list& outputs,
+                  const torch::autograd::variable_list&) {
+                call(callback, held.get(), i);
+                return outputs;
+              }));
+      hooks->accumulators.push_back(std::move(accumulator));
+      hooks->keys.push_back(key);
+    }
+    return hooks.release();
+  })
+}
+
+void tdc_grad_hooks_free(tdc_grad_hooks* hooks) {
+  delete hooks;
+}

@@ -1,0 +1,538 @@
+//! The sharded parameters of one optimizer: ZeRO stages 2 and 3 with FSDP2's
+//! semantics. Each unit's parameters are cut on dim 0 into exact `1/world_size`
+//! shards (see [`layout`](super::layout)); the optimizer steps the shards; gradients
+//! are reduce-scattered, one collective per unit, as soon as a unit's gradients are
+//! all accumulated (a hook on each parameter's gradient accumulator, as c10d's
+//! Reducer); parameters are all-gathered after the step (stage 2, and stage 3's root
+//! unit), or around each forward and backward pass of a unit (stage 3).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use tch::Tensor;
+
+use super::hooks::{self, GradHooks, Hook};
+use super::layout::{layout, Piece};
+use super::unit::Slot;
+use crate::error::{Error, Result};
+use crate::process_group::{ProcessGroup, ReduceOp};
+
+/// DDP's broadcast bucket: the parameters and buffers rank 0 sends at the start.
+const BROADCAST_BYTES: usize = 25 << 20;
+
+/// The sharded parameters of one optimizer (see the module's documentation).
+pub(crate) struct Sharding {
+    inner: Arc<Inner>,
+    _hooks: GradHooks,
+}
+
+pub(crate) struct Inner {
+    group: ProcessGroup,
+    stage: u8,
+    /// The optimizer's parameters (full), in its order, and their names.
+    params: Vec<Tensor>,
+    names: Vec<String>,
+    /// Which unit holds each parameter, and where in it.
+    unit_of: Vec<(usize, usize)>,
+    /// Unit 0 is the root: the parameters no declared unit claims.
+    units: Vec<Mutex<Unit>>,
+    /// Whether this backward pass reduce-scatters (not a micro-batch inside an
+    /// accumulation cycle, which keeps its full gradients, as FSDP2's
+    /// `set_requires_gradient_sync(False)`).
+    sync: AtomicBool,
+    /// The first failure inside a hook, which fails the backward pass.
+    failure: Mutex<Option<Error>>,
+    /// The hook that gathers a unit before its backward pass.
+    gather_hook: Arc<Hook>,
+}
+
+// The tensors are handles: what writes through them (gather, free, reduce-scatter,
+// the step) runs under the unit's lock or on the optimizer's `&mut self`, and
+// libtorch's tensors may be used from several threads otherwise (as the Reducer's
+// hooks run on autograd's threads).
+unsafe impl Sync for Inner {}
+unsafe impl Send for Inner {}
+
+struct Unit {
+    /// The variables' prefix (`"layers.3."`), or `""` for the root unit.
+    name: String,
+    /// The unit's parameters (places in the optimizer) and their pieces.
+    members: Vec<usize>,
+    pieces: Vec<Piece>,
+    /// This rank's flat shard of the unit's parameters, and of their gradients.
+    shard: Tensor,
+    grad: Tensor,
+    /// Per member, its chunk of `shard` in the parameter's shape with `chunk_rows`
+    /// rows; its `.grad` is its chunk of `grad`. The optimizer steps these.
+    views: Vec<Tensor>,
+    /// Members whose gradients this backward pass accumulated so far.
+    ready: usize,
+    /// The gradients were reduce-scattered in this cycle.
+    reduced: bool,
+    /// The full parameters hold the shards' values.
+    gathered: bool,
+    /// Freed after each forward and backward pass (stage 3, not the root).
+    reshard: bool,
+}
+
+impl Sharding {
+    /// Shards `params` (the optimizer's, with their names) over `group` at `stage`
+    /// (2 or 3), in the units of `declared` that claim some of them. Every rank gets
+    /// rank 0's values of `all` (the store's variables and buffers, in an order every
+    /// rank agrees on) first, as DDP's construction does.
+    ///
+    /// Errors: [`Error::Collective`] when the ranks' models differ or a collective
+    /// fails; [`Error::Usage`] for a parameter that is not a whole contiguous tensor or
+    /// a unit that mixes dtypes or devices.
+    pub fn new(
+        group: &ProcessGroup,
+        stage: u8,
+        params: Vec<(String, Tensor)>,
+        all: &[Tensor],
+        declared: &[Arc<Slot>],
+    ) -> Result<Sharding> {
+        group.verify_same_shapes(all)?;
+        group.broadcast_coalesced(all, BROADCAST_BYTES, 0)?;
+        let (names, params): (Vec<String>, Vec<Tensor>) = params.into_iter().unzip();
+        for (name, p) in names.iter().zip(&params) {
+            let whole = hooks::storage_bytes(p)? == p.numel() * p.kind().elt_size_in_bytes();
+            if !p.is_contiguous() || !whole {
+                return Err(Error::Usage(format!(
+                    "variable `{name}` shares its memory with another tensor (a view or a slice \
+                     of a bigger one): ZeRO stages 2 and 3 shard whole, contiguous variables. \
+                     Create it on the VarStore as a variable of its own"
+                )));
+            }
+        }
+        // Each parameter goes to the declared unit with the longest prefix of its
+        // name (a nested unit claims its own), else to the root.
+        let claims: Vec<Option<usize>> = names
+            .iter()
+            .map(|name| {
+                declared
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| name.starts_with(&s.prefix))
+                    .max_by_key(|(_, s)| s.prefix.len())
+                    .map(|(i, _)| i)
+            })
+            .collect();
+        let mut used: Vec<usize> = claims.iter().flatten().copied().collect();
+        used.sort_unstable();
+        used.dedup();
+        let mut unit_members: Vec<(String, Option<usize>, Vec<usize>)> =
+            vec![(String::new(), None, Vec::new())];
+        for &slot in &used {
+            unit_members.push((declared[slot].prefix.clone(), Some(slot), Vec::new()));
+        }
+        for (i, claim) in claims.iter().enumerate() {
+            let u = match claim {
+                None => 0,
+                Some(slot) => 1 + used.iter().position(|s| s == slot).expect("listed above"),
+            };
+            unit_members[u].2.push(i);
+        }
+        let (rank, world) = (group.rank(), group.world_size());
+        let mut unit_of = vec![(0, 0); params.len()];
+        let mut units = Vec::new();
+        for (u, (name, _, members)) in unit_members.iter().enumerate() {
+            for (j, &i) in members.iter().enumerate() {
+                unit_of[i] = (u, j);
+            }
+            let reshard = stage == 3 && u > 0;
+            units.push(Mutex::new(Unit::new(name, members, &params, &names, rank, world, reshard)?));
+        }
+        let inner = Arc::new_cyclic(|me: &Weak<Inner>| {
+            let me = me.clone();
+            let gather_hook: Arc<Hook> = Arc::new(move |u| match me.upgrade() {
+                Some(inner) => inner.kept(inner.gather(u)),
+                None => true,
+            });
+            Inner {
+                group: group.clone(),
+                stage,
+                params,
+                names,
+                unit_of,
+                units,
+                sync: AtomicBool::new(true),
+                failure: Mutex::new(None),
+                gather_hook,
+            }
+        });
+        for (u, (_, slot, _)) in unit_members.iter().enumerate() {
+            if let Some(slot) = slot {
+                declared[*slot].bind(Arc::downgrade(&inner), u);
+            }
+        }
+        if let Some(ctx) = crate::init::current() {
+            ctx.units().add_engine(Arc::downgrade(&inner));
+        }
+        for u in 0..inner.units.len() {
+            if inner.unit(u).reshard {
+                inner.free(u)?;
+            }
+        }
+        let weak = Arc::downgrade(&inner);
+        let ready: Arc<Hook> = Arc::new(move |i| match weak.upgrade() {
+            Some(inner) => inner.kept(inner.grad_ready(i)),
+            None => true,
+        });
+        let hooks = GradHooks::new(&inner.params, &ready)?;
+        Ok(Sharding {
+            inner,
+            _hooks: hooks,
+        })
+    }
+
+    /// The ZeRO stage (2 or 3).
+    pub fn stage(&self) -> u8 {
+        self.inner.stage
+    }
+
+    /// The shards the optimizer steps, one per parameter in its order, each with its
+    /// gradient's shard as `.grad`.
+    pub fn shards(&self) -> Vec<Tensor> {
+        let inner = &self.inner;
+        (0..inner.params.len())
+            .map(|i| {
+                let (u, j) = inner.unit_of[i];
+                inner.unit(u).views[j].shallow_clone()
+            })
+            .collect()
+    }
+
+    /// The units' names (their variables' prefix; the root's is empty) and their
+    /// parameters' names, for the banner and errors.
+    pub fn units(&self) -> Vec<(String, Vec<String>)> {
+        (0..self.inner.units.len())
+            .map(|u| {
+                let unit = self.inner.unit(u);
+                let names = unit.members.iter().map(|&i| self.inner.names[i].clone());
+                (unit.name.clone(), names.collect())
+            })
+            .collect()
+    }
+
+    /// Whether the next backward pass reduce-scatters the gradients (the last
+    /// micro-batch of an accumulation cycle) or keeps them (the others).
+    pub fn set_sync(&self, sync: bool) {
+        self.inner.sync.store(sync, Ordering::SeqCst);
+    }
+
+    /// The failure that made a backward pass fail inside a hook, if one did.
+    pub fn take_failure(&self) -> Option<Error> {
+        self.inner.failure.lock().expect("failure lock").take()
+    }
+
+    /// Before a step: the units whose gradients no hook reduce-scattered in this cycle
+    /// (some parameter got no gradient) are reduce-scattered now, in unit order on
+    /// every rank, a missing gradient counting as zero.
+    pub fn finish_gradients(&self) -> Result<()> {
+        for u in 0..self.inner.units.len() {
+            let mut unit = self.inner.unit(u);
+            unit.ready = 0;
+            if !unit.reduced && !unit.members.is_empty() {
+                self.inner.reduce(&mut unit)?;
+                if unit.reshard {
+                    self.inner.free_locked(&mut unit)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// After a step: the next cycle reduce-scatters again, and the units that stay
+    /// gathered (every unit at stage 2, the root at stage 3) all-gather the updated
+    /// shards into their parameters.
+    pub fn after_step(&self) -> Result<()> {
+        for u in 0..self.inner.units.len() {
+            let mut unit = self.inner.unit(u);
+            unit.reduced = false;
+            if !unit.reshard {
+                unit.gathered = false;
+                self.inner.gather_locked(&mut unit)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The gradients' global L2 norm over the shards (one all-reduce of the sum of
+    /// squares), as FSDP2's `clip_grad_norm_`, and scales them by `max / (norm +
+    /// 1e-6)` when that is below 1 (tch's arithmetic). Returns the norm.
+    pub fn clip_grad_norm(&self, max: f64) -> Result<f64> {
+        let grads: Vec<Tensor> = (0..self.inner.units.len())
+            .map(|u| self.inner.unit(u).grad.shallow_clone())
+            .filter(|g| g.numel() > 0)
+            .collect();
+        let Some(first) = grads.first() else {
+            return Ok(0.0);
+        };
+        let mut squares = tch::no_grad(|| {
+            let total = first.zeros_like().sum(tch::Kind::Double);
+            grads
+                .iter()
+                .fold(total, |acc, g| acc + g.to_kind(tch::Kind::Double).square().sum(tch::Kind::Double))
+        });
+        self.inner.group.all_reduce(&mut squares, ReduceOp::Sum)?;
+        let total = squares.double_value(&[]).sqrt();
+        let coef = max / (total + 1e-6);
+        if coef < 1.0 {
+            tch::no_grad(|| {
+                for mut g in grads {
+                    let _ = g.g_mul_scalar_(coef);
+                }
+            });
+        }
+        Ok(total)
+    }
+}
+
+impl Unit {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        name: &str,
+        members: &[usize],
+        params: &[Tensor],
+        names: &[String],
+        rank: usize,
+        world: usize,
+        reshard: bool,
+    ) -> Result<Unit> {
+        let shapes: Vec<Vec<i64>> = members.iter().map(|&i| params[i].size()).collect();
+        let (pieces, len) = layout(&shapes, world);
+        let options = match members.first() {
+            Some(&i) => (params[i].kind(), params[i].device()),
+            None => (tch::Kind::Float, tch::Device::Cpu),
+        };
+        for &i in members {
+            if (params[i].kind(), params[i].device()) != options {
+                return Err(Error::Usage(format!(
+                    "variable `{}` is {:?} on {:?}, and `{}` of the same fully sharded unit is \
+                     {:?} on {:?}: a unit's variables are gathered in one buffer. Give them one \
+                     dtype and device, or put them in different units (fully_shard)",
+                    names[i],
+                    params[i].kind(),
+                    params[i].device(),
+                    names[members[0]],
+                    options.0,
+                    options.1
+                )));
+            }
+        }
+        let shard = Tensor::zeros([len], options);
+        let grad = Tensor::zeros([len], options);
+        let mut views = Vec::new();
+        tch::no_grad(|| -> Result<()> {
+            for piece in &pieces {
+                let view = shard.narrow(0, piece.offset, piece.chunk_len());
+                let view = view.view(piece.chunk_shape().as_slice());
+                let grad_view = grad
+                    .narrow(0, piece.offset, piece.chunk_len())
+                    .view(piece.chunk_shape().as_slice());
+                hooks::set_grad(&view, &grad_view)?;
+                views.push(view);
+            }
+            Ok(())
+        })?;
+        let unit = Unit {
+            name: name.to_string(),
+            members: members.to_vec(),
+            pieces,
+            shard,
+            grad,
+            views,
+            ready: 0,
+            reduced: false,
+            gathered: true,
+            reshard,
+        };
+        unit.cut(params, rank);
+        Ok(unit)
+    }
+
+    /// Copies this rank's rows of the unit's (gathered) parameters into its shard; the
+    /// padding stays zero.
+    fn cut(&self, params: &[Tensor], rank: usize) {
+        tch::no_grad(|| {
+            for (&i, piece) in self.members.iter().zip(&self.pieces) {
+                let (first, rows) = piece.rows_of(rank);
+                if rows > 0 {
+                    let mine = params[i].reshape([piece.rows, piece.row_len]).narrow(0, first, rows);
+                    self.shard
+                        .narrow(0, piece.offset, rows * piece.row_len)
+                        .copy_(&mine.reshape([-1]));
+                }
+            }
+        });
+    }
+}
+
+impl Inner {
+    fn unit(&self, u: usize) -> MutexGuard<'_, Unit> {
+        self.units[u].lock().expect("unit lock")
+    }
+
+    /// Keeps a hook's failure for the caller of `backward`: whether it went well.
+    fn kept(&self, r: Result<()>) -> bool {
+        match r {
+            Ok(()) => true,
+            Err(e) => {
+                self.failure.lock().expect("failure lock").get_or_insert(e);
+                false
+            }
+        }
+    }
+
+    /// Runs a unit's forward pass between its gather and, at stage 3, its reshard; the
+    /// output's gradient gathers it again before the unit's backward pass.
+    pub fn around_forward(&self, u: usize, forward: impl FnOnce() -> Tensor) -> Result<Tensor> {
+        self.gather(u)?;
+        let out = forward();
+        if self.unit(u).reshard {
+            if out.requires_grad() {
+                hooks::on_gradient(&out, &self.gather_hook, u)?;
+            }
+            self.free(u)?;
+        }
+        Ok(out)
+    }
+
+    /// Gathers every unit that is not; returns those it gathered.
+    pub fn gather_all(&self) -> Result<Vec<usize>> {
+        let mut gathered = Vec::new();
+        for u in 0..self.units.len() {
+            let mut unit = self.unit(u);
+            if !unit.gathered && !unit.members.is_empty() {
+                self.gather_locked(&mut unit)?;
+                gathered.push(u);
+            }
+        }
+        Ok(gathered)
+    }
+
+    /// Frees `units` again (those [`gather_all`](Self::gather_all) gathered).
+    pub fn release(&self, units: &[usize]) -> Result<()> {
+        units.iter().try_for_each(|&u| self.free(u))
+    }
+
+    /// Cuts every unit's shard again from its gathered parameters (after a load).
+    pub fn recut(&self) -> Result<()> {
+        let rank = self.group.rank();
+        for u in 0..self.units.len() {
+            self.unit(u).cut(&self.params, rank);
+        }
+        Ok(())
+    }
+
+    fn gather(&self, u: usize) -> Result<()> {
+        self.gather_locked(&mut self.unit(u))
+    }
+
+    /// All-gathers the unit's shards (one collective) into its parameters' memory.
+    fn gather_locked(&self, unit: &mut Unit) -> Result<()> {
+        if unit.gathered || unit.members.is_empty() {
+            return Ok(());
+        }
+        let world = self.group.world_size();
+        let len = unit.shard.numel() as i64;
+        let buffer = unit.shard.new_empty([world as i64 * len], (unit.shard.kind(), unit.shard.device()));
+        let chunks: Vec<Tensor> = (0..world).map(|r| buffer.narrow(0, r as i64 * len, len)).collect();
+        self.group.all_gather_into(&chunks, &unit.shard)?;
+        for (&i, piece) in unit.members.iter().zip(&unit.pieces) {
+            let parts: Vec<Tensor> = (0..world)
+                .filter_map(|r| {
+                    let (_, rows) = piece.rows_of(r);
+                    (rows > 0).then(|| chunks[r].narrow(0, piece.offset, rows * piece.row_len))
+                })
+                .collect();
+            let full = Tensor::cat(&parts, 0).view(self.params[i].size().as_slice());
+            hooks::fill_storage(&self.params[i], &full)?;
+        }
+        unit.gathered = true;
+        Ok(())
+    }
+
+    fn free(&self, u: usize) -> Result<()> {
+        self.free_locked(&mut self.unit(u))
+    }
+
+    fn free_locked(&self, unit: &mut Unit) -> Result<()> {
+        for &i in &unit.members {
+            hooks::free_storage(&self.params[i])?;
+        }
+        unit.gathered = false;
+        Ok(())
+    }
+
+    /// Parameter `i`'s gradient was accumulated: once all of its unit's are, the unit
+    /// reduce-scatters them (unless the cycle goes on) and, at stage 3, frees its
+    /// parameters.
+    fn grad_ready(&self, i: usize) -> Result<()> {
+        let (u, _) = self.unit_of[i];
+        let mut unit = self.unit(u);
+        unit.ready += 1;
+        if unit.ready < unit.members.len() {
+            return Ok(());
+        }
+        unit.ready = 0;
+        if self.sync.load(Ordering::SeqCst) {
+            self.reduce(&mut unit)?;
+        }
+        if unit.reshard {
+            self.free_locked(&mut unit)?;
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatters (averages) the unit's full gradients into its gradient shard
+    /// (one collective), then drops the full gradients.
+    fn reduce(&self, unit: &mut Unit) -> Result<()> {
+        let world = self.group.world_size();
+        let len = unit.grad.numel() as i64;
+        let buffer = unit.grad.zeros_like().repeat([world as i64]);
+        tch::no_grad(|| {
+            for (&i, piece) in unit.members.iter().zip(&unit.pieces) {
+                let g = self.params[i].grad();
+                if !g.defined() {
+                    continue;
+                }
+                let g = g.reshape([piece.rows, piece.row_len]);
+                for r in 0..world {
+                    let (first, rows) = piece.rows_of(r);
+                    if rows > 0 {
+                        buffer
+                            .narrow(0, r as i64 * len + piece.offset, rows * piece.row_len)
+                            .copy_(&g.narrow(0, first, rows).reshape([-1]));
+                    }
+                }
+            }
+        });
+        let chunks: Vec<Tensor> = (0..world).map(|r| buffer.narrow(0, r as i64 * len, len)).collect();
+        self.group.reduce_scatter_into(&unit.grad, &chunks, ReduceOp::Avg)?;
+        let members: Vec<Tensor> = unit.members.iter().map(|&i| self.params[i].shallow_clone()).collect();
+        crate::optim::set_grads_to_none(&members)?;
+        unit.reduced = true;
+        Ok(())
+    }
+}
+
+/// The names of `params` among the store's named variables (by their data), and the
+/// store's variables and buffers in name order (every rank's order).
+pub(crate) fn named(
+    params: &[Tensor],
+    named: &HashMap<String, Tensor>,
+) -> (Vec<(String, Tensor)>, Vec<Tensor>) {
+    let by_data: HashMap<usize, &String> = named.iter().map(|(n, t)| (t.data_ptr() as usize, n)).collect();
+    let params = params
+        .iter()
+        .map(|p| {
+            let name = by_data.get(&(p.data_ptr() as usize)).map_or_else(String::new, |n| (*n).clone());
+            (name, p.shallow_clone())
+        })
+        .collect();
+    let mut all: Vec<(&String, &Tensor)> = named.iter().collect();
+    all.sort_by(|a, b| a.0.cmp(b.0));
+    (params, all.into_iter().map(|(_, t)| t.shallow_clone()).collect())
+}

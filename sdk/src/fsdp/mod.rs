@@ -1,0 +1,17 @@
+//! Fully sharded data parallel: ZeRO stages 2 and 3 with the semantics of PyTorch's
+//! FSDP2 (`fully_shard`), for the SDK's [`Optimizer`](crate::Optimizer).
+//!
+//! - [`layout`]: where each parameter's exact `1/N` shard lies (dim 0, padded);
+//! - [`engine`]: an optimizer's sharded parameters, their gathers, reduce-scatters
+//!   and steps;
+//! - [`unit`]: [`fully_shard`], the units gathered around their passes;
+//! - [`hooks`]: the shim's storage and autograd hooks.
+
+mod engine;
+mod hooks;
+mod layout;
+mod unit;
+
+pub(crate) use engine::{named, Sharding};
+pub(crate) use unit::Units;
+pub use unit::{fully_shard, FullyShard};

@@ -1,0 +1,54 @@
+//! ZeRO stages 2 and 3 (`zero = 2|3`, `TCH_DISTRIBUTED_ZERO`): parameters, gradients
+//! and optimizer state sharded on dim 0, with FSDP2's semantics. The reference is DDP
+//! (`zero = 0`) on the same ranks and data: the same arithmetic up to the order in
+//! which the average is taken.
+
+use std::path::Path;
+use std::time::Duration;
+
+use tch_distributed_tests::compare::files as compare;
+use tch_distributed_tests::{run_with, scratch_dir, tchrun};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_sharding_worker");
+const TIMEOUT: Duration = Duration::from_secs(120);
+
+/// `sharding_worker DIR OUT` on `ranks` ranks with `TCH_DISTRIBUTED_ZERO=zero` and
+/// `env`; returns rank 0's stdout.
+fn run(dir: &Path, ranks: usize, zero: u8, out: &str, env: &[(&str, &str)]) -> String {
+    let mut cmd = std::process::Command::new(tchrun());
+    cmd.args(["--nproc-per-node", &ranks.to_string(), WORKER])
+        .args([dir.to_str().unwrap(), out])
+        .env("TCH_DISTRIBUTED_ZERO", zero.to_string())
+        .envs(env.iter().copied());
+    let run = run_with(cmd, dir, TIMEOUT, |_, _| {});
+    run.assert_success();
+    run.stdout
+}
+
+fn state_bytes(dir: &Path, out: &str, rank: usize) -> usize {
+    std::fs::read_to_string(dir.join(format!("{out}.state-bytes-{rank}")))
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn stages_2_and_3_train_as_ddp_with_and_without_units() {
+    let dir = scratch_dir("sharding");
+    for ranks in [2, 4] {
+        let ddp = format!("ddp{ranks}.safetensors");
+        run(&dir, ranks, 0, &ddp, &[]);
+        let whole = state_bytes(&dir, &ddp, 0);
+        for (zero, units) in [(2, false), (2, true), (3, false), (3, true)] {
+            let out = format!("zero{zero}-units{units}-{ranks}.safetensors");
+            let env: &[(&str, &str)] = if units { &[("UNITS", "1")] } else { &[] };
+            let stdout = run(&dir, ranks, zero, &out, env);
+            assert!(stdout.contains(&format!("ZeRO stage {zero} (")), "{stdout}");
+            let diff = compare(&dir.join(&ddp), &dir.join(&out));
+            eprintln!("{ranks} ranks, zero {zero}, units {units}: {diff:?}");
+            assert!(diff.max_abs < 1e-6, "{ranks} ranks, zero {zero}, units {units}: {diff:?}");
+            let bytes: Vec<usize> = (0..ranks).map(|r| state_bytes(&dir, &out, r)).collect();
+            eprintln!("state bytes {bytes:?} of {whole}");
+        }
+    }
+}
