@@ -47,8 +47,23 @@ fn stages_2_and_3_train_as_ddp_with_and_without_units() {
             let diff = compare(&dir.join(&ddp), &dir.join(&out));
             eprintln!("{ranks} ranks, zero {zero}, units {units}: {diff:?}");
             assert!(diff.max_abs < 1e-6, "{ranks} ranks, zero {zero}, units {units}: {diff:?}");
-            let bytes: Vec<usize> = (0..ranks).map(|r| state_bytes(&dir, &out, r)).collect();
-            eprintln!("state bytes {bytes:?} of {whole}");
+            // Every rank holds a 1/N chunk (padded) of each parameter's state:
+            // l1 (13 × 6, 13), l2 (7 × 13, 7), l3 (3 × 7, 3), Adam's two moments and
+            // the fused kernels' step count per tensor.
+            let rows = |n: usize| n.div_ceil(ranks);
+            let elements = rows(13) * 7 + rows(7) * 14 + rows(3) * 8;
+            for r in 0..ranks {
+                assert_eq!(state_bytes(&dir, &out, r), 8 * elements + 4 * 6, "{out}, rank {r}");
+            }
+            assert_eq!(whole, 8 * (13 * 7 + 7 * 14 + 3 * 8) + 4 * 6);
+            // At stage 3, a unit's parameters hold memory only around its passes;
+            // the root's (l1) stay gathered.
+            let freed = std::fs::read_to_string(dir.join(format!("{out}.freed-0"))).unwrap();
+            let expected = match (zero, units) {
+                (3, true) => "l2.bias l2.weight l3.bias l3.weight",
+                _ => "",
+            };
+            assert_eq!(freed, expected, "{out}");
         }
     }
 }

@@ -4,11 +4,11 @@
 //! `[r·24/N, (r+1)·24/N)`), so that the averaged gradient is the whole batch's.
 //! Run with `TCH_DISTRIBUTED_ZERO=2|3` to shard it; with `UNITS=1`, l2 and l3 are
 //! units of their own (`fully_shard`) and l1 is the root's; with `CLIP=x` the steps
-//! clip the gradients' global norm to x; with `TCH_DISTRIBUTED_GRAD_ACCUM=2` each
-//! step is two micro-batches of half a share.
+//! clip the gradients' global norm to x.
 //!
-//! Writes the parameters to DIR/OUT (rank 0) and each rank's optimizer-state bytes to
-//! DIR/OUT.state-bytes-RANK.
+//! Writes the parameters to DIR/OUT (rank 0), each rank's optimizer-state bytes to
+//! DIR/OUT.state-bytes-RANK and the names of the variables that hold no memory after
+//! the steps to DIR/OUT.freed-RANK.
 //!
 //! Usage: sharding_worker DIR OUT
 use tch::nn::{self, Module, OptimizerConfig};
@@ -56,6 +56,15 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
             None => opt.backward_step(&loss),
         }
     }
+    // The variables that hold no memory after the steps (a stage-3 unit's, freed).
+    let mut freed: Vec<String> = vs
+        .variables()
+        .into_iter()
+        .filter(|(_, t)| t.data_ptr().is_null())
+        .map(|(name, _)| name)
+        .collect();
+    freed.sort();
+    std::fs::write(format!("{dir}/{out}.freed-{rank}"), freed.join(" "))?;
     std::fs::write(
         format!("{dir}/{out}.state-bytes-{rank}"),
         opt.state_bytes().to_string(),
