@@ -35,7 +35,7 @@ FILE[ddp]=sdk/src/ddp.rs;                  TESTS[ddp]="ddp accumulation parity a
 # (mod.rs) under every test that trains through it; its kernels under the tests that
 # compare updates with torch.optim, tch and closed forms; its state under the
 # checkpoint tests; ZeRO under the ZeRO tests.
-FILE[optim_mod]=sdk/src/optim/mod.rs;          TESTS[optim_mod]="ddp parity accumulation amp adapting optimizer_settings optimizer_parity optimizer_state zero grad_scaler loader_epochs error_hints"
+FILE[optim_mod]=sdk/src/optim/mod.rs;          TESTS[optim_mod]="ddp parity accumulation amp adapting optimizer_settings optimizer_parity optimizer_state zero sharding grad_scaler loader_epochs error_hints"
 FILE[optim_kernels]=sdk/src/optim/kernels.rs;  TESTS[optim_kernels]="optimizer_parity optimizer_settings optimizer_state parity grad_scaler"
 FILE[optim_state]=sdk/src/optim/state.rs;      TESTS[optim_state]="optimizer_state optimizer_parity zero"
 FILE[optim_zero]=sdk/src/optim/zero.rs;        TESTS[optim_zero]="zero parity"
@@ -65,11 +65,13 @@ FILE[join]=sdk/src/rendezvous/join.rs;     TESTS[join]="rendezvous_counts"
 FILE[agreement]=sdk/src/runtime/agreement.rs; TESTS[agreement]="different_paths adapting"
 # The collectives' records: a timeout's diagnosis and the deadlock check.
 FILE[collective_record]=sdk/src/process_group/collective_record.rs; TESTS[collective_record]="different_paths stalled_ranks"
+# ZeRO stages 2 and 3: the shards, their gathers, reduce-scatters, hooks and units.
+FILE[fsdp]=sdk/src/fsdp/engine.rs;         TESTS[fsdp]="sharding"
 FILE[error]=sdk/src/error.rs;              TESTS[error]="error_hints"
 # What the attribute's rewritten calls run: the optimizer `.build` makes, the steps of
 # optimizers the function did not build and the DDP averaging them, save/load.
 FILE[rewrites]=sdk/src/runtime/rewrites.rs; TESTS[rewrites]="outside_optimizer adapting accumulation amp error_hints settings"
-ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record)
+ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record fsdp)
 # A NAME that stands for several.
 declare -A GROUP
 GROUP[optim]="optim_mod optim_kernels optim_state optim_zero optim_scaler"
