@@ -178,10 +178,10 @@ impl Parse for Options {
                 "zero" => {
                     let lit: LitInt = expect(input, "zero = 1")?;
                     let stage: u8 = lit.base10_parse()?;
-                    if stage != 1 {
+                    if stage > 3 {
                         return Err(syn::Error::new(
                             lit.span(),
-                            format!("ZeRO stage {stage}: only stage 1 (optimizer-state sharding, as PyTorch's ZeroRedundancyOptimizer) is implemented; write `zero = 1`"),
+                            format!("ZeRO stage {stage}: use 1 (optimizer state sharded, as PyTorch's ZeroRedundancyOptimizer), 2 (and gradients), 3 (and parameters, as FSDP2's fully_shard) or 0 (off)"),
                         ));
                     }
                     options.zero = Some(stage);

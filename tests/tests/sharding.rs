@@ -46,14 +46,21 @@ fn stages_2_and_3_train_as_ddp_with_and_without_units() {
             assert!(stdout.contains(&format!("ZeRO stage {zero} (")), "{stdout}");
             let diff = compare(&dir.join(&ddp), &dir.join(&out));
             eprintln!("{ranks} ranks, zero {zero}, units {units}: {diff:?}");
-            assert!(diff.max_abs < 1e-6, "{ranks} ranks, zero {zero}, units {units}: {diff:?}");
+            assert!(
+                diff.max_abs < 1e-6,
+                "{ranks} ranks, zero {zero}, units {units}: {diff:?}"
+            );
             // Every rank holds a 1/N chunk (padded) of each parameter's state:
             // l1 (13 × 6, 13), l2 (7 × 13, 7), l3 (3 × 7, 3), Adam's two moments and
             // the fused kernels' step count per tensor.
             let rows = |n: usize| n.div_ceil(ranks);
             let elements = rows(13) * 7 + rows(7) * 14 + rows(3) * 8;
             for r in 0..ranks {
-                assert_eq!(state_bytes(&dir, &out, r), 8 * elements + 4 * 6, "{out}, rank {r}");
+                assert_eq!(
+                    state_bytes(&dir, &out, r),
+                    8 * elements + 4 * 6,
+                    "{out}, rank {r}"
+                );
             }
             assert_eq!(whole, 8 * (13 * 7 + 7 * 14 + 3 * 8) + 4 * 6);
             // At stage 3, a unit's parameters hold memory only around its passes;
@@ -64,6 +71,37 @@ fn stages_2_and_3_train_as_ddp_with_and_without_units() {
                 _ => "",
             };
             assert_eq!(freed, expected, "{out}");
+        }
+    }
+}
+
+/// Clipping sees the global norm over every rank's shards (FSDP2's `clip_grad_norm_`),
+/// and accumulation keeps the full gradients until the cycle's last micro-batch:
+/// both end where DDP ends with the same settings.
+#[test]
+fn clipping_and_accumulation_on_shards_match_ddp() {
+    let dir = scratch_dir("sharding-clip-accum");
+    let cases: [(&str, &[(&str, &str)]); 2] = [
+        ("clip", &[("CLIP", "0.05")]),
+        ("accum", &[("TCH_DISTRIBUTED_GRAD_ACCUM", "2")]),
+    ];
+    for (name, env) in cases {
+        let ddp = format!("{name}-ddp.safetensors");
+        run(&dir, 2, 0, &ddp, env);
+        let plain = format!("{name}-plain.safetensors");
+        run(&dir, 2, 0, &plain, &[]);
+        // The setting changes the run (the clip bites; accumulation steps half as often).
+        let changed = compare(&dir.join(&plain), &dir.join(&ddp));
+        assert!(
+            changed.max_abs > 1e-4,
+            "{name} changes nothing: {changed:?}"
+        );
+        for zero in ["2", "3"] {
+            let out = format!("{name}-zero{zero}.safetensors");
+            let env = [env, &[("UNITS", "1")]].concat();
+            run(&dir, 2, zero.parse().unwrap(), &out, &env);
+            let diff = compare(&dir.join(&ddp), &dir.join(&out));
+            assert!(diff.max_abs < 1e-6, "{name}, zero {zero}: {diff:?}");
         }
     }
 }

@@ -29,10 +29,12 @@ pub fn save_var_store(ctx: &Context, vs: &VarStore, path: impl AsRef<Path>) -> R
     let path = path.as_ref();
     ctx.barrier()?;
     // Sharded parameters (ZeRO stage 3) are gathered for the write, on every rank.
-    let written = ctx.units().with_full_parameters(false, || match ctx.is_main_process() {
-        true => write_atomically(vs, path),
-        false => Ok(()),
-    });
+    let written = ctx
+        .units()
+        .with_full_parameters(false, || match ctx.is_main_process() {
+            true => write_atomically(vs, path),
+            false => Ok(()),
+        });
     // Every rank reaches the second barrier, even when rank 0 failed to write.
     ctx.barrier()?;
     written

@@ -30,9 +30,8 @@ pub(crate) struct Sharding {
 pub(crate) struct Inner {
     group: ProcessGroup,
     stage: u8,
-    /// The optimizer's parameters (full), in its order, and their names.
+    /// The optimizer's parameters (full), in its order.
     params: Vec<Tensor>,
-    names: Vec<String>,
     /// Which unit holds each parameter, and where in it.
     unit_of: Vec<(usize, usize)>,
     /// Unit 0 is the root: the parameters no declared unit claims.
@@ -55,8 +54,6 @@ unsafe impl Sync for Inner {}
 unsafe impl Send for Inner {}
 
 struct Unit {
-    /// The variables' prefix (`"layers.3."`), or `""` for the root unit.
-    name: String,
     /// The unit's parameters (places in the optimizer) and their pieces.
     members: Vec<usize>,
     pieces: Vec<Piece>,
@@ -121,27 +118,28 @@ impl Sharding {
         let mut used: Vec<usize> = claims.iter().flatten().copied().collect();
         used.sort_unstable();
         used.dedup();
-        let mut unit_members: Vec<(String, Option<usize>, Vec<usize>)> =
-            vec![(String::new(), None, Vec::new())];
+        let mut unit_members: Vec<(Option<usize>, Vec<usize>)> = vec![(None, Vec::new())];
         for &slot in &used {
-            unit_members.push((declared[slot].prefix.clone(), Some(slot), Vec::new()));
+            unit_members.push((Some(slot), Vec::new()));
         }
         for (i, claim) in claims.iter().enumerate() {
             let u = match claim {
                 None => 0,
                 Some(slot) => 1 + used.iter().position(|s| s == slot).expect("listed above"),
             };
-            unit_members[u].2.push(i);
+            unit_members[u].1.push(i);
         }
         let (rank, world) = (group.rank(), group.world_size());
         let mut unit_of = vec![(0, 0); params.len()];
         let mut units = Vec::new();
-        for (u, (name, _, members)) in unit_members.iter().enumerate() {
+        for (u, (_, members)) in unit_members.iter().enumerate() {
             for (j, &i) in members.iter().enumerate() {
                 unit_of[i] = (u, j);
             }
             let reshard = stage == 3 && u > 0;
-            units.push(Mutex::new(Unit::new(name, members, &params, &names, rank, world, reshard)?));
+            units.push(Mutex::new(Unit::new(
+                members, &params, &names, rank, world, reshard,
+            )?));
         }
         let inner = Arc::new_cyclic(|me: &Weak<Inner>| {
             let me = me.clone();
@@ -153,7 +151,6 @@ impl Sharding {
                 group: group.clone(),
                 stage,
                 params,
-                names,
                 unit_of,
                 units,
                 sync: AtomicBool::new(true),
@@ -161,7 +158,7 @@ impl Sharding {
                 gather_hook,
             }
         });
-        for (u, (_, slot, _)) in unit_members.iter().enumerate() {
+        for (u, (slot, _)) in unit_members.iter().enumerate() {
             if let Some(slot) = slot {
                 declared[*slot].bind(Arc::downgrade(&inner), u);
             }
@@ -199,18 +196,6 @@ impl Sharding {
             .map(|i| {
                 let (u, j) = inner.unit_of[i];
                 inner.unit(u).views[j].shallow_clone()
-            })
-            .collect()
-    }
-
-    /// The units' names (their variables' prefix; the root's is empty) and their
-    /// parameters' names, for the banner and errors.
-    pub fn units(&self) -> Vec<(String, Vec<String>)> {
-        (0..self.inner.units.len())
-            .map(|u| {
-                let unit = self.inner.unit(u);
-                let names = unit.members.iter().map(|&i| self.inner.names[i].clone());
-                (unit.name.clone(), names.collect())
             })
             .collect()
     }
@@ -271,9 +256,9 @@ impl Sharding {
         };
         let mut squares = tch::no_grad(|| {
             let total = first.zeros_like().sum(tch::Kind::Double);
-            grads
-                .iter()
-                .fold(total, |acc, g| acc + g.to_kind(tch::Kind::Double).square().sum(tch::Kind::Double))
+            grads.iter().fold(total, |acc, g| {
+                acc + g.to_kind(tch::Kind::Double).square().sum(tch::Kind::Double)
+            })
         });
         self.inner.group.all_reduce(&mut squares, ReduceOp::Sum)?;
         let total = squares.double_value(&[]).sqrt();
@@ -292,7 +277,6 @@ impl Sharding {
 impl Unit {
     #[allow(clippy::too_many_arguments)]
     fn new(
-        name: &str,
         members: &[usize],
         params: &[Tensor],
         names: &[String],
@@ -337,7 +321,6 @@ impl Unit {
             Ok(())
         })?;
         let unit = Unit {
-            name: name.to_string(),
             members: members.to_vec(),
             pieces,
             shard,
@@ -359,7 +342,9 @@ impl Unit {
             for (&i, piece) in self.members.iter().zip(&self.pieces) {
                 let (first, rows) = piece.rows_of(rank);
                 if rows > 0 {
-                    let mine = params[i].reshape([piece.rows, piece.row_len]).narrow(0, first, rows);
+                    let mine = params[i]
+                        .reshape([piece.rows, piece.row_len])
+                        .narrow(0, first, rows);
                     self.shard
                         .narrow(0, piece.offset, rows * piece.row_len)
                         .copy_(&mine.reshape([-1]));
@@ -437,8 +422,13 @@ impl Inner {
         }
         let world = self.group.world_size();
         let len = unit.shard.numel() as i64;
-        let buffer = unit.shard.new_empty([world as i64 * len], (unit.shard.kind(), unit.shard.device()));
-        let chunks: Vec<Tensor> = (0..world).map(|r| buffer.narrow(0, r as i64 * len, len)).collect();
+        let buffer = unit.shard.new_empty(
+            [world as i64 * len],
+            (unit.shard.kind(), unit.shard.device()),
+        );
+        let chunks: Vec<Tensor> = (0..world)
+            .map(|r| buffer.narrow(0, r as i64 * len, len))
+            .collect();
         self.group.all_gather_into(&chunks, &unit.shard)?;
         for (&i, piece) in unit.members.iter().zip(&unit.pieces) {
             let parts: Vec<Tensor> = (0..world)
@@ -509,9 +499,16 @@ impl Inner {
                 }
             }
         });
-        let chunks: Vec<Tensor> = (0..world).map(|r| buffer.narrow(0, r as i64 * len, len)).collect();
-        self.group.reduce_scatter_into(&unit.grad, &chunks, ReduceOp::Avg)?;
-        let members: Vec<Tensor> = unit.members.iter().map(|&i| self.params[i].shallow_clone()).collect();
+        let chunks: Vec<Tensor> = (0..world)
+            .map(|r| buffer.narrow(0, r as i64 * len, len))
+            .collect();
+        self.group
+            .reduce_scatter_into(&unit.grad, &chunks, ReduceOp::Avg)?;
+        let members: Vec<Tensor> = unit
+            .members
+            .iter()
+            .map(|&i| self.params[i].shallow_clone())
+            .collect();
         crate::optim::set_grads_to_none(&members)?;
         unit.reduced = true;
         Ok(())
@@ -524,15 +521,23 @@ pub(crate) fn named(
     params: &[Tensor],
     named: &HashMap<String, Tensor>,
 ) -> (Vec<(String, Tensor)>, Vec<Tensor>) {
-    let by_data: HashMap<usize, &String> = named.iter().map(|(n, t)| (t.data_ptr() as usize, n)).collect();
+    let by_data: HashMap<usize, &String> = named
+        .iter()
+        .map(|(n, t)| (t.data_ptr() as usize, n))
+        .collect();
     let params = params
         .iter()
         .map(|p| {
-            let name = by_data.get(&(p.data_ptr() as usize)).map_or_else(String::new, |n| (*n).clone());
+            let name = by_data
+                .get(&(p.data_ptr() as usize))
+                .map_or_else(String::new, |n| (*n).clone());
             (name, p.shallow_clone())
         })
         .collect();
     let mut all: Vec<(&String, &Tensor)> = named.iter().collect();
     all.sort_by(|a, b| a.0.cmp(b.0));
-    (params, all.into_iter().map(|(_, t)| t.shallow_clone()).collect())
+    (
+        params,
+        all.into_iter().map(|(_, t)| t.shallow_clone()).collect(),
+    )
 }

@@ -14,7 +14,9 @@ fn torch(what: &str, status: c_int) -> Result<()> {
 
 /// Frees the memory of `t`'s storage; its sizes stay (FSDP2's resharding).
 pub(crate) fn free_storage(t: &Tensor) -> Result<()> {
-    torch("freeing a parameter", unsafe { ffi::tdc_storage_free(ffi::tensor(t)) })
+    torch("freeing a parameter", unsafe {
+        ffi::tdc_storage_free(ffi::tensor(t))
+    })
 }
 
 /// Gives `t` memory again if it was freed and copies `src` into it, without counting a
@@ -66,7 +68,13 @@ fn context(hook: &Arc<Hook>) -> *mut c_void {
 /// the backward of what made `t`), for as long as autograd keeps `t`'s graph.
 pub(crate) fn on_gradient(t: &Tensor, hook: &Arc<Hook>, index: usize) -> Result<()> {
     torch("hooking an output's gradient", unsafe {
-        ffi::tdc_hook_gradient(ffi::tensor(t), call, context(hook), drop_hook, index as c_int)
+        ffi::tdc_hook_gradient(
+            ffi::tensor(t),
+            call,
+            context(hook),
+            drop_hook,
+            index as c_int,
+        )
     })
 }
 
@@ -82,7 +90,13 @@ impl GradHooks {
     pub fn new(params: &[Tensor], hook: &Arc<Hook>) -> Result<Self> {
         let ptrs = ffi::tensors(params);
         let raw = unsafe {
-            ffi::tdc_grad_hooks_new(ptrs.as_ptr(), ptrs.len() as c_int, call, context(hook), drop_hook)
+            ffi::tdc_grad_hooks_new(
+                ptrs.as_ptr(),
+                ptrs.len() as c_int,
+                call,
+                context(hook),
+                drop_hook,
+            )
         };
         ffi::check_ptr(raw)
             .map(GradHooks)

@@ -35,7 +35,11 @@ impl Piece {
 
     /// The shape of one rank's chunk: `shape` with `chunk_rows` rows.
     pub fn chunk_shape(&self) -> Vec<i64> {
-        let mut shape = if self.shape.is_empty() { vec![1] } else { self.shape.clone() };
+        let mut shape = if self.shape.is_empty() {
+            vec![1]
+        } else {
+            self.shape.clone()
+        };
         shape[0] = self.chunk_rows;
         shape
     }
@@ -81,7 +85,10 @@ mod tests {
         // 3 rows over 4: rank 3's chunk is all padding.
         assert_eq!(pieces[1].rows_of(3), (3, 0));
         // A scalar is one row, on rank 0.
-        assert_eq!((pieces[2].rows, pieces[2].row_len, pieces[2].chunk_rows), (1, 1, 1));
+        assert_eq!(
+            (pieces[2].rows, pieces[2].row_len, pieces[2].chunk_rows),
+            (1, 1, 1)
+        );
         assert_eq!(pieces[2].rows_of(1), (1, 0));
         assert_eq!(pieces[2].chunk_shape(), [1]);
         assert_eq!(pieces[3].chunk_shape(), [1, 4]);

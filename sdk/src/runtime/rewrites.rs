@@ -49,7 +49,9 @@ pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Opti
     // them through DDP.
     if stage < 2 {
         let ddp = DistributedDataParallel::new(vs, ctx.process_group(), ddp_options)
-            .unwrap_or_else(|e| fail_with_source("wrapping the model in DistributedDataParallel", &e));
+            .unwrap_or_else(|e| {
+                fail_with_source("wrapping the model in DistributedDataParallel", &e)
+            });
         opt = opt.distributed(ddp);
     }
     crate::record::model_built(vs);

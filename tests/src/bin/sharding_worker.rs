@@ -22,7 +22,10 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
     let xs = Tensor::randn([24, 6], (Kind::Float, Device::Cpu));
     let ys = xs.narrow(1, 0, 3).sin() + xs.narrow(1, 3, 3).cos();
     let share = 24 / world as i64;
-    let (x, y) = (xs.narrow(0, rank as i64 * share, share), ys.narrow(0, rank as i64 * share, share));
+    let (x, y) = (
+        xs.narrow(0, rank as i64 * share, share),
+        ys.narrow(0, rank as i64 * share, share),
+    );
 
     let vs = nn::VarStore::new(Device::Cpu);
     let root = vs.root();

@@ -1,4 +1,0 @@
-#[tch_distributed::distributed(zero = 2)]
-fn train() {}
-
-fn main() {}

@@ -1,0 +1,4 @@
+#[tch_distributed::distributed(zero = 4)]
+fn train() {}
+
+fn main() {}
