@@ -105,3 +105,55 @@ fn clipping_and_accumulation_on_shards_match_ddp() {
         }
     }
 }
+
+/// A stage-3 checkpoint holds each rank's chunks of the optimizer's state and the
+/// whole model: it resumes bit for bit on the same ranks, and on other world sizes
+/// and stages, or without sharding, where the whole run would have ended.
+#[test]
+fn a_sharded_checkpoint_resumes_bit_for_bit_and_on_other_world_sizes() {
+    let dir = scratch_dir("sharding-checkpoint");
+    let units = ("UNITS", "1");
+    run(&dir, 2, 3, "straight.safetensors", &[units]);
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    let stop = [units, ("CKPT", c), ("SAVE_AT", "5"), ("STOP_AT", "5")];
+    run(&dir, 2, 3, "stopped.safetensors", &stop);
+    let step = ckpt.join("step-0000000005");
+    for r in 0..2 {
+        assert!(step
+            .join(format!("optimizer-rank-{r}.safetensors"))
+            .exists());
+    }
+    // Resumed as it stopped: the same bits as the run that did not stop.
+    for (ranks, zero, units_on) in [(2, 3, true), (4, 2, false), (2, 0, false), (3, 3, true)] {
+        let resumed = dir.join("resumed");
+        let _ = std::fs::remove_dir_all(&resumed);
+        copy_dir(&ckpt, &resumed);
+        let r = resumed.to_str().unwrap();
+        let out = format!("resumed-{ranks}-{zero}-{units_on}.safetensors");
+        let mut env = vec![("CKPT", r)];
+        if units_on {
+            env.push(units);
+        }
+        let stdout = run(&dir, ranks, zero, &out, &env);
+        assert!(stdout.contains("resumed at step 5"), "{stdout}");
+        let diff = compare(&dir.join("straight.safetensors"), &dir.join(&out));
+        if (ranks, zero, units_on) == (2, 3, true) {
+            assert!(diff.is_exact(), "resumed as it stopped: {diff:?}");
+        } else {
+            assert!(diff.max_abs < 1e-6, "{ranks} ranks, zero {zero}: {diff:?}");
+        }
+    }
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        match entry.file_type().unwrap().is_dir() {
+            true => copy_dir(&entry.path(), &target),
+            false => drop(std::fs::copy(entry.path(), target).unwrap()),
+        }
+    }
+}

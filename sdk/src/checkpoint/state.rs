@@ -268,7 +268,7 @@ impl Checkpointer {
         Self::agree(made, rank, "preparing", &tmp)?;
 
         // Every rank writes its own files; rank 0 the replicated ones too.
-        let written = (|| {
+        let mut write = || {
             let rng = generators(vs.device())
                 .into_iter()
                 .map(|(name, index)| Ok((name, rng_state(index)?)))
@@ -319,7 +319,13 @@ impl Checkpointer {
                 write_synced(&tmp.join(STATE), &json)?;
             }
             Ok(())
-        })();
+        };
+        // Parameters that ZeRO stage 3 freed are gathered for the model's file, on
+        // every rank.
+        let written = match init::current() {
+            Some(ctx) => ctx.units().with_full_parameters(false, write),
+            None => write(),
+        };
         Self::agree(written, rank, "writing", &tmp)?;
 
         // All files are durable: mark complete, move into place, prune.
@@ -543,15 +549,22 @@ impl Checkpointer {
                 continue;
             }
             let loaded = loaded.expect("checked above");
-            tch::no_grad(|| -> Result<()> {
-                let mut vars = vs.variables();
-                for (name, value) in &loaded.model {
-                    if let Some(var) = vars.get_mut(name) {
-                        var.f_copy_(&value.to_device(var.device()))?;
+            let copy = || {
+                tch::no_grad(|| -> Result<()> {
+                    let mut vars = vs.variables();
+                    for (name, value) in &loaded.model {
+                        if let Some(var) = vars.get_mut(name) {
+                            var.f_copy_(&value.to_device(var.device()))?;
+                        }
                     }
-                }
-                Ok(())
-            })?;
+                    Ok(())
+                })
+            };
+            // Sharded parameters (ZeRO stages 2 and 3) take the values into their shards.
+            match init::current() {
+                Some(ctx) => ctx.units().with_full_parameters(true, copy)?,
+                None => copy()?,
+            }
             let restored = match &loaded.optimizer {
                 OptimizerFile::State(shards) => {
                     let shards: Vec<&[u8]> = shards.iter().map(Vec::as_slice).collect();

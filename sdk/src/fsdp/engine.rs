@@ -200,6 +200,44 @@ impl Sharding {
             .collect()
     }
 
+    /// This rank and the world size the shards are cut for.
+    pub fn rank_and_world_size(&self) -> (usize, usize) {
+        (self.inner.group.rank(), self.inner.group.world_size())
+    }
+
+    /// Parameter `i`'s shaped chunk `t` (a state tensor of it) without its padding:
+    /// this rank's rows only (none for a rank past the end).
+    pub fn unpadded(&self, i: usize, t: &Tensor) -> Tensor {
+        let (u, j) = self.inner.unit_of[i];
+        let (_, rows) = self.inner.unit(u).pieces[j].rows_of(self.inner.group.rank());
+        t.narrow(0, 0, rows)
+    }
+
+    /// This rank's chunk of `full` (a tensor of parameter `i`'s shape), padded with
+    /// zeros to the chunk's rows.
+    pub fn chunk(&self, i: usize, full: &Tensor) -> Tensor {
+        let (u, j) = self.inner.unit_of[i];
+        let piece = self.inner.unit(u).pieces[j].clone();
+        let (first, rows) = piece.rows_of(self.inner.group.rank());
+        let chunk = full
+            .zeros_like()
+            .reshape([-1])
+            .narrow(0, 0, piece.chunk_len())
+            .reshape(piece.chunk_shape().as_slice());
+        if rows > 0 {
+            let mine = full
+                .reshape([piece.rows, piece.row_len])
+                .narrow(0, first, rows);
+            tch::no_grad(|| {
+                chunk
+                    .reshape([piece.chunk_rows, piece.row_len])
+                    .narrow(0, 0, rows)
+                    .copy_(&mine)
+            });
+        }
+        chunk
+    }
+
     /// Whether the next backward pass reduce-scatters the gradients (the last
     /// micro-batch of an accumulation cycle) or keeps them (the others).
     pub fn set_sync(&self, sync: bool) {
@@ -395,6 +433,22 @@ impl Inner {
             }
         }
         Ok(gathered)
+    }
+
+    /// Runs `f` with every unit gathered, then frees those that were free; with
+    /// `loaded`, cuts the shards again from what `f` wrote.
+    pub fn with_full_parameters<R>(
+        &self,
+        loaded: bool,
+        f: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        let gathered = self.gather_all()?;
+        let r = f();
+        if loaded && r.is_ok() {
+            self.recut()?;
+        }
+        self.release(&gathered)?;
+        r
     }
 
     /// Frees `units` again (those [`gather_all`](Self::gather_all) gathered).

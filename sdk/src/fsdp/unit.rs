@@ -66,18 +66,20 @@ impl Units {
             .iter()
             .filter_map(Weak::upgrade)
             .collect();
-        let mut gathered = Vec::new();
-        for engine in &engines {
-            gathered.push(engine.gather_all()?);
-        }
-        let r = f();
-        for (engine, units) in engines.iter().zip(gathered) {
-            if loaded && r.is_ok() {
-                engine.recut()?;
+        // Each engine's gather around the next: the innermost runs `f`.
+        fn nested<R>(
+            engines: &[Arc<Inner>],
+            loaded: bool,
+            f: impl FnOnce() -> crate::Result<R>,
+        ) -> crate::Result<R> {
+            match engines.split_first() {
+                None => f(),
+                Some((first, rest)) => {
+                    first.with_full_parameters(loaded, || nested(rest, loaded, f))
+                }
             }
-            engine.release(&units)?;
         }
-        r
+        nested(&engines, loaded, f)
     }
 }
 

@@ -752,13 +752,6 @@ impl Optimizer {
     /// Errors with [`Error::Checkpoint`] when the tensors cannot be serialized.
     pub fn state(&mut self) -> Result<Vec<u8>> {
         self.add_missing_variables()?;
-        if let Some(stage) = self.zero_stage().filter(|s| *s > 1) {
-            return Err(Error::Usage(format!(
-                "the state of a ZeRO stage {stage} optimizer is sharded on dim 0 and \
-                 its checkpoints are not written yet: save the model (VarStore) instead, \
-                 or train with zero = 1"
-            )));
-        }
         state::to_safetensors(self)
     }
 

@@ -17,6 +17,9 @@ use crate::ffi;
 /// The metadata keys: `torch.optim`'s `param_groups`, and the class they belong to.
 const PARAM_GROUPS: &str = "param_groups";
 const OPTIMIZER: &str = "optimizer";
+/// In a file of ZeRO stage 2 or 3, which dim-0 chunk of every state tensor it holds:
+/// `{"rank": r, "world_size": n}` (the rows `torch.chunk` gives rank r of n).
+const DIM0_SHARD: &str = "dim0_shard";
 
 /// `torch.optim`'s numbering of the optimizer's parameters: for each group, its
 /// parameters' places in the optimizer (the store's order).
@@ -207,7 +210,12 @@ pub(super) fn to_safetensors(opt: &Optimizer) -> Result<Vec<u8>> {
         let Some(state) = &opt.state[i] else { continue };
         for (name, t) in names.iter().zip(&state.tensors) {
             if let Some(t) = t {
-                owned.push(Owned::new(format!("state.{j}.{name}"), t)?);
+                // A shard's own rows, without its padding.
+                let t = match &opt.sharding {
+                    Some(sharding) => sharding.unpadded(i, t),
+                    None => t.shallow_clone(),
+                };
+                owned.push(Owned::new(format!("state.{j}.{name}"), &t)?);
             }
         }
         if algorithm.has_step() {
@@ -228,10 +236,15 @@ pub(super) fn to_safetensors(opt: &Optimizer) -> Result<Vec<u8>> {
             group_json(group, &numbers, &member_names, opt.implementation)
         })
         .collect();
-    let metadata = HashMap::from([
+    let mut metadata = HashMap::from([
         (PARAM_GROUPS.to_string(), Value::Array(groups).to_string()),
         (OPTIMIZER.to_string(), algorithm.torch_name().to_string()),
     ]);
+    if let Some(sharding) = &opt.sharding {
+        let (rank, world_size) = sharding.rank_and_world_size();
+        let shard = json!({ "rank": rank, "world_size": world_size });
+        metadata.insert(DIM0_SHARD.to_string(), shard.to_string());
+    }
     if owned.is_empty() {
         // safetensors 0.3 writes `{},"__metadata__":…}` for no tensors, which it then
         // cannot read: the header alone, as the format lays it out (its length as a
@@ -255,25 +268,82 @@ pub(super) fn to_safetensors(opt: &Optimizer) -> Result<Vec<u8>> {
 }
 
 /// See [`Optimizer::load_state_shards`]: the shards' groups must agree; the last
-/// shard's options win.
+/// shard's options win. A parameter's state is the one file's that holds it (ZeRO
+/// stage 1's shards, or an unsharded state), or the dim-0 chunks of every file of a
+/// stage 2 or 3 run put together in rank order. A sharded optimizer then keeps its
+/// own chunk of it.
 pub(super) fn from_safetensors(opt: &mut Optimizer, shards: &[&[u8]]) -> Result<()> {
-    let mut state: Vec<Option<ParamState>> = (0..opt.params.len()).map(|_| None).collect();
+    let bad = |why: String| checkpoint(None, format!("optimizer state: {why}"));
+    let n = opt.params.len();
+    // Per parameter: its state tensors' pieces (with their dim-0 rank, if chunks) and
+    // its step.
+    let mut pieces: Vec<[Vec<(usize, Tensor)>; 3]> = (0..n).map(|_| Default::default()).collect();
+    let mut steps: Vec<Option<u64>> = vec![None; n];
     let mut groups = opt.groups.clone();
     for bytes in shards {
-        groups = read_shard(opt, bytes, &mut state)?;
+        let (read_groups, chunk_rank, items) = read_shard(opt, bytes)?;
+        for (i, slot, t) in items {
+            match slot {
+                // An unsharded file holds a parameter's whole state: one piece.
+                Some(k) => pieces[i][k].push((chunk_rank.unwrap_or(0), t)),
+                None => steps[i] = Some(t.double_value(&[]) as u64),
+            }
+        }
+        groups = read_groups;
+    }
+    let mut state: Vec<Option<ParamState>> = (0..n).map(|_| None).collect();
+    for (i, slots) in pieces.into_iter().enumerate() {
+        let p = &opt.params[i];
+        let mut tensors: [Option<Tensor>; 3] = [None, None, None];
+        for (k, mut slot) in slots.into_iter().enumerate() {
+            if slot.is_empty() {
+                continue;
+            }
+            slot.sort_by_key(|(rank, _)| *rank);
+            let parts: Vec<Tensor> = slot.into_iter().map(|(_, t)| t).collect();
+            let whole = match parts.len() {
+                1 => parts.into_iter().next().expect("one part"),
+                _ => Tensor::cat(&parts, 0),
+            };
+            let full = match whole.numel() == p.numel() && whole.size() != p.size() {
+                // Chunks of a scalar, or of any shape, put together.
+                true => whole.reshape(p.size().as_slice()),
+                false => whole,
+            };
+            if full.size() != p.size() {
+                return Err(bad(format!(
+                    "the state of parameter {i} has shape {:?}, the parameter {:?}: load it \
+                     into an optimizer over the same model",
+                    full.size(),
+                    p.size()
+                )));
+            }
+            let full = full.to_device(p.device());
+            tensors[k] = Some(match &opt.sharding {
+                Some(sharding) => sharding.chunk(i, &full),
+                None => full,
+            });
+        }
+        if tensors.iter().any(Option::is_some) || steps[i].is_some() {
+            state[i] = Some(ParamState {
+                step: steps[i].unwrap_or(0),
+                tensors,
+                step_tensor: None,
+            });
+        }
     }
     opt.groups = groups;
     opt.state = state;
     Ok(())
 }
 
-/// Reads one shard's tensors into `state` (leaving what it does not hold); returns
-/// the groups' options it gives.
-fn read_shard(
-    opt: &Optimizer,
-    bytes: &[u8],
-    state: &mut [Option<ParamState>],
-) -> Result<Vec<Group>> {
+/// One file's tensors: `(i, Some(k), t)` for parameter `i`'s state slot `k`, `(i,
+/// None, step)` for its step.
+type Items = Vec<(usize, Option<usize>, Tensor)>;
+
+/// Reads one file: the groups' options it gives, the rank whose dim-0 chunks it holds
+/// (ZeRO stage 2 or 3), if it does, and its tensors.
+fn read_shard(opt: &Optimizer, bytes: &[u8]) -> Result<(Vec<Group>, Option<usize>, Items)> {
     let bad = |why: String| checkpoint(None, format!("optimizer state: {why}"));
     let unreadable =
         |e: safetensors::SafeTensorError| checkpoint_from(None, format!("optimizer state: {e}"), e);
@@ -295,6 +365,11 @@ fn read_shard(
             ))
         }
     }
+    let chunk_rank = metadata
+        .get(DIM0_SHARD)
+        .and_then(|s| serde_json::from_str::<Value>(s).ok())
+        .and_then(|s| s.get("rank").and_then(Value::as_u64))
+        .map(|r| r as usize);
     let saved_groups: Vec<Value> = metadata
         .get(PARAM_GROUPS)
         .and_then(|g| serde_json::from_str(g).ok())
@@ -322,43 +397,18 @@ fn read_shard(
         .map(|(g, saved)| group_from_json(g, saved))
         .collect::<Result<Vec<_>>>()?;
     let names = opt.defaults.algorithm.state_names();
+    let mut items = Vec::new();
     for (j, &i) in order.iter().flatten().enumerate() {
-        let p = &opt.params[i];
-        let mut found = false;
-        let mut tensors: [Option<Tensor>; 3] = [None, None, None];
         for (k, name) in names.iter().enumerate() {
-            let key = format!("state.{j}.{name}");
-            let Ok(view) = file.tensor(&key) else {
-                continue;
-            };
-            let t = Tensor::try_from(view)?;
-            if t.size() != p.size() {
-                return Err(bad(format!(
-                    "`{key}` has shape {:?}, parameter {j} {:?}: load it into an \
-                     optimizer over the same model",
-                    t.size(),
-                    p.size()
-                )));
+            if let Ok(view) = file.tensor(&format!("state.{j}.{name}")) {
+                items.push((i, Some(k), Tensor::try_from(view)?));
             }
-            tensors[k] = Some(t.to_device(p.device()));
-            found = true;
         }
-        let step = match file.tensor(&format!("state.{j}.step")) {
-            Ok(view) => {
-                found = true;
-                Tensor::try_from(view)?.double_value(&[]) as u64
-            }
-            Err(_) => 0,
-        };
-        if found {
-            state[i] = Some(ParamState {
-                step,
-                tensors,
-                step_tensor: None,
-            });
+        if let Ok(view) = file.tensor(&format!("state.{j}.step")) {
+            items.push((i, None, Tensor::try_from(view)?));
         }
     }
-    Ok(groups)
+    Ok((groups, chunk_rank, items))
 }
 
 /// See [`Optimizer::load_libtorch_archive`].

@@ -4,7 +4,9 @@
 //! `[r·24/N, (r+1)·24/N)`), so that the averaged gradient is the whole batch's.
 //! Run with `TCH_DISTRIBUTED_ZERO=2|3` to shard it; with `UNITS=1`, l2 and l3 are
 //! units of their own (`fully_shard`) and l1 is the root's; with `CLIP=x` the steps
-//! clip the gradients' global norm to x.
+//! clip the gradients' global norm to x; with `CKPT=path` it resumes from the newest
+//! checkpoint there, saves one after step `SAVE_AT`, and with `STOP_AT` = `SAVE_AT`
+//! stops there.
 //!
 //! Writes the parameters to DIR/OUT (rank 0), each rank's optimizer-state bytes to
 //! DIR/OUT.state-bytes-RANK and the names of the variables that hold no memory after
@@ -13,6 +15,7 @@
 //! Usage: sharding_worker DIR OUT
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
+use tch_distributed::{Checkpointer, TrainState};
 
 #[tch_distributed::distributed]
 fn train(dir: &str, out: &str) -> anyhow::Result<()> {
@@ -27,7 +30,7 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
         ys.narrow(0, rank as i64 * share, share),
     );
 
-    let vs = nn::VarStore::new(Device::Cpu);
+    let mut vs = nn::VarStore::new(Device::Cpu);
     let root = vs.root();
     let l1 = nn::linear(&root / "l1", 6, 13, Default::default());
     let l2 = nn::linear(&root / "l2", 13, 7, Default::default());
@@ -50,13 +53,35 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
     }
     .build(&vs, 0.01)?;
     let clip: Option<f64> = env("CLIP").and_then(|c| c.parse().ok());
-    for _ in 0..10 {
+    let number = |k: &str| env(k).and_then(|v| v.parse::<u64>().ok());
+    let checkpoints = env("CKPT").map(Checkpointer::new);
+    let mut start = 0;
+    if let Some(c) = &checkpoints {
+        start = c.load_state(&mut vs, &mut opt)?.map_or(0, |s| s.step);
+        println!("resumed at step {start}");
+    }
+    for step in start + 1..=10 {
         let loss = l3
             .forward(&l2.forward(&l1.forward(&x).tanh()).tanh())
             .mse_loss(&y, tch::Reduction::Mean);
         match clip {
             Some(max) => opt.backward_step_clip_norm(&loss, max),
             None => opt.backward_step(&loss),
+        }
+        if let (Some(c), Some(save_at)) = (&checkpoints, number("SAVE_AT")) {
+            if step == save_at {
+                c.save_state(
+                    &vs,
+                    &mut opt,
+                    &TrainState {
+                        step,
+                        ..Default::default()
+                    },
+                )?;
+                if number("STOP_AT") == Some(step) {
+                    return Ok(());
+                }
+            }
         }
     }
     // The variables that hold no memory after the steps (a stage-3 unit's, freed).
