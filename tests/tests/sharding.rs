@@ -146,6 +146,44 @@ fn a_sharded_checkpoint_resumes_bit_for_bit_and_on_other_world_sizes() {
     }
 }
 
+/// Against PyTorch's FSDP2 (`fully_shard` over Gloo on the CPU, the same libtorch):
+/// the same model, data, units and Adam end within 1e-6.
+#[test]
+fn stage_3_ends_where_pytorch_fsdp2_ends() {
+    let dir = scratch_dir("sharding-fsdp2");
+    run(
+        &dir,
+        2,
+        3,
+        "ours.safetensors",
+        &[("UNITS", "1"), ("INIT_OUT", "1")],
+    );
+    let init = dir.join("ours.safetensors.init.safetensors");
+    let theirs = dir.join("fsdp2.safetensors");
+    // A file of its own: torch.multiprocessing's spawned ranks import the script.
+    let script = dir.join("fsdp2_reference.py");
+    std::fs::write(&script, include_str!("support/fsdp2_reference.py")).unwrap();
+    let run_file =
+        "import subprocess, sys; sys.exit(subprocess.call([sys.executable] + sys.argv[1:]))";
+    let args = [
+        script.to_str().unwrap(),
+        init.to_str().unwrap(),
+        theirs.to_str().unwrap(),
+        "2",
+    ];
+    if tch_distributed_tests::run_python(run_file, &args, "").is_none() {
+        return;
+    }
+    let diff = compare(&theirs, &dir.join("ours.safetensors"));
+    eprintln!("against FSDP2: {diff:?}");
+    assert!(diff.max_abs < 1e-6, "{diff:?}");
+    use tch_distributed_tests::compare::{named, read};
+    let mut initial = read(&init);
+    initial.retain(|(name, _)| name != "x" && name != "y");
+    let moved = named(&read(&theirs), &initial);
+    assert!(moved.max_abs > 1e-3, "trained: {moved:?}");
+}
+
 fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for entry in std::fs::read_dir(from).unwrap() {

@@ -6,7 +6,8 @@
 //! units of their own (`fully_shard`) and l1 is the root's; with `CLIP=x` the steps
 //! clip the gradients' global norm to x; with `CKPT=path` it resumes from the newest
 //! checkpoint there, saves one after step `SAVE_AT`, and with `STOP_AT` = `SAVE_AT`
-//! stops there.
+//! stops there; with `INIT_OUT=1` rank 0 writes the data and the initial parameters
+//! to DIR/OUT.init.safetensors.
 //!
 //! Writes the parameters to DIR/OUT (rank 0), each rank's optimizer-state bytes to
 //! DIR/OUT.state-bytes-RANK and the names of the variables that hold no memory after
@@ -47,6 +48,13 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
             tch_distributed::fully_shard(l3, &(&root / "unclaimed" / "l3")),
         ),
     };
+    // The data and the initial parameters, for PyTorch's reference.
+    if rank == 0 && env("INIT_OUT").is_some() {
+        let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        named.push(("x".into(), xs.shallow_clone()));
+        named.push(("y".into(), ys.shallow_clone()));
+        Tensor::write_safetensors(&named, format!("{dir}/{out}.init.safetensors"))?;
+    }
     let mut opt = nn::Adam {
         wd: 1e-2,
         ..Default::default()

@@ -1,0 +1,64 @@
+# PyTorch FSDP2's reference for tests/tests/sharding.rs: the sharding worker's model
+# (l1: 6 -> 13, tanh, l2: 13 -> 7, tanh, l3: 7 -> 3), `fully_shard` on l2, l3 and the
+# whole model, Adam (lr 0.01, weight decay 1e-2, torch.optim's default kernels) for 10
+# steps, each of WORLD ranks (Gloo, on the CPU) on its share of the 24 samples.
+#
+# Usage: python fsdp2_reference.py INIT OUT WORLD
+#   INIT: safetensors with x, y and the initial l1/l2/l3 weights and biases;
+#   OUT: the final parameters (full tensors), written by rank 0.
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(6, 13)
+        self.l2 = torch.nn.Linear(13, 7)
+        self.l3 = torch.nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x)))))
+
+
+def worker(rank, world, port, init, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    data = load_file(init)
+    net = Net()
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            p.copy_(data[name])
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(net.l2, mesh=mesh)
+    fully_shard(net.l3, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    opt = torch.optim.Adam(net.parameters(), lr=0.01, weight_decay=1e-2)
+    share = 24 // world
+    x = data["x"][rank * share:(rank + 1) * share]
+    y = data["y"][rank * share:(rank + 1) * share]
+    for _ in range(10):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+    full = {k: v.full_tensor().contiguous() for k, v in net.state_dict().items()}
+    if rank == 0:
+        save_file(full, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    init, out, world = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(world, port, init, out), nprocs=world)
