@@ -9,6 +9,7 @@
 #   scripts/bench.sh agree [STEPS] [ROUNDS] what a sharded loop's agreed exit and agreed end
 #                                          cost a step: 2 ranks over Gloo
 #   scripts/bench.sh zero                  ZeRO stage 1's memory: Adam on 52.5 M parameters, 1/2/4 ranks
+#   scripts/bench.sh sharding              ZeRO 1/2/3 against DDP and PyTorch FSDP2: memory, step time
 #   scripts/bench.sh multi-node [STEPS]    shakespeare's tokens/s, 1 host × 2 ranks against 2 hosts ×
 #                                          1 rank (network namespaces; root and `ip`)
 #
@@ -31,6 +32,12 @@ case "$bench" in
     cargo build --release --quiet -p tch-distributed-bench --bins
     PYTHON="${BENCH_PYTHON:-${VIRTUAL_ENV:+$VIRTUAL_ENV/bin/python}}"
     exec "$TARGET/release/suite" --python "${PYTHON:-python3}" --data "$DATA" "$@"
+    ;;
+  sharding)
+    cargo build --release --quiet -p tch-distributed --bin tchrun
+    cargo build --release --quiet -p tch-distributed-bench --bin sharding
+    PYTHON="${BENCH_PYTHON:-${VIRTUAL_ENV:+$VIRTUAL_ENV/bin/python}}"
+    exec "$TARGET/release/sharding" --python "${PYTHON:-python3}" "$@"
     ;;
   zero)
     cargo build --release --quiet -p tch-distributed --bin tchrun

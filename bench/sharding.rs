@@ -1,0 +1,159 @@
+//! Fully sharded training's memory and speed: Adam on 16 × Linear(1024, 1024) with
+//! ReLU (16.8 M parameters, every layer a unit of `fully_shard`), batch 8 per rank, on
+//! 2 and 4 CPU ranks over Gloo: DDP and ZeRO stages 1, 2 and 3 here, DDP and FSDP2
+//! (`fully_shard`) in PyTorch on the same libtorch. For each: the peak resident memory
+//! a rank adds while it builds and trains the model (`VmHWM` after the steps less
+//! `VmRSS` before the model is made; the largest over the ranks), its ratio to DDP's
+//! on the same side, and the mean step time of 5 steps after one warm-up step.
+//! Every side runs with glibc's mmap threshold fixed (`MALLOC_MMAP_THRESHOLD_=65536`)
+//! so that freed tensors leave the resident set.
+//!
+//! ```text
+//! scripts/bench.sh sharding [--python PYTHON]   # every configuration; prints a table
+//! ```
+//!
+//! Run with `--worker` (under a launcher, `TCH_DISTRIBUTED_ZERO` set or not), it is one
+//! configuration: each rank writes `SHARDING {json}` to stderr.
+
+use std::process::Command;
+use std::time::Instant;
+
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+
+const LAYERS: i64 = 16;
+const WIDTH: i64 = 1024;
+const BATCH: i64 = 8;
+
+/// A line of `/proc/self/status`, in bytes: `VmHWM` (the peak resident memory) or
+/// `VmRSS` (the resident memory now).
+fn status_bytes(key: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(key))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib * 1024)
+}
+
+#[tch_distributed::distributed]
+fn worker() -> anyhow::Result<()> {
+    let baseline = status_bytes("VmRSS:");
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let root = vs.root();
+    let layers: Vec<_> = (0..LAYERS)
+        .map(|i| {
+            let path = &root / format!("l{i}");
+            tch_distributed::fully_shard(nn::linear(&path, WIDTH, WIDTH, Default::default()), &path)
+        })
+        .collect();
+    let mut opt = nn::Adam::default().build(&vs, 1e-4)?;
+    let x = Tensor::randn([BATCH, WIDTH], (Kind::Float, Device::Cpu));
+    let mut step = || {
+        let y = layers.iter().fold(x.shallow_clone(), |h, layer| layer.forward(&h).relu());
+        opt.backward_step(&y.square().mean(Kind::Float));
+    };
+    step();
+    let ctx = tch_distributed::current().expect("inside the function");
+    ctx.barrier()?;
+    let start = Instant::now();
+    for _ in 0..5 {
+        step();
+    }
+    let step_ms = start.elapsed().as_secs_f64() / 5.0 * 1e3;
+    let zero = std::env::var("TCH_DISTRIBUTED_ZERO").unwrap_or_default();
+    let side = match zero.as_str() {
+        "" | "0" => "ddp".to_string(),
+        stage => format!("zero{stage}"),
+    };
+    let line = format!(
+        "SHARDING {}\n",
+        serde_json::json!({
+            "rank": ctx.rank(), "world_size": ctx.world_size(), "side": side,
+            "baseline_rss": baseline, "peak_rss": status_bytes("VmHWM:"), "step_ms": step_ms,
+        })
+    );
+    // Every rank's line (println! prints on rank 0 only).
+    std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes())?;
+    Ok(())
+}
+
+/// The ranks' rows of one configuration's run: the added peak (the largest over the
+/// ranks, bytes) and the step time (the slowest rank, ms).
+fn measure(mut cmd: Command, what: &str) -> anyhow::Result<(f64, f64, Vec<serde_json::Value>)> {
+    let out = cmd
+        .env("OMP_NUM_THREADS", "1")
+        .env("MALLOC_MMAP_THRESHOLD_", "65536")
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    anyhow::ensure!(out.status.success(), "{what}:\n{stderr}");
+    let rows: Vec<serde_json::Value> = stderr
+        .lines()
+        .filter_map(|l| l.strip_prefix("SHARDING "))
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let added = rows
+        .iter()
+        .map(|r| r["peak_rss"].as_f64().unwrap_or(0.0) - r["baseline_rss"].as_f64().unwrap_or(0.0))
+        .fold(0.0, f64::max);
+    let step = rows.iter().filter_map(|r| r["step_ms"].as_f64()).fold(0.0, f64::max);
+    Ok((added, step, rows))
+}
+
+fn main() -> anyhow::Result<()> {
+    tch::set_num_threads(1);
+    let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--worker") {
+        return worker();
+    }
+    let python = args
+        .iter()
+        .position(|a| a == "--python")
+        .and_then(|i| args.get(i + 1).cloned());
+    let exe = std::env::current_exe()?;
+    let tchrun = exe.with_file_name("tchrun");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/fsdp_bench.py");
+    println!("| ranks | side | added peak per rank (MB) | of DDP's | step (ms) |");
+    println!("|---|---|---|---|---|");
+    for ranks in [2, 4] {
+        let mut ddp = 0.0;
+        for zero in ["0", "1", "2", "3"] {
+            if ranks == 4 && (zero == "1" || zero == "2") {
+                continue;
+            }
+            let mut cmd = Command::new(&tchrun);
+            cmd.args(["--nproc-per-node", &ranks.to_string()])
+                .arg(&exe)
+                .arg("--worker")
+                .env("TCH_DISTRIBUTED_ZERO", zero);
+            let (added, step, rows) = measure(cmd, &format!("{ranks} ranks, zero {zero}"))?;
+            if zero == "0" {
+                ddp = added;
+            }
+            let side = if zero == "0" { "DDP".to_string() } else { format!("ZeRO-{zero}") };
+            println!("| {ranks} | {side} | {:.0} | {:.2} | {step:.1} |", added / 1e6, added / ddp);
+            for row in rows {
+                eprintln!("BENCH {row}");
+            }
+        }
+        let Some(python) = &python else { continue };
+        let mut ddp = 0.0;
+        for mode in ["ddp", "fsdp2"] {
+            let mut cmd = Command::new(python);
+            cmd.args([script, &ranks.to_string(), mode]);
+            let (added, step, rows) = measure(cmd, &format!("PyTorch {mode}, {ranks} ranks"))?;
+            if mode == "ddp" {
+                ddp = added;
+            }
+            let side = if mode == "ddp" { "PyTorch DDP" } else { "PyTorch FSDP2" };
+            println!("| {ranks} | {side} | {:.0} | {:.2} | {step:.1} |", added / 1e6, added / ddp);
+            for row in rows {
+                eprintln!("BENCH {row}");
+            }
+        }
+    }
+    Ok(())
+}
