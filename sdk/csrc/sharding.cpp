@@ -55,8 +55,8 @@ int tdc_storage_free(tdc_tensor t) {
   })
 }
 
-int tdc_storage_fill(tdc_tensor t, tdc_tensor src) {
-  TDC_PROTECT(1, {
+tdc_tensor tdc_storage_alias(tdc_tensor t) {
+  TDC_PROTECT(nullptr, {
     auto& param = tensor(t);
     auto* storage = param.storage().unsafeGetStorageImpl();
     size_t nbytes = (param.storage_offset() + param.numel()) * param.element_size();
@@ -67,11 +67,9 @@ int tdc_storage_fill(tdc_tensor t, tdc_tensor src) {
     // A tensor of its own over the same storage: writing through it leaves the
     // parameter's version counter alone, so the tensors autograd saved from it in the
     // forward pass stay valid for the backward pass.
-    at::NoGradGuard no_grad;
     at::Tensor alias = at::empty({0}, param.options());
     alias.set_(param.storage(), param.storage_offset(), param.sizes(), param.strides());
-    alias.copy_(tensor(src));
-    return 0;
+    return new at::Tensor(std::move(alias));
   })
 }
 

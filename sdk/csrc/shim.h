@@ -181,9 +181,10 @@ typedef void (*tdc_drop)(void* ctx);
 typedef struct tdc_grad_hooks tdc_grad_hooks;
 // Frees the memory of `t`'s storage (its sizes stay: FSDP2's resharding).
 int tdc_storage_free(tdc_tensor t);
-// Allocates `t`'s storage again if it was freed, and copies `src` into it without
-// counting a write to `t` (autograd's saved tensors of `t` stay valid).
-int tdc_storage_fill(tdc_tensor t, tdc_tensor src);
+// Allocates `t`'s storage again if it was freed, and returns a new tensor over it
+// (same sizes) whose writes do not count as writes to `t` (autograd's saved tensors of
+// `t` stay valid); NULL on failure.
+tdc_tensor tdc_storage_alias(tdc_tensor t);
 // The bytes `t`'s storage holds now.
 int tdc_storage_bytes(tdc_tensor t, size_t* out);
 // Sets `t`'s `.grad` to `grad` (NULL: none).

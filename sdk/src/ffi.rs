@@ -239,7 +239,7 @@ extern "C" {
     pub fn tdc_cuda_capability(device: c_int, major: *mut c_int, minor: *mut c_int) -> c_int;
 
     pub fn tdc_storage_free(t: Tensor) -> c_int;
-    pub fn tdc_storage_fill(t: Tensor, src: Tensor) -> c_int;
+    pub fn tdc_storage_alias(t: Tensor) -> Tensor;
     pub fn tdc_storage_bytes(t: Tensor, out: *mut usize) -> c_int;
     pub fn tdc_set_grad(t: Tensor, grad: Tensor) -> c_int;
     pub fn tdc_hook_gradient(

@@ -484,16 +484,19 @@ impl Inner {
             .map(|r| buffer.narrow(0, r as i64 * len, len))
             .collect();
         self.group.all_gather_into(&chunks, &unit.shard)?;
-        for (&i, piece) in unit.members.iter().zip(&unit.pieces) {
-            let parts: Vec<Tensor> = (0..world)
-                .filter_map(|r| {
-                    let (_, rows) = piece.rows_of(r);
-                    (rows > 0).then(|| chunks[r].narrow(0, piece.offset, rows * piece.row_len))
-                })
-                .collect();
-            let full = Tensor::cat(&parts, 0).view(self.params[i].size().as_slice());
-            hooks::fill_storage(&self.params[i], &full)?;
-        }
+        tch::no_grad(|| -> Result<()> {
+            for (&i, piece) in unit.members.iter().zip(&unit.pieces) {
+                let full = hooks::storage_alias(&self.params[i])?.reshape([piece.rows, piece.row_len]);
+                for (r, chunk) in chunks.iter().enumerate() {
+                    let (first, rows) = piece.rows_of(r);
+                    if rows > 0 {
+                        let part = chunk.narrow(0, piece.offset, rows * piece.row_len);
+                        full.narrow(0, first, rows).copy_(&part.view([rows, piece.row_len]));
+                    }
+                }
+            }
+            Ok(())
+        })?;
         unit.gathered = true;
         Ok(())
     }
@@ -535,7 +538,7 @@ impl Inner {
     fn reduce(&self, unit: &mut Unit) -> Result<()> {
         let world = self.group.world_size();
         let len = unit.grad.numel() as i64;
-        let buffer = unit.grad.zeros_like().repeat([world as i64]);
+        let buffer = Tensor::zeros([world as i64 * len], (unit.grad.kind(), unit.grad.device()));
         tch::no_grad(|| {
             for (&i, piece) in unit.members.iter().zip(&unit.pieces) {
                 let g = self.params[i].grad();

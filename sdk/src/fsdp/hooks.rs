@@ -19,12 +19,14 @@ pub(crate) fn free_storage(t: &Tensor) -> Result<()> {
     })
 }
 
-/// Gives `t` memory again if it was freed and copies `src` into it, without counting a
-/// write to `t`: autograd's saved tensors of `t` see the values in backward.
-pub(crate) fn fill_storage(t: &Tensor, src: &Tensor) -> Result<()> {
-    torch("filling a parameter", unsafe {
-        ffi::tdc_storage_fill(ffi::tensor(t), ffi::tensor(src))
-    })
+/// Gives `t` memory again if it was freed, and returns a tensor over that memory whose
+/// writes do not count as writes to `t`: autograd's saved tensors of `t` see the
+/// values written through it in backward.
+pub(crate) fn storage_alias(t: &Tensor) -> Result<Tensor> {
+    let raw = unsafe { ffi::tdc_storage_alias(ffi::tensor(t)) };
+    ffi::check_ptr(raw)
+        .map(|p| unsafe { Tensor::from_ptr(p as *mut torch_sys::C_tensor) })
+        .map_err(|e| Error::Torch(format!("gathering a parameter: {e}")))
 }
 
 /// The bytes `t`'s storage holds now (0 once freed).
