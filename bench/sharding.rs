@@ -6,7 +6,8 @@
 //! `VmRSS` before the model is made; the largest over the ranks), its ratio to DDP's
 //! on the same side, and the mean step time of 5 steps after one warm-up step.
 //! Every side runs with glibc's mmap threshold fixed (`MALLOC_MMAP_THRESHOLD_=65536`)
-//! so that freed tensors leave the resident set.
+//! so that freed tensors leave the resident set, but for the last two rows: glibc's
+//! own settings, under which the SDK fixes the threshold itself when it shards.
 //!
 //! ```text
 //! scripts/bench.sh sharding [--python PYTHON]   # every configuration; prints a table
@@ -53,7 +54,9 @@ fn worker() -> anyhow::Result<()> {
     let mut opt = nn::Adam::default().build(&vs, 1e-4)?;
     let x = Tensor::randn([BATCH, WIDTH], (Kind::Float, Device::Cpu));
     let mut step = || {
-        let y = layers.iter().fold(x.shallow_clone(), |h, layer| layer.forward(&h).relu());
+        let y = layers
+            .iter()
+            .fold(x.shallow_clone(), |h, layer| layer.forward(&h).relu());
         opt.backward_step(&y.square().mean(Kind::Float));
     };
     step();
@@ -84,10 +87,7 @@ fn worker() -> anyhow::Result<()> {
 /// The ranks' rows of one configuration's run: the added peak (the largest over the
 /// ranks, bytes) and the step time (the slowest rank, ms).
 fn measure(mut cmd: Command, what: &str) -> anyhow::Result<(f64, f64, Vec<serde_json::Value>)> {
-    let out = cmd
-        .env("OMP_NUM_THREADS", "1")
-        .env("MALLOC_MMAP_THRESHOLD_", "65536")
-        .output()?;
+    let out = cmd.env("OMP_NUM_THREADS", "1").output()?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     anyhow::ensure!(out.status.success(), "{what}:\n{stderr}");
     let rows: Vec<serde_json::Value> = stderr
@@ -99,7 +99,10 @@ fn measure(mut cmd: Command, what: &str) -> anyhow::Result<(f64, f64, Vec<serde_
         .iter()
         .map(|r| r["peak_rss"].as_f64().unwrap_or(0.0) - r["baseline_rss"].as_f64().unwrap_or(0.0))
         .fold(0.0, f64::max);
-    let step = rows.iter().filter_map(|r| r["step_ms"].as_f64()).fold(0.0, f64::max);
+    let step = rows
+        .iter()
+        .filter_map(|r| r["step_ms"].as_f64())
+        .fold(0.0, f64::max);
     Ok((added, step, rows))
 }
 
@@ -118,38 +121,76 @@ fn main() -> anyhow::Result<()> {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/fsdp_bench.py");
     println!("| ranks | side | added peak per rank (MB) | of DDP's | step (ms) |");
     println!("|---|---|---|---|---|");
-    for ranks in [2, 4] {
-        let mut ddp = 0.0;
-        for zero in ["0", "1", "2", "3"] {
-            if ranks == 4 && (zero == "1" || zero == "2") {
-                continue;
-            }
+    // The last rows: glibc's own settings (no fixed mmap threshold), where the SDK
+    // fixes the threshold itself when it shards.
+    let configurations = [
+        (2, "0", true),
+        (2, "1", true),
+        (2, "2", true),
+        (2, "3", true),
+        (4, "0", true),
+        (4, "3", true),
+        (2, "0", false),
+        (2, "3", false),
+    ];
+    let mut ddp = 0.0;
+    for (i, (ranks, zero, fixed)) in configurations.into_iter().enumerate() {
+        {
             let mut cmd = Command::new(&tchrun);
             cmd.args(["--nproc-per-node", &ranks.to_string()])
                 .arg(&exe)
                 .arg("--worker")
                 .env("TCH_DISTRIBUTED_ZERO", zero);
+            if fixed {
+                cmd.env("MALLOC_MMAP_THRESHOLD_", "65536");
+            }
             let (added, step, rows) = measure(cmd, &format!("{ranks} ranks, zero {zero}"))?;
             if zero == "0" {
                 ddp = added;
             }
-            let side = if zero == "0" { "DDP".to_string() } else { format!("ZeRO-{zero}") };
-            println!("| {ranks} | {side} | {:.0} | {:.2} | {step:.1} |", added / 1e6, added / ddp);
+            let mut side = if zero == "0" {
+                "DDP".to_string()
+            } else {
+                format!("ZeRO-{zero}")
+            };
+            if !fixed {
+                side += " (glibc's defaults)";
+            }
+            println!(
+                "| {ranks} | {side} | {:.0} | {:.2} | {step:.1} |",
+                added / 1e6,
+                added / ddp
+            );
             for row in rows {
                 eprintln!("BENCH {row}");
             }
         }
-        let Some(python) = &python else { continue };
+        // PyTorch's rows after ours of the same world size.
+        let last_of_world = configurations
+            .get(i + 1)
+            .is_none_or(|c| c.0 != ranks || !c.2);
+        let Some(python) = python.as_ref().filter(|_| fixed && last_of_world) else {
+            continue;
+        };
         let mut ddp = 0.0;
         for mode in ["ddp", "fsdp2"] {
             let mut cmd = Command::new(python);
-            cmd.args([script, &ranks.to_string(), mode]);
+            cmd.args([script, &ranks.to_string(), mode])
+                .env("MALLOC_MMAP_THRESHOLD_", "65536");
             let (added, step, rows) = measure(cmd, &format!("PyTorch {mode}, {ranks} ranks"))?;
             if mode == "ddp" {
                 ddp = added;
             }
-            let side = if mode == "ddp" { "PyTorch DDP" } else { "PyTorch FSDP2" };
-            println!("| {ranks} | {side} | {:.0} | {:.2} | {step:.1} |", added / 1e6, added / ddp);
+            let side = if mode == "ddp" {
+                "PyTorch DDP"
+            } else {
+                "PyTorch FSDP2"
+            };
+            println!(
+                "| {ranks} | {side} | {:.0} | {:.2} | {step:.1} |",
+                added / 1e6,
+                added / ddp
+            );
             for row in rows {
                 eprintln!("BENCH {row}");
             }

@@ -91,6 +91,9 @@ impl Sharding {
     ) -> Result<Sharding> {
         group.verify_same_shapes(all)?;
         group.broadcast_coalesced(all, BROADCAST_BYTES, 0)?;
+        if params.iter().any(|(_, p)| p.device() == tch::Device::Cpu) {
+            return_freed_memory();
+        }
         let (names, params): (Vec<String>, Vec<Tensor>) = params.into_iter().unzip();
         for (name, p) in names.iter().zip(&params) {
             let whole = hooks::storage_bytes(p)? == p.numel() * p.kind().elt_size_in_bytes();
@@ -312,6 +315,18 @@ impl Sharding {
     }
 }
 
+/// Makes glibc give freed tensors' memory back to the system, so that what sharding
+/// frees leaves the resident set: a fixed mmap threshold of 64 KiB (glibc otherwise
+/// raises it up to 32 MiB as large blocks are freed, after which they are reused from
+/// its heap and stay resident). A threshold the user set (`MALLOC_MMAP_THRESHOLD_`)
+/// stays.
+fn return_freed_memory() {
+    if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none() {
+        // SAFETY: mallopt only sets an allocator parameter.
+        unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 10) };
+    }
+}
+
 impl Unit {
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -486,12 +501,14 @@ impl Inner {
         self.group.all_gather_into(&chunks, &unit.shard)?;
         tch::no_grad(|| -> Result<()> {
             for (&i, piece) in unit.members.iter().zip(&unit.pieces) {
-                let full = hooks::storage_alias(&self.params[i])?.reshape([piece.rows, piece.row_len]);
+                let full =
+                    hooks::storage_alias(&self.params[i])?.reshape([piece.rows, piece.row_len]);
                 for (r, chunk) in chunks.iter().enumerate() {
                     let (first, rows) = piece.rows_of(r);
                     if rows > 0 {
                         let part = chunk.narrow(0, piece.offset, rows * piece.row_len);
-                        full.narrow(0, first, rows).copy_(&part.view([rows, piece.row_len]));
+                        full.narrow(0, first, rows)
+                            .copy_(&part.view([rows, piece.row_len]));
                     }
                 }
             }
