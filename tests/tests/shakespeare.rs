@@ -281,3 +281,31 @@ fn a_mixed_precision_given_to_tchrun_changes_the_main_jobs_losses() {
         .unwrap_or_else(|| panic!("no loss scaler: {scaler}"));
     assert!(scale >= 1.0, "{scaler}");
 }
+
+/// The main job under `tchrun --zero 3` (or `TCH_DISTRIBUTED_ZERO=3`): parameters,
+/// gradients and Adam's state sharded over the ranks, the gradients' norm clipped over
+/// the shards; its losses are DDP's up to rounding, and its checkpoints hold one
+/// optimizer shard per rank.
+#[test]
+fn the_main_job_trains_under_zero_3_as_under_ddp() {
+    let (ddp, _ddp_dir) = main_job_losses("zero3-ddp", &[], &[]);
+    let (zero3, zero3_dir) = main_job_losses("zero3", &["--zero", "3"], &[]);
+    let (zero3_env, _env_dir) = main_job_losses("zero3-env", &[], &[("TCH_DISTRIBUTED_ZERO", "3")]);
+    for (step, (a, b)) in ddp.iter().zip(&zero3).enumerate() {
+        assert!(
+            (a - b).abs() < 1e-5 * a.abs(),
+            "step {}: {ddp:?} {zero3:?}",
+            step + 1
+        );
+    }
+    assert_eq!(
+        zero3, zero3_env,
+        "the flag and the variable are one setting"
+    );
+    for rank in 0..2 {
+        let shard = zero3_dir.join(format!(
+            "ckpt/step-0000000002/optimizer-rank-{rank}.safetensors"
+        ));
+        assert!(shard.exists(), "{}", shard.display());
+    }
+}
