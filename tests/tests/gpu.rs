@@ -594,3 +594,38 @@ fn resume_after_sigkill_on_cuda_is_bit_for_bit() {
         }
     }
 }
+
+/// ZeRO stage 3 with units on CUDA: parameters freed and gathered in the caching
+/// allocator's memory, gradients reduce-scattered from the accumulators' hooks. Two ranks
+/// sharing the GPU over Gloo end where DDP ends (within 1e-5: cuBLAS rounds as it
+/// likes); NCCL on one rank runs it as a world of one (nothing to shard).
+#[test]
+fn zero_3_on_the_gpu_trains_as_ddp() {
+    require_gpu();
+    let worker = binary("sharding_worker");
+    let dir = scratch_dir("gpu-sharding");
+    let d = dir.to_str().unwrap();
+    let run = |ranks: usize, backend: Backend, zero: &str, out: &str| {
+        let envs = [CUDA, ("TCH_DISTRIBUTED_ZERO", zero), ("UNITS", "1")];
+        let run = launch(ranks, backend, &worker, &[d, out], &envs, &dir);
+        run.assert_success();
+        run
+    };
+    run(2, Backend::Gloo, "0", "ddp.safetensors");
+    let sharded = run(2, Backend::Gloo, "3", "zero3.safetensors");
+    assert!(
+        sharded.stdout.contains("ZeRO stage 3 ("),
+        "{}",
+        sharded.stdout
+    );
+    let diff = tch_distributed_tests::compare::files(
+        &dir.join("ddp.safetensors"),
+        &dir.join("zero3.safetensors"),
+    );
+    assert!(diff.max_abs < 1e-5, "{diff:?}");
+    assert_eq!(
+        read(&dir, "zero3.safetensors.freed-0"),
+        "l2.bias l2.weight l3.bias l3.weight"
+    );
+    run(1, Backend::Nccl, "3", "nccl.safetensors");
+}

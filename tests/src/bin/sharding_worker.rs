@@ -9,6 +9,8 @@
 //! stops there; with `INIT_OUT=1` rank 0 writes the data and the initial parameters
 //! to DIR/OUT.init.safetensors.
 //!
+//! With `TCHD_TEST_DEVICE=cuda` it trains on the rank's CUDA device.
+//!
 //! Writes the parameters to DIR/OUT (rank 0), each rank's optimizer-state bytes to
 //! DIR/OUT.state-bytes-RANK and the names of the variables that hold no memory after
 //! the steps to DIR/OUT.freed-RANK.
