@@ -69,7 +69,7 @@ struct Run {
     /// Where the sharded loops stand, and where a loaded checkpoint resumes them.
     loops: LoopPositions,
     /// The units `fully_shard` declared, for the sharded optimizers built after.
-    units: crate::fsdp::Units,
+    units: crate::unit_registry::Units,
     /// Whether rank 0 printed the banner: once a run, however many `#[distributed]`
     /// functions or methods the program enters.
     banner: std::sync::atomic::AtomicBool,
@@ -361,7 +361,7 @@ impl Context {
                 why: precision.1,
                 optimizer_ddps: OptimizerDdps::default(),
                 loops: LoopPositions::default(),
-                units: crate::fsdp::Units::default(),
+                units: crate::unit_registry::Units::default(),
                 banner: std::sync::atomic::AtomicBool::new(false),
             }),
         })
@@ -381,7 +381,7 @@ impl Context {
     }
 
     /// The units `fully_shard` declared in this run.
-    pub(crate) fn units(&self) -> &crate::fsdp::Units {
+    pub(crate) fn units(&self) -> &crate::unit_registry::Units {
         &self.run.units
     }
 

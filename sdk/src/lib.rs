@@ -42,6 +42,7 @@ pub mod record;
 mod rendezvous;
 mod rng;
 pub mod settings;
+mod unit_registry;
 
 pub use amp::{autocast, Autocast, GradScaler, MixedPrecision, MixedPrecisionMode};
 pub use checkpoint::{

@@ -14,9 +14,9 @@ use tch::Tensor;
 
 use super::hooks::{self, GradHooks, Hook};
 use super::layout::{layout, Piece};
-use super::unit::Slot;
 use crate::error::{Error, Result};
 use crate::process_group::{ProcessGroup, ReduceOp};
+use crate::unit_registry::{ShardedParameters, Units};
 
 /// DDP's broadcast bucket: the parameters and buffers rank 0 sends at the start.
 const BROADCAST_BYTES: usize = 25 << 20;
@@ -75,7 +75,8 @@ struct Unit {
 
 impl Sharding {
     /// Shards `params` (the optimizer's, with their names) over `group` at `stage`
-    /// (2 or 3), in the units of `declared` that claim some of them. Every rank gets
+    /// (2 or 3), in the units declared in `registry` that claim some of them (and registers
+    /// it there). Every rank gets
     /// rank 0's values of `all` (the store's variables and buffers, in an order every
     /// rank agrees on) first, as DDP's construction does.
     ///
@@ -87,8 +88,9 @@ impl Sharding {
         stage: u8,
         params: Vec<(String, Tensor)>,
         all: &[Tensor],
-        declared: &[Arc<Slot>],
+        registry: &Units,
     ) -> Result<Sharding> {
+        let declared = registry.declared();
         group.verify_same_shapes(all)?;
         group.broadcast_coalesced(all, BROADCAST_BYTES, 0)?;
         if params.iter().any(|(_, p)| p.device() == tch::Device::Cpu) {
@@ -163,12 +165,12 @@ impl Sharding {
         });
         for (u, (slot, _)) in unit_members.iter().enumerate() {
             if let Some(slot) = slot {
-                declared[*slot].bind(Arc::downgrade(&inner), u);
+                let engine: Arc<dyn std::any::Any + Send + Sync> = inner.clone();
+                declared[*slot].bind(Arc::downgrade(&engine), u);
             }
         }
-        if let Some(ctx) = crate::init::current() {
-            ctx.units().add_engine(Arc::downgrade(&inner));
-        }
+        let engine: Arc<dyn ShardedParameters> = inner.clone();
+        registry.add_engine(Arc::downgrade(&engine));
         for u in 0..inner.units.len() {
             if inner.unit(u).reshard {
                 inner.free(u)?;
@@ -407,6 +409,18 @@ impl Unit {
     }
 }
 
+impl ShardedParameters for Inner {
+    fn with_full_parameters(&self, loaded: bool, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        let gathered = self.gather_all()?;
+        let r = f();
+        if loaded && r.is_ok() {
+            self.recut()?;
+        }
+        self.release(&gathered)?;
+        r
+    }
+}
+
 impl Inner {
     fn unit(&self, u: usize) -> MutexGuard<'_, Unit> {
         self.units[u].lock().expect("unit lock")
@@ -448,22 +462,6 @@ impl Inner {
             }
         }
         Ok(gathered)
-    }
-
-    /// Runs `f` with every unit gathered, then frees those that were free; with
-    /// `loaded`, cuts the shards again from what `f` wrote.
-    pub fn with_full_parameters<R>(
-        &self,
-        loaded: bool,
-        f: impl FnOnce() -> Result<R>,
-    ) -> Result<R> {
-        let gathered = self.gather_all()?;
-        let r = f();
-        if loaded && r.is_ok() {
-            self.recut()?;
-        }
-        self.release(&gathered)?;
-        r
     }
 
     /// Frees `units` again (those [`gather_all`](Self::gather_all) gathered).
@@ -583,7 +581,9 @@ impl Inner {
             .iter()
             .map(|&i| self.params[i].shallow_clone())
             .collect();
-        crate::optim::set_grads_to_none(&members)?;
+        for member in &members {
+            hooks::clear_grad(member)?;
+        }
         unit.reduced = true;
         Ok(())
     }

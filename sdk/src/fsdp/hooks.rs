@@ -45,6 +45,13 @@ pub(crate) fn set_grad(t: &Tensor, grad: &Tensor) -> Result<()> {
     })
 }
 
+/// Sets `t`'s `.grad` to none.
+pub(crate) fn clear_grad(t: &Tensor) -> Result<()> {
+    torch("dropping a gradient", unsafe {
+        ffi::tdc_set_grad(ffi::tensor(t), std::ptr::null_mut())
+    })
+}
+
 /// What a hook runs with its index: `true` when it went well (a failure keeps its
 /// cause where the caller reports it, and fails the backward pass).
 pub(crate) type Hook = dyn Fn(usize) -> bool + Send + Sync;

@@ -13,5 +13,4 @@ mod layout;
 mod unit;
 
 pub(crate) use engine::{named, Sharding};
-pub(crate) use unit::Units;
 pub use unit::{fully_shard, FullyShard};

@@ -1,94 +1,13 @@
 //! `fully_shard`: the units whose parameters a sharded optimizer gathers around their
 //! forward and backward passes, as FSDP2's `fully_shard(module)`.
 
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::Arc;
 
 use tch::nn::{Module, ModuleT, Path};
 use tch::Tensor;
 
 use super::engine::Inner;
-
-/// A unit as the program declared it: its variables' path, and the sharded optimizer
-/// it belongs to once one is built over them.
-pub(crate) struct Slot {
-    /// The variables' names start with this (`"layers.3."`); empty for the whole store.
-    pub prefix: String,
-    bound: OnceLock<(Weak<Inner>, usize)>,
-}
-
-impl Slot {
-    pub fn bind(&self, inner: Weak<Inner>, unit: usize) -> bool {
-        self.bound.set((inner, unit)).is_ok()
-    }
-
-    fn engine(&self) -> Option<(Arc<Inner>, usize)> {
-        let (inner, unit) = self.bound.get()?;
-        Some((inner.upgrade()?, *unit))
-    }
-}
-
-/// The units the program declared in this run, in order (the run's context keeps
-/// them until an optimizer claims them), and the sharded optimizers' parameters.
-#[derive(Default)]
-pub(crate) struct Units {
-    declared: Mutex<Vec<Arc<Slot>>>,
-    engines: Mutex<Vec<Weak<Inner>>>,
-}
-
-impl Units {
-    pub fn declared(&self) -> Vec<Arc<Slot>> {
-        self.declared.lock().expect("units lock").clone()
-    }
-
-    fn declare(&self, slot: Arc<Slot>) {
-        self.declared.lock().expect("units lock").push(slot);
-    }
-
-    pub fn add_engine(&self, engine: Weak<Inner>) {
-        self.engines.lock().expect("units lock").push(engine);
-    }
-
-    /// Runs `f` with every sharded parameter of the run gathered (a collective: every
-    /// rank calls it), as FSDP2's `summon_full_params`, then frees again those that
-    /// were free. With `loaded`, `f` wrote new values into the parameters (a load):
-    /// the shards are cut from them again.
-    ///
-    /// Errors: `f`'s, or [`Error::Collective`](crate::Error::Collective) from a gather.
-    pub fn with_full_parameters<R>(
-        &self,
-        loaded: bool,
-        f: impl FnOnce() -> crate::Result<R>,
-    ) -> crate::Result<R> {
-        let engines: Vec<Arc<Inner>> = self
-            .engines
-            .lock()
-            .expect("units lock")
-            .iter()
-            .filter_map(Weak::upgrade)
-            .collect();
-        // Each engine's gather around the next: the innermost runs `f`.
-        fn nested<R>(
-            engines: &[Arc<Inner>],
-            loaded: bool,
-            f: impl FnOnce() -> crate::Result<R>,
-        ) -> crate::Result<R> {
-            match engines.split_first() {
-                None => f(),
-                Some((first, rest)) => {
-                    first.with_full_parameters(loaded, || nested(rest, loaded, f))
-                }
-            }
-        }
-        nested(&engines, loaded, f)
-    }
-}
-
-impl std::fmt::Debug for Units {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let n = self.declared.lock().map_or(0, |u| u.len());
-        write!(f, "{n} fully sharded unit(s)")
-    }
-}
+use crate::unit_registry::Slot;
 
 /// A module whose variables (those under the path given to [`fully_shard`]) form one
 /// unit of fully sharded training. It is the module itself to the program: it
@@ -123,10 +42,7 @@ pub fn fully_shard<M>(module: M, path: &Path) -> FullyShard<M> {
         true => String::new(),
         false => format!("{}.", components.join(".")),
     };
-    let slot = Arc::new(Slot {
-        prefix,
-        bound: OnceLock::new(),
-    });
+    let slot = Arc::new(Slot::new(prefix));
     if let Some(ctx) = crate::init::current() {
         ctx.units().declare(slot.clone());
     }
@@ -140,11 +56,17 @@ impl<M> FullyShard<M> {
     }
 
     fn around(&self, forward: impl FnOnce() -> Tensor) -> Tensor {
-        match self.slot.engine() {
+        let bound = self
+            .slot
+            .bound()
+            .and_then(|(engine, unit)| Some((engine.downcast::<Inner>().ok()?, unit)));
+        match bound {
             None => forward(),
-            Some((inner, unit)) => inner.around_forward(unit, forward).unwrap_or_else(|e| {
-                crate::__private::fail_with_source("a fully sharded unit's forward pass", &e)
-            }),
+            // tch's modules panic on a failed forward pass; so does this one (a gather's
+            // collective failed: another rank is gone or timed out).
+            Some((inner, unit)) => inner
+                .around_forward(unit, forward)
+                .unwrap_or_else(|e| panic!("Error: a fully sharded unit's forward pass: {e}")),
         }
     }
 }

@@ -277,7 +277,7 @@ impl Optimizer {
             stage,
             params,
             &all,
-            &ctx.units().declared(),
+            ctx.units(),
         )?);
         Ok(self)
     }
