@@ -75,10 +75,10 @@ struct Unit {
 
 impl Sharding {
     /// Shards `params` (the optimizer's, with their names) over `group` at `stage`
-    /// (2 or 3), in the units declared in `registry` that claim some of them (and registers
-    /// it there). Every rank gets
-    /// rank 0's values of `all` (the store's variables and buffers, in an order every
-    /// rank agrees on) first, as DDP's construction does.
+    /// (2 or 3), in the units declared in `registry` that claim some of them, and
+    /// registers itself there. Every rank gets rank 0's values of `all` (the store's
+    /// variables and buffers, in an order every rank agrees on) first, as DDP's
+    /// construction does.
     ///
     /// Errors: [`Error::Collective`] when the ranks' models differ or a collective
     /// fails; [`Error::Usage`] for a parameter that is not a whole contiguous tensor or

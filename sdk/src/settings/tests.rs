@@ -127,7 +127,7 @@ fn bad_files_say_where() {
         ("grad_accum = 0\n", "grad_accum = \"0\" in "),
         ("mixed_precision = \"fp8\"\n", "use no, bf16, fp16 or auto"),
         ("gpus = \"0,zero\"\n", "\"zero\" is not a GPU id"),
-        ("zero = 2\n", "use 1 (optimizer-state sharding"),
+        ("zero = 4\n", "use 1 (optimizer state sharded"),
     ] {
         std::fs::write(&path, text).unwrap();
         let e = Settings::load(&path).unwrap_err().to_string();
