@@ -33,6 +33,11 @@ pub(crate) fn show_cpp_stacktraces() -> bool {
     set("TORCH_SHOW_CPP_STACKTRACES").is_some_and(|v| v == "1")
 }
 
+/// `MALLOC_MMAP_THRESHOLD_`: whether the user fixed glibc's mmap threshold.
+pub(crate) fn malloc_mmap_threshold_set() -> bool {
+    set("MALLOC_MMAP_THRESHOLD_").is_some()
+}
+
 /// `CUDA_VISIBLE_DEVICES`, as set.
 pub(crate) fn cuda_visible_devices() -> Option<String> {
     var("CUDA_VISIBLE_DEVICES")

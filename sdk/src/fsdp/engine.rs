@@ -323,7 +323,7 @@ impl Sharding {
 /// its heap and stay resident). A threshold the user set (`MALLOC_MMAP_THRESHOLD_`)
 /// stays.
 fn return_freed_memory() {
-    if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none() {
+    if !crate::protocol::malloc_mmap_threshold_set() {
         // SAFETY: mallopt only sets an allocator parameter.
         unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 10) };
     }
