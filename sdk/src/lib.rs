@@ -27,7 +27,6 @@ mod env;
 mod error;
 mod ffi;
 mod files;
-mod fsdp;
 mod init;
 pub mod launch;
 mod log;
@@ -42,6 +41,7 @@ pub mod record;
 mod rendezvous;
 mod rng;
 pub mod settings;
+mod shard;
 mod unit_registry;
 
 pub use amp::{autocast, Autocast, GradScaler, MixedPrecision, MixedPrecisionMode};
@@ -56,7 +56,6 @@ pub use data::{
 pub use ddp::{DdpOptions, DdpStats, DistributedDataParallel, NoSync};
 pub use env::LaunchEnv;
 pub use error::{Error, Result};
-pub use fsdp::{fully_shard, FullyShard};
 pub use init::{current, init, init_with, Context, InitOptions, DEFAULT_TIMEOUT};
 pub use loop_position::LoopPosition;
 pub use observe::{Tracker, PROGRESS_ENV};
@@ -65,6 +64,7 @@ pub use process_group::{Backend, ProcessGroup, ReduceOp};
 pub use rank_helpers::{any_rank, local_main_process_first, main_process_first};
 pub use rendezvous::{GlooAddress, Store};
 pub use rng::AgreedSeed;
+pub use shard::{fully_shard, FullyShard};
 
 #[doc(inline)]
 #[doc = include_str!("distributed.md")]

@@ -145,7 +145,7 @@ pub struct Optimizer {
     zero: Option<zero::Zero>,
     /// ZeRO stages 2 and 3: the parameters, gradients and state sharded
     /// ([`zero`](Self::zero)).
-    sharding: Option<crate::fsdp::Sharding>,
+    sharding: Option<crate::shard::Sharding>,
     /// Set by [`distributed`](Self::distributed), or by `#[distributed]` at the first
     /// step of an optimizer the function did not build.
     ddp: std::cell::OnceCell<DistributedDataParallel>,
@@ -270,9 +270,9 @@ impl Optimizer {
         }
         let (params, all) = {
             let v = self.variables.lock().expect("variable store lock");
-            crate::fsdp::named(&self.params, &v.named_variables)
+            crate::shard::named(&self.params, &v.named_variables)
         };
-        self.sharding = Some(crate::fsdp::Sharding::new(
+        self.sharding = Some(crate::shard::Sharding::new(
             ctx.process_group(),
             stage,
             params,
@@ -474,7 +474,7 @@ impl Optimizer {
     fn update(&mut self) -> Result<()> {
         self.add_missing_variables()?;
         let owned = self.zero.as_ref().map(zero::Zero::owned);
-        let shards = self.sharding.as_ref().map(crate::fsdp::Sharding::shards);
+        let shards = self.sharding.as_ref().map(crate::shard::Sharding::shards);
         kernels::update(
             shards.as_deref().unwrap_or(&self.params),
             &self.groups_of,
