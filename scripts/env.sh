@@ -45,6 +45,14 @@ if [ -z "${LIBTORCH:-}" ]; then
   export LIBTORCH_USE_PYTORCH=1
 fi
 
+# The C++ compiles (torch-sys's wrapper, the SDK's shim) go through ccache when it is
+# installed: CI builds the same libtorch stack several times (the workspace, the ui
+# cases' own target, a user's crate), each ~3 minutes of C++ on 2 cores without it.
+if [ -z "${CXX:-}" ] && command -v ccache >/dev/null; then
+  export CC="ccache cc" CXX="ccache c++"
+  export CCACHE_DIR="${CCACHE_DIR:-$ROOT/target/ccache}"
+fi
+
 # Puts tinyshakespeare in data/ (from ../shared/data when present, else downloaded);
 # prints its path.
 tinyshakespeare() {
