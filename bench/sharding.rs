@@ -22,22 +22,12 @@ use std::time::Instant;
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
+mod worker_rows;
+use worker_rows::{status_bytes, worker_rows};
+
 const LAYERS: i64 = 16;
 const WIDTH: i64 = 1024;
 const BATCH: i64 = 8;
-
-/// A line of `/proc/self/status`, in bytes: `VmHWM` (the peak resident memory) or
-/// `VmRSS` (the resident memory now).
-fn status_bytes(key: &str) -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with(key))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .map_or(0, |kib| kib * 1024)
-}
 
 #[tch_distributed::distributed]
 fn worker() -> anyhow::Result<()> {
@@ -86,15 +76,8 @@ fn worker() -> anyhow::Result<()> {
 
 /// The ranks' rows of one configuration's run: the added peak (the largest over the
 /// ranks, bytes) and the step time (the slowest rank, ms).
-fn measure(mut cmd: Command, what: &str) -> anyhow::Result<(f64, f64, Vec<serde_json::Value>)> {
-    let out = cmd.env("OMP_NUM_THREADS", "1").output()?;
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    anyhow::ensure!(out.status.success(), "{what}:\n{stderr}");
-    let rows: Vec<serde_json::Value> = stderr
-        .lines()
-        .filter_map(|l| l.strip_prefix("SHARDING "))
-        .map(serde_json::from_str)
-        .collect::<Result<_, _>>()?;
+fn measure(cmd: Command, what: &str) -> anyhow::Result<(f64, f64, Vec<serde_json::Value>)> {
+    let rows = worker_rows(cmd, "SHARDING", what)?;
     let added = rows
         .iter()
         .map(|r| r["peak_rss"].as_f64().unwrap_or(0.0) - r["baseline_rss"].as_f64().unwrap_or(0.0))
@@ -104,6 +87,26 @@ fn measure(mut cmd: Command, what: &str) -> anyhow::Result<(f64, f64, Vec<serde_
         .filter_map(|r| r["step_ms"].as_f64())
         .fold(0.0, f64::max);
     Ok((added, step, rows))
+}
+
+/// One row of the table (the added peak in MB and as a share of `ddp`'s, the step in
+/// ms), then each rank's measurements as `BENCH {json}` on stderr.
+fn print_row(
+    ranks: usize,
+    side: &str,
+    added: f64,
+    ddp: f64,
+    step: f64,
+    rows: &[serde_json::Value],
+) {
+    println!(
+        "| {ranks} | {side} | {:.0} | {:.2} | {step:.1} |",
+        added / 1e6,
+        added / ddp
+    );
+    for row in rows {
+        eprintln!("BENCH {row}");
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -156,14 +159,7 @@ fn main() -> anyhow::Result<()> {
             if !fixed {
                 side += " (glibc's defaults)";
             }
-            println!(
-                "| {ranks} | {side} | {:.0} | {:.2} | {step:.1} |",
-                added / 1e6,
-                added / ddp
-            );
-            for row in rows {
-                eprintln!("BENCH {row}");
-            }
+            print_row(ranks, &side, added, ddp, step, &rows);
         }
         // PyTorch's rows after ours of the same world size.
         let last_of_world = configurations
@@ -186,14 +182,7 @@ fn main() -> anyhow::Result<()> {
             } else {
                 "PyTorch FSDP2"
             };
-            println!(
-                "| {ranks} | {side} | {:.0} | {:.2} | {step:.1} |",
-                added / 1e6,
-                added / ddp
-            );
-            for row in rows {
-                eprintln!("BENCH {row}");
-            }
+            print_row(ranks, &side, added, ddp, step, &rows);
         }
     }
     Ok(())

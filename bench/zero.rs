@@ -15,21 +15,11 @@ use std::process::Command;
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
+mod worker_rows;
+use worker_rows::{status_bytes, worker_rows};
+
 const LAYERS: i64 = 8;
 const WIDTH: i64 = 2560;
-
-/// A line of `/proc/self/status`, in bytes: `VmHWM` (the peak resident memory) or
-/// `VmRSS` (the resident memory now).
-fn status_bytes(key: &str) -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with(key))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .map_or(0, |kib| kib * 1024)
-}
 
 #[tch_distributed::distributed]
 fn worker() -> anyhow::Result<()> {
@@ -85,23 +75,12 @@ fn main() -> anyhow::Result<()> {
             if ranks == 1 && zero {
                 continue;
             }
-            let out = Command::new(&tchrun)
-                .args(["--nproc-per-node", &ranks.to_string()])
+            let mut cmd = Command::new(&tchrun);
+            cmd.args(["--nproc-per-node", &ranks.to_string()])
                 .arg(&exe)
                 .arg("--worker")
-                .env("TCH_DISTRIBUTED_ZERO", if zero { "1" } else { "0" })
-                .env("OMP_NUM_THREADS", "1")
-                .output()?;
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            anyhow::ensure!(
-                out.status.success(),
-                "{ranks} ranks, zero {zero}:\n{stderr}"
-            );
-            let rows: Vec<serde_json::Value> = stderr
-                .lines()
-                .filter_map(|l| l.strip_prefix("ZERO "))
-                .map(serde_json::from_str)
-                .collect::<Result<_, _>>()?;
+                .env("TCH_DISTRIBUTED_ZERO", if zero { "1" } else { "0" });
+            let rows = worker_rows(cmd, "ZERO", &format!("{ranks} ranks, zero {zero}"))?;
             let max = |key: &str| {
                 rows.iter()
                     .filter_map(|r| r[key].as_u64())

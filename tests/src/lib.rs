@@ -398,6 +398,28 @@ impl AsRef<Path> for Scratch {
     }
 }
 
+/// Copies directory `from` into `to` (made if missing), subdirectories included: a
+/// checkpoint directory, say, that a test resumes from twice.
+pub fn copy_dir(from: &Path, to: &Path) {
+    fs::create_dir_all(to).unwrap();
+    for entry in fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        match entry.file_type().unwrap().is_dir() {
+            true => copy_dir(&entry.path(), &target),
+            false => drop(fs::copy(entry.path(), target).unwrap()),
+        }
+    }
+}
+
+/// The bytes of optimizer state that rank `rank` of a worker run held, as the zero and
+/// sharding workers write them (`DIR/OUT.state-bytes-RANK`).
+pub fn state_bytes(dir: &Path, out: &str, rank: usize) -> usize {
+    let file = dir.join(format!("{out}.state-bytes-{rank}"));
+    let text = fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+    text.trim().parse().unwrap()
+}
+
 impl AsRef<OsStr> for Scratch {
     fn as_ref(&self) -> &OsStr {
         self.0.as_os_str()

@@ -8,13 +8,25 @@ use std::time::Duration;
 use std::process::Command;
 
 use tch_distributed_tests::{
-    run_python, run_with, scratch_dir, tchrun, wait_until, without_launcher, Run,
+    copy_dir, run_python, run_with, scratch_dir, tchrun, wait_until, without_launcher, Run,
 };
 
 const WORKER: &str = env!("CARGO_BIN_EXE_checkpoint_worker");
 const TIMEOUT: Duration = Duration::from_secs(120);
 
 fn train(dir: &Path, ckpt: &str, steps: &str, kind: &str, kill_at: Option<&str>) -> Run {
+    let kill = kill_at.map(|step| [("KILL_AT", step), ("KILL_RANK", "1")]);
+    train_with(
+        dir,
+        ckpt,
+        steps,
+        kind,
+        kill.as_ref().map_or(&[], |k| &k[..]),
+    )
+}
+
+/// `train` on 2 ranks with `env` set (tchrun passes its environment to the ranks).
+fn train_with(dir: &Path, ckpt: &str, steps: &str, kind: &str, env: &[(&str, &str)]) -> Run {
     let mut cmd = Command::new(tchrun());
     cmd.args([
         "--nproc-per-node",
@@ -25,10 +37,7 @@ fn train(dir: &Path, ckpt: &str, steps: &str, kind: &str, kill_at: Option<&str>)
         steps,
         kind,
     ]);
-    if let Some(step) = kill_at {
-        // tchrun passes its environment to the ranks.
-        cmd.env("KILL_AT", step).env("KILL_RANK", "1");
-    }
+    cmd.envs(env.iter().copied());
     run_with(cmd, dir, TIMEOUT, |_, _| {})
 }
 
@@ -64,35 +73,50 @@ fn assert_same(a: &Path, b: &Path, what: &str) {
     }
 }
 
+/// Rank 1 is SIGKILLed after step 6, between checkpoints: the relaunch resumes from
+/// step 4 and ends bit for bit where an uninterrupted run ends, with SGD and Adam, and
+/// with Adam at ZeRO stage 3 (each rank's chunks of the state in its own file).
 #[test]
 fn resume_after_a_killed_rank_is_bit_for_bit() {
-    for kind in ["sgd", "adam"] {
+    for (kind, zero) in [("sgd", "0"), ("adam", "0"), ("adam", "3")] {
+        let what = format!("{kind}, zero {zero}");
+        let zero_env = ("TCH_DISTRIBUTED_ZERO", zero);
         // Uninterrupted: 13 steps (checkpoints at 4, 8, 12).
-        let straight = scratch_dir(&format!("straight-{kind}"));
+        let straight = scratch_dir(&format!("straight-{kind}-{zero}"));
         let ckpt = straight.join("ckpt");
-        train(&straight, ckpt.to_str().unwrap(), "13", kind, None).assert_success();
+        let run = train_with(&straight, ckpt.to_str().unwrap(), "13", kind, &[zero_env]);
+        run.assert_success();
+        assert_eq!(
+            run.stdout.contains("ZeRO stage 3 ("),
+            zero == "3",
+            "{}",
+            run.stdout
+        );
 
         // Rank 1 is SIGKILLed after step 6; the relaunch resumes from step 4, in the
         // middle of epoch 0 (5 steps per epoch).
-        let killed = scratch_dir(&format!("killed-{kind}"));
+        let killed = scratch_dir(&format!("killed-{kind}-{zero}"));
         let ckpt = killed.join("ckpt");
-        let run = train(&killed, ckpt.to_str().unwrap(), "13", kind, Some("6"));
+        let kill = [zero_env, ("KILL_AT", "6"), ("KILL_RANK", "1")];
+        let run = train_with(&killed, ckpt.to_str().unwrap(), "13", kind, &kill);
         assert!(!run.status.success(), "the kill fails the job");
-        let run = train(&killed, ckpt.to_str().unwrap(), "13", kind, None);
+        let run = train_with(&killed, ckpt.to_str().unwrap(), "13", kind, &[zero_env]);
         run.assert_success();
         assert!(
             run.stdout.contains("resumed at step 4, epoch 0"),
             "{}",
             run.stdout
         );
-        assert_same(&straight, &killed, kind);
+        assert_same(&straight, &killed, &what);
         // keep_last(2): only steps 8 and 12 remain.
         let mut left: Vec<String> = fs::read_dir(&ckpt)
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
             .collect();
         left.sort();
-        assert_eq!(left, ["step-0000000008", "step-0000000012"], "{kind}");
+        assert_eq!(left, ["step-0000000008", "step-0000000012"], "{what}");
+        let sharded = ckpt.join("step-0000000012/optimizer-rank-1.safetensors");
+        assert_eq!(sharded.exists(), zero == "3", "{what}");
     }
 }
 
@@ -176,18 +200,6 @@ fn a_checkpoint_of_another_model_shape_names_the_variable_and_both_shapes() {
         "{}",
         run.stderr
     );
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    fs::create_dir_all(to).unwrap();
-    for entry in fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        match entry.file_type().unwrap().is_dir() {
-            true => copy_dir(&entry.path(), &target),
-            false => drop(fs::copy(entry.path(), target).unwrap()),
-        }
-    }
 }
 
 /// Ranks whose listings of the checkpoint directory differ (nodes whose shared file

@@ -4,10 +4,13 @@
 //! which the average is taken.
 
 use std::path::Path;
+use std::process::Command;
 use std::time::Duration;
 
 use tch_distributed_tests::compare::files as compare;
-use tch_distributed_tests::{run_with, scratch_dir, tchrun};
+use tch_distributed_tests::{
+    copy_dir, run_with, scratch_dir, state_bytes, tchrun, without_launcher,
+};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_sharding_worker");
 const TIMEOUT: Duration = Duration::from_secs(120);
@@ -15,7 +18,7 @@ const TIMEOUT: Duration = Duration::from_secs(120);
 /// `sharding_worker DIR OUT` on `ranks` ranks with `TCH_DISTRIBUTED_ZERO=zero` and
 /// `env`; returns rank 0's stdout.
 fn run(dir: &Path, ranks: usize, zero: u8, out: &str, env: &[(&str, &str)]) -> String {
-    let mut cmd = std::process::Command::new(tchrun());
+    let mut cmd = Command::new(tchrun());
     cmd.args(["--nproc-per-node", &ranks.to_string(), WORKER])
         .args([dir.to_str().unwrap(), out])
         .env("TCH_DISTRIBUTED_ZERO", zero.to_string())
@@ -23,13 +26,6 @@ fn run(dir: &Path, ranks: usize, zero: u8, out: &str, env: &[(&str, &str)]) -> S
     let run = run_with(cmd, dir, TIMEOUT, |_, _| {});
     run.assert_success();
     run.stdout
-}
-
-fn state_bytes(dir: &Path, out: &str, rank: usize) -> usize {
-    std::fs::read_to_string(dir.join(format!("{out}.state-bytes-{rank}")))
-        .unwrap()
-        .parse()
-        .unwrap()
 }
 
 #[test]
@@ -146,6 +142,91 @@ fn a_sharded_checkpoint_resumes_bit_for_bit_and_on_other_world_sizes() {
     }
 }
 
+/// The export to PyTorch: a stage-3 checkpoint, loaded in one process without sharding,
+/// gives the whole state (`Optimizer::state`, `torch.optim`'s `state_dict` layout) and
+/// the model; PyTorch loads both into `torch.optim.Adam` and an `nn.Module` and, trained
+/// on for the last 5 steps, ends where the uninterrupted sharded run ends.
+#[test]
+fn a_sharded_checkpoint_exports_whole_to_pytorch() {
+    let dir = scratch_dir("sharding-export");
+    let units = ("UNITS", "1");
+    run(
+        &dir,
+        2,
+        3,
+        "straight.safetensors",
+        &[units, ("INIT_OUT", "1")],
+    );
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    run(
+        &dir,
+        2,
+        3,
+        "stopped.safetensors",
+        &[units, ("CKPT", c), ("SAVE_AT", "5"), ("STOP_AT", "5")],
+    );
+    let mut cmd = Command::new(WORKER);
+    without_launcher(&mut cmd)
+        .args([dir.to_str().unwrap(), "export.safetensors"])
+        .envs([units, ("CKPT", c), ("EXPORT", "1")]);
+    let exported = run_with(cmd, &dir, TIMEOUT, |_, _| {});
+    exported.assert_success();
+    assert!(
+        exported.stdout.contains("resumed at step 5"),
+        "{}",
+        exported.stdout
+    );
+    let script = r#"
+import sys
+import torch
+from safetensors.torch import load_file, save_file
+sys.path.insert(0, sys.argv[1])
+from torch_optim import state_dict
+init, model_file, state_file, out = sys.argv[2:6]
+torch.set_num_threads(1)
+data = load_file(init)
+net = torch.nn.Sequential()
+net.l1, net.l2, net.l3 = torch.nn.Linear(6, 13), torch.nn.Linear(13, 7), torch.nn.Linear(7, 3)
+net.load_state_dict(load_file(model_file))
+saved = state_dict(state_file)
+params = dict(net.named_parameters())
+groups = [{"params": [params[n] for n in g["param_names"]]} for g in saved["param_groups"]]
+opt = torch.optim.Adam(groups)
+opt.load_state_dict(saved)
+for _ in range(5):
+    opt.zero_grad()
+    x = torch.tanh(net.l2(torch.tanh(net.l1(data["x"]))))
+    torch.nn.functional.mse_loss(net.l3(x), data["y"]).backward()
+    opt.step()
+save_file({n: p.detach().clone() for n, p in net.named_parameters()}, out)
+"#;
+    let parity = concat!(env!("CARGO_MANIFEST_DIR"), "/parity");
+    let file = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let args = [
+        parity.to_string(),
+        file("straight.safetensors.init.safetensors"),
+        file("export.safetensors"),
+        file("export.safetensors.optimizer.safetensors"),
+        file("pytorch.safetensors"),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    if tch_distributed_tests::run_python(script, &args, "").is_none() {
+        return;
+    }
+    let diff = compare(
+        &dir.join("straight.safetensors"),
+        &dir.join("pytorch.safetensors"),
+    );
+    eprintln!("PyTorch from the export: {diff:?}");
+    assert!(diff.max_abs < 1e-6, "{diff:?}");
+    let moved = compare(
+        &dir.join("export.safetensors"),
+        &dir.join("pytorch.safetensors"),
+    );
+    assert!(moved.max_abs > 1e-4, "PyTorch trained on: {moved:?}");
+}
+
 /// Against PyTorch's FSDP2 (`fully_shard` over Gloo on the CPU, the same libtorch):
 /// the same model, data, units and Adam end within 1e-6.
 #[test]
@@ -182,16 +263,4 @@ fn stage_3_ends_where_pytorch_fsdp2_ends() {
     initial.retain(|(name, _)| name != "x" && name != "y");
     let moved = named(&read(&theirs), &initial);
     assert!(moved.max_abs > 1e-3, "trained: {moved:?}");
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        match entry.file_type().unwrap().is_dir() {
-            true => copy_dir(&entry.path(), &target),
-            false => drop(std::fs::copy(entry.path(), target).unwrap()),
-        }
-    }
 }

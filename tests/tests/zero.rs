@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use tch_distributed_tests::compare::files as compare;
 use tch_distributed_tests::{
-    run_tchrun_all_ranks, run_with, scratch_dir, tchrun, without_launcher,
+    copy_dir, run_tchrun_all_ranks, run_with, scratch_dir, state_bytes, tchrun, without_launcher,
 };
 
 const WORKER: &str = env!("CARGO_BIN_EXE_zero_worker");
@@ -47,13 +47,6 @@ fn run(dir: &Path, ranks: usize, zero: bool, out: &str, args: &[&str]) {
             run.stdout
         );
     }
-}
-
-fn state_bytes(dir: &Path, out: &str, rank: usize) -> usize {
-    std::fs::read_to_string(dir.join(format!("{out}.state-bytes-{rank}")))
-        .unwrap()
-        .parse()
-        .unwrap()
 }
 
 #[test]
@@ -160,14 +153,6 @@ fn a_zero_checkpoint_resumes_on_other_world_sizes_with_or_without_zero_and_in_py
         "torch-resumed.safetensors",
         "resumed in PyTorch from the shards",
     );
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
-    }
 }
 
 #[test]

@@ -280,16 +280,36 @@ pub(super) fn from_safetensors(opt: &mut Optimizer, shards: &[&[u8]]) -> Result<
     let mut pieces: Vec<[Vec<(usize, Tensor)>; 3]> = (0..n).map(|_| Default::default()).collect();
     let mut steps: Vec<Option<u64>> = vec![None; n];
     let mut groups = opt.groups.clone();
+    let mut chunked = Vec::new();
     for bytes in shards {
-        let (read_groups, chunk_rank, items) = read_shard(opt, bytes)?;
+        let (read_groups, chunks, items) = read_shard(opt, bytes)?;
         for (i, slot, t) in items {
             match slot {
                 // An unsharded file holds a parameter's whole state: one piece.
-                Some(k) => pieces[i][k].push((chunk_rank.unwrap_or(0), t)),
+                Some(k) => pieces[i][k].push((chunks.map_or(0, |(rank, _)| rank), t)),
                 None => steps[i] = Some(t.double_value(&[]) as u64),
             }
         }
+        chunked.extend(chunks);
         groups = read_groups;
+    }
+    // The files of a stage 2 or 3 run hold every parameter's chunk: all of them, one
+    // per rank, or the state put together would be short (or padded) of rows.
+    if let Some(&(_, world)) = chunked.first() {
+        let mut ranks: Vec<usize> = chunked.iter().map(|&(rank, _)| rank).collect();
+        ranks.sort_unstable();
+        let whole = chunked.len() == shards.len()
+            && chunked.iter().all(|&(_, w)| w == world)
+            && ranks.iter().copied().eq(0..world);
+        if !whole {
+            return Err(bad(format!(
+                "the {} files given hold the chunks of ranks {ranks:?} of a run of {world} \
+                 ranks (ZeRO stage 2 or 3): give every rank's file of the same checkpoint \
+                 (`optimizer-rank-R.safetensors`, R = 0 to {}) once each",
+                shards.len(),
+                world - 1
+            )));
+        }
     }
     let mut state: Vec<Option<ParamState>> = (0..n).map(|_| None).collect();
     for (i, slots) in pieces.into_iter().enumerate() {
@@ -342,8 +362,12 @@ pub(super) fn from_safetensors(opt: &mut Optimizer, shards: &[&[u8]]) -> Result<
 type Items = Vec<(usize, Option<usize>, Tensor)>;
 
 /// Reads one file: the groups' options it gives, the rank whose dim-0 chunks it holds
-/// (ZeRO stage 2 or 3), if it does, and its tensors.
-fn read_shard(opt: &Optimizer, bytes: &[u8]) -> Result<(Vec<Group>, Option<usize>, Items)> {
+/// and the world size they were cut for (ZeRO stage 2 or 3), if it does, and its
+/// tensors.
+fn read_shard(
+    opt: &Optimizer,
+    bytes: &[u8],
+) -> Result<(Vec<Group>, Option<(usize, usize)>, Items)> {
     let bad = |why: String| checkpoint(None, format!("optimizer state: {why}"));
     let unreadable =
         |e: safetensors::SafeTensorError| checkpoint_from(None, format!("optimizer state: {e}"), e);
@@ -365,11 +389,22 @@ fn read_shard(opt: &Optimizer, bytes: &[u8]) -> Result<(Vec<Group>, Option<usize
             ))
         }
     }
-    let chunk_rank = metadata
-        .get(DIM0_SHARD)
-        .and_then(|s| serde_json::from_str::<Value>(s).ok())
-        .and_then(|s| s.get("rank").and_then(Value::as_u64))
-        .map(|r| r as usize);
+    let chunks = match metadata.get(DIM0_SHARD) {
+        None => None,
+        Some(text) => {
+            let shard: Value = serde_json::from_str(text).unwrap_or_default();
+            let field = |key: &str| shard.get(key).and_then(Value::as_u64);
+            match (field("rank"), field("world_size")) {
+                (Some(rank), Some(world)) if rank < world => Some((rank as usize, world as usize)),
+                _ => {
+                    return Err(bad(format!(
+                        "its `{DIM0_SHARD}` metadata, {text}, does not name a rank below a \
+                         world size: give the files as Optimizer::state wrote them"
+                    )))
+                }
+            }
+        }
+    };
     let saved_groups: Vec<Value> = metadata
         .get(PARAM_GROUPS)
         .and_then(|g| serde_json::from_str(g).ok())
@@ -408,7 +443,7 @@ fn read_shard(opt: &Optimizer, bytes: &[u8]) -> Result<(Vec<Group>, Option<usize
             items.push((i, None, Tensor::try_from(view)?));
         }
     }
-    Ok((groups, chunk_rank, items))
+    Ok((groups, chunks, items))
 }
 
 /// See [`Optimizer::load_libtorch_archive`].
@@ -473,6 +508,78 @@ mod tests {
     use super::*;
     use tch::nn::{self, Module};
     use tch::Kind;
+
+    /// Stage 2 and 3 write dim-0 chunks, one file per rank, each naming its rank in its
+    /// metadata: they load in any order, put together by rank, and a missing rank's
+    /// file is an error rather than a state short of rows.
+    #[test]
+    fn chunk_files_load_in_any_order_and_every_rank_s_must_be_there() {
+        let model = || {
+            let vs = nn::VarStore::new(Device::Cpu);
+            // A weight of 3 rows and a bias of 3: chunks of 2 rows and 1 over 2 ranks.
+            let net = nn::linear(vs.root(), 2, 3, Default::default());
+            let opt = Optimizer::new(&nn::Adam::default(), &vs, 0.1).unwrap();
+            (vs, net, opt)
+        };
+        let (_vs, net, mut opt) = model();
+        let x = Tensor::ones([4, 2], (Kind::Float, Device::Cpu));
+        opt.backward_step(&net.forward(&x).sum(Kind::Float))
+            .unwrap();
+        let whole = opt.state().unwrap();
+        let tensors = |bytes: &[u8]| -> Vec<(String, Vec<u8>)> {
+            let file = SafeTensors::deserialize(bytes).unwrap();
+            let mut all: Vec<(String, Vec<u8>)> = file
+                .tensors()
+                .into_iter()
+                .map(|(name, view)| (name, view.data().to_vec()))
+                .collect();
+            all.sort();
+            all
+        };
+        // Rank `rank`'s file as stage 2 writes it: its rows of every state tensor.
+        let chunk = |rank: usize| -> Vec<u8> {
+            let file = SafeTensors::deserialize(&whole).unwrap();
+            let (_, metadata) = SafeTensors::read_metadata(&whole).unwrap();
+            let mut metadata = metadata.metadata().clone().unwrap();
+            let shard = json!({ "rank": rank, "world_size": 2 });
+            metadata.insert(DIM0_SHARD.to_string(), shard.to_string());
+            let (first, rows) = [(0, 2), (2, 1)][rank];
+            let parts: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = file
+                .tensors()
+                .into_iter()
+                .map(|(name, view)| {
+                    let (mut shape, data) = (view.shape().to_vec(), view.data());
+                    if name.ends_with(".step") {
+                        return (name, view.dtype(), shape, data.to_vec());
+                    }
+                    let row = data.len() / shape[0];
+                    shape[0] = rows;
+                    let data = data[first * row..(first + rows) * row].to_vec();
+                    (name, view.dtype(), shape, data)
+                })
+                .collect();
+            let views = parts.iter().map(|(name, dtype, shape, data)| {
+                (
+                    name.as_str(),
+                    TensorView::new(*dtype, shape.clone(), data).unwrap(),
+                )
+            });
+            safetensors::tensor::serialize(views, &Some(metadata)).unwrap()
+        };
+        let (rank0, rank1) = (chunk(0), chunk(1));
+        for files in [[&rank0[..], &rank1[..]], [&rank1[..], &rank0[..]]] {
+            let (_vs, _net, mut loaded) = model();
+            loaded.load_state_shards(&files).unwrap();
+            assert_eq!(tensors(&loaded.state().unwrap()), tensors(&whole));
+        }
+        let (_vs, _net, mut short) = model();
+        let err = short
+            .load_state_shards(&[&rank1[..]])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("ranks [1] of a run of 2"), "{err}");
+        assert!(short.load_state_shards(&[&rank0[..], &rank0[..]]).is_err());
+    }
 
     /// The tensors' names of a state after one step, as `torch.optim`'s `state_dict`
     /// names them: SGD keeps no `step`, Adam does.

@@ -24,6 +24,8 @@ const BROADCAST_BYTES: usize = 25 << 20;
 /// The sharded parameters of one optimizer (see the module's documentation).
 pub(crate) struct Sharding {
     inner: Arc<Inner>,
+    /// The units' views (their chunks), in the optimizer's order: see `shards`.
+    shards: Vec<Tensor>,
     _hooks: GradHooks,
 }
 
@@ -182,8 +184,15 @@ impl Sharding {
             None => true,
         });
         let hooks = GradHooks::new(&inner.params, &ready)?;
+        let shards = (0..inner.params.len())
+            .map(|i| {
+                let (u, j) = inner.unit_of[i];
+                inner.unit(u).views[j].shallow_clone()
+            })
+            .collect();
         Ok(Sharding {
             inner,
+            shards,
             _hooks: hooks,
         })
     }
@@ -196,13 +205,7 @@ impl Sharding {
     /// The shards the optimizer steps, one per parameter in its order, each with its
     /// gradient's shard as `.grad`.
     pub fn shards(&self) -> Vec<Tensor> {
-        let inner = &self.inner;
-        (0..inner.params.len())
-            .map(|i| {
-                let (u, j) = inner.unit_of[i];
-                inner.unit(u).views[j].shallow_clone()
-            })
-            .collect()
+        self.shards.iter().map(Tensor::shallow_clone).collect()
     }
 
     /// This rank and the world size the shards are cut for.
@@ -222,25 +225,21 @@ impl Sharding {
     /// zeros to the chunk's rows.
     pub fn chunk(&self, i: usize, full: &Tensor) -> Tensor {
         let (u, j) = self.inner.unit_of[i];
-        let piece = self.inner.unit(u).pieces[j].clone();
-        let (first, rows) = piece.rows_of(self.inner.group.rank());
-        let chunk = full
-            .zeros_like()
-            .reshape([-1])
-            .narrow(0, 0, piece.chunk_len())
-            .reshape(piece.chunk_shape().as_slice());
-        if rows > 0 {
-            let mine = full
-                .reshape([piece.rows, piece.row_len])
-                .narrow(0, first, rows);
+        let piece = Piece {
+            offset: 0,
+            ..self.inner.unit(u).pieces[j].clone()
+        };
+        let rank = self.inner.group.rank();
+        let chunk = full.new_zeros([piece.chunk_len()], (full.kind(), full.device()));
+        if let Some(mine) = piece.rows_in_full(full, rank) {
             tch::no_grad(|| {
-                chunk
-                    .reshape([piece.chunk_rows, piece.row_len])
-                    .narrow(0, 0, rows)
+                piece
+                    .rows_in_shard(&chunk, rank)
+                    .expect("rows")
                     .copy_(&mine)
             });
         }
-        chunk
+        chunk.reshape(piece.chunk_shape().as_slice())
     }
 
     /// Whether the next backward pass reduce-scatters the gradients (the last
@@ -395,14 +394,9 @@ impl Unit {
     fn cut(&self, params: &[Tensor], rank: usize) {
         tch::no_grad(|| {
             for (&i, piece) in self.members.iter().zip(&self.pieces) {
-                let (first, rows) = piece.rows_of(rank);
-                if rows > 0 {
-                    let mine = params[i]
-                        .reshape([piece.rows, piece.row_len])
-                        .narrow(0, first, rows);
-                    self.shard
-                        .narrow(0, piece.offset, rows * piece.row_len)
-                        .copy_(&mine.reshape([-1]));
+                if let Some(mine) = piece.rows_in_full(&params[i], rank) {
+                    let mut shard = piece.rows_in_shard(&self.shard, rank).expect("rows");
+                    shard.copy_(&mine);
                 }
             }
         });
@@ -499,14 +493,10 @@ impl Inner {
         self.group.all_gather_into(&chunks, &unit.shard)?;
         tch::no_grad(|| -> Result<()> {
             for (&i, piece) in unit.members.iter().zip(&unit.pieces) {
-                let full =
-                    hooks::storage_alias(&self.params[i])?.reshape([piece.rows, piece.row_len]);
+                let full = hooks::storage_alias(&self.params[i])?;
                 for (r, chunk) in chunks.iter().enumerate() {
-                    let (first, rows) = piece.rows_of(r);
-                    if rows > 0 {
-                        let part = chunk.narrow(0, piece.offset, rows * piece.row_len);
-                        full.narrow(0, first, rows)
-                            .copy_(&part.view([rows, piece.row_len]));
+                    if let Some(part) = piece.rows_in_shard(chunk, r) {
+                        piece.rows_in_full(&full, r).expect("rows").copy_(&part);
                     }
                 }
             }
@@ -553,27 +543,29 @@ impl Inner {
     fn reduce(&self, unit: &mut Unit) -> Result<()> {
         let world = self.group.world_size();
         let len = unit.grad.numel() as i64;
-        let buffer = Tensor::zeros([world as i64 * len], (unit.grad.kind(), unit.grad.device()));
+        // Only the padding, and the pieces of members without a gradient, stay zero:
+        // the rest is written below.
+        let buffer = unit
+            .grad
+            .new_empty([world as i64 * len], (unit.grad.kind(), unit.grad.device()));
+        let chunks: Vec<Tensor> = (0..world)
+            .map(|r| buffer.narrow(0, r as i64 * len, len))
+            .collect();
         tch::no_grad(|| {
             for (&i, piece) in unit.members.iter().zip(&unit.pieces) {
                 let g = self.params[i].grad();
-                if !g.defined() {
-                    continue;
-                }
-                let g = g.reshape([piece.rows, piece.row_len]);
-                for r in 0..world {
-                    let (first, rows) = piece.rows_of(r);
-                    if rows > 0 {
-                        buffer
-                            .narrow(0, r as i64 * len + piece.offset, rows * piece.row_len)
-                            .copy_(&g.narrow(0, first, rows).reshape([-1]));
+                for (r, chunk) in chunks.iter().enumerate() {
+                    let (_, rows) = piece.rows_of(r);
+                    let written = if g.defined() { rows * piece.row_len } else { 0 };
+                    let mut padding =
+                        chunk.narrow(0, piece.offset + written, piece.chunk_len() - written);
+                    let _ = padding.zero_();
+                    if let (true, Some(src)) = (g.defined(), piece.rows_in_full(&g, r)) {
+                        piece.rows_in_shard(chunk, r).expect("rows").copy_(&src);
                     }
                 }
             }
         });
-        let chunks: Vec<Tensor> = (0..world)
-            .map(|r| buffer.narrow(0, r as i64 * len, len))
-            .collect();
         self.group
             .reduce_scatter_into(&unit.grad, &chunks, ReduceOp::Avg)?;
         let members: Vec<Tensor> = unit

@@ -5,6 +5,8 @@
 //! A unit's shards sit one after another in one flat tensor per rank, which one
 //! all-gather and one reduce-scatter move whole.
 
+use tch::Tensor;
+
 /// One parameter's place in its unit's flat shard.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Piece {
@@ -31,6 +33,27 @@ impl Piece {
         let first = (rank as i64 * self.chunk_rows).min(self.rows);
         let end = (first + self.chunk_rows).min(self.rows);
         (first, end - first)
+    }
+
+    /// Rank `rank`'s rows of `full` (a tensor of the parameter's shape), as `[rows,
+    /// row_len]`; `None` for a rank past the end.
+    pub fn rows_in_full(&self, full: &Tensor, rank: usize) -> Option<Tensor> {
+        let (first, rows) = self.rows_of(rank);
+        (rows > 0).then(|| {
+            full.reshape([self.rows, self.row_len])
+                .narrow(0, first, rows)
+        })
+    }
+
+    /// Rank `rank`'s rows in `flat`, that rank's flat shard of the unit (or a chunk of
+    /// the parameter alone when `offset` is 0), padding left out, as `[rows,
+    /// row_len]`; `None` for a rank past the end.
+    pub fn rows_in_shard(&self, flat: &Tensor, rank: usize) -> Option<Tensor> {
+        let (_, rows) = self.rows_of(rank);
+        (rows > 0).then(|| {
+            flat.narrow(0, self.offset, rows * self.row_len)
+                .view([rows, self.row_len])
+        })
     }
 
     /// The shape of one rank's chunk: `shape` with `chunk_rows` rows.

@@ -6,8 +6,10 @@
 //! units of their own (`fully_shard`) and l1 is the root's; with `CLIP=x` the steps
 //! clip the gradients' global norm to x; with `CKPT=path` it resumes from the newest
 //! checkpoint there, saves one after step `SAVE_AT`, and with `STOP_AT` = `SAVE_AT`
-//! stops there; with `INIT_OUT=1` rank 0 writes the data and the initial parameters
-//! to DIR/OUT.init.safetensors.
+//! stops there; with `EXPORT=1` (and `CKPT`) it writes the loaded state whole, as
+//! `torch.optim`'s `state_dict` (DIR/OUT.optimizer.safetensors), and the model
+//! (DIR/OUT), and stops; with `INIT_OUT=1` rank 0 writes the data and the initial
+//! parameters to DIR/OUT.init.safetensors.
 //!
 //! With `TCHD_TEST_DEVICE=cuda` it trains on the rank's CUDA device.
 //!
@@ -69,6 +71,11 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
     if let Some(c) = &checkpoints {
         start = c.load_state(&mut vs, &mut opt)?.map_or(0, |s| s.step);
         println!("resumed at step {start}");
+        if env("EXPORT").is_some() {
+            std::fs::write(format!("{dir}/{out}.optimizer.safetensors"), opt.state()?)?;
+            vs.save(format!("{dir}/{out}"))?;
+            return Ok(());
+        }
     }
     for step in start + 1..=10 {
         let loss = l3
