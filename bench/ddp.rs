@@ -54,6 +54,9 @@ use clap::{Parser, ValueEnum};
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Reduction, Tensor};
 
+mod memory;
+use memory::{device_memory, load_libtorch_cuda, reset_device_memory};
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Workload {
     Mlp,
@@ -411,7 +414,7 @@ impl Workbench {
     }
 }
 
-// ---------------------------------------------------------------- the training function
+// ---------------------------------------------------------------- timing
 
 /// Seconds of each phase of every timed step of one kind (synchronized or no_sync):
 /// forward (with `zero_grad` and the loss), backward, optimizer step; and their CPU
@@ -471,38 +474,6 @@ impl Clock {
     fn end(&self) -> Instant {
         self.sync();
         Instant::now()
-    }
-}
-
-// ---------------------------------------------------------------- device memory
-
-extern "C" {
-    // csrc/cuda_memory.cpp
-    fn tdcb_device_memory(device: libc::c_int, out: *mut i64) -> libc::c_int;
-    fn tdcb_device_memory_reset(device: libc::c_int) -> libc::c_int;
-}
-
-/// The CUDA caching allocator's bytes of `device`: allocated now, allocated peak,
-/// reserved now, reserved peak; NaN on the CPU or when libtorch cannot say.
-fn device_memory(device: Device) -> [f64; 4] {
-    let mut out = [0i64; 4];
-    match device {
-        Device::Cuda(i)
-            if unsafe { tdcb_device_memory(i as libc::c_int, out.as_mut_ptr()) } == 0 =>
-        {
-            out.map(|b| b as f64)
-        }
-        _ => [f64::NAN; 4],
-    }
-}
-
-/// Frees the CUDA caching allocator's cached blocks and restarts its peaks, as
-/// `torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()`.
-fn reset_device_memory(device: Device) {
-    if let Device::Cuda(i) = device {
-        if unsafe { tdcb_device_memory_reset(i as libc::c_int) } != 0 {
-            eprintln!("warning: could not reset the CUDA allocator's statistics");
-        }
     }
 }
 
@@ -718,17 +689,8 @@ fn main() -> Result<()> {
         // Before libtorch first asks CUDA for its devices: the SDK gives each rank a
         // GPU whenever it sees one.
         DeviceArg::Cpu => std::env::set_var("CUDA_VISIBLE_DEVICES", ""),
-        // libtorch's CUDA support, loaded before libtorch first asks about CUDA. This
-        // binary links libtorch_cuda.so already (the SDK's NCCL backend lives there);
-        // should a build leave it out (`--as-needed`), this keeps CUDA visible. Found as
-        // the binary's own libraries are: LD_LIBRARY_PATH, then the RUNPATH. Null (and
-        // no CUDA) with a CPU-only libtorch.
-        DeviceArg::Cuda => unsafe {
-            libc::dlopen(
-                c"libtorch_cuda.so".as_ptr(),
-                libc::RTLD_NOW | libc::RTLD_GLOBAL,
-            );
-        },
+        // libtorch's CUDA support, loaded before libtorch first asks about CUDA.
+        DeviceArg::Cuda => load_libtorch_cuda(),
     }
     tch::set_num_threads(1);
     if args.check {

@@ -9,12 +9,19 @@
 //! so that freed tensors leave the resident set, but for the last two rows: glibc's
 //! own settings, under which the SDK fixes the threshold itself when it shards.
 //!
+//! On CUDA (`--device cuda`, what `scripts/bench_gpu.sh` runs), the ranks share the
+//! one visible GPU over Gloo and the memory is the CUDA caching allocator's: its peak
+//! of allocated bytes less what was allocated before the model was made
+//! (`torch.cuda.max_memory_allocated()` on PyTorch's side); the rows under glibc's
+//! defaults are left out.
+//!
 //! ```text
-//! scripts/bench.sh sharding [--python PYTHON]   # every configuration; prints a table
+//! scripts/bench.sh sharding [--python PYTHON] [--device cuda]   # every configuration; prints a table
 //! ```
 //!
-//! Run with `--worker` (under a launcher, `TCH_DISTRIBUTED_ZERO` set or not), it is one
-//! configuration: each rank writes `SHARDING {json}` to stderr.
+//! Run with `--worker` (under a launcher, `TCH_DISTRIBUTED_ZERO` set or not,
+//! `TCHD_BENCH_DEVICE=cuda` or not), it is one configuration: each rank writes
+//! `SHARDING {json}` to stderr.
 
 use std::process::Command;
 use std::time::Instant;
@@ -22,8 +29,8 @@ use std::time::Instant;
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
-mod worker_rows;
-use worker_rows::{status_bytes, worker_rows};
+mod memory;
+use memory::{device_memory, load_libtorch_cuda, reset_device_memory, status_bytes, worker_rows};
 
 const LAYERS: i64 = 16;
 const WIDTH: i64 = 1024;
@@ -31,9 +38,22 @@ const BATCH: i64 = 8;
 
 #[tch_distributed::distributed]
 fn worker() -> anyhow::Result<()> {
-    let baseline = status_bytes("VmRSS:");
-    tch::manual_seed(0);
-    let vs = nn::VarStore::new(Device::Cpu);
+    let cuda = std::env::var("TCHD_BENCH_DEVICE").is_ok_and(|d| d == "cuda");
+    // The rank's GPU (the SDK picks it; ranks share a single visible one), or the CPU.
+    let device = match cuda {
+        true => Device::cuda_if_available(),
+        false => Device::Cpu,
+    };
+    anyhow::ensure!(
+        device.is_cuda() == cuda,
+        "TCHD_BENCH_DEVICE=cuda, but no CUDA device is visible"
+    );
+    reset_device_memory(device);
+    let baseline = match cuda {
+        true => device_memory(device)[0],
+        false => status_bytes("VmRSS:") as f64,
+    };
+    let vs = nn::VarStore::new(device);
     let root = vs.root();
     let layers: Vec<_> = (0..LAYERS)
         .map(|i| {
@@ -42,7 +62,7 @@ fn worker() -> anyhow::Result<()> {
         })
         .collect();
     let mut opt = nn::Adam::default().build(&vs, 1e-4)?;
-    let x = Tensor::randn([BATCH, WIDTH], (Kind::Float, Device::Cpu));
+    let x = Tensor::randn([BATCH, WIDTH], (Kind::Float, device));
     let mut step = || {
         let y = layers
             .iter()
@@ -56,7 +76,14 @@ fn worker() -> anyhow::Result<()> {
     for _ in 0..5 {
         step();
     }
+    if let Device::Cuda(i) = device {
+        tch::Cuda::synchronize(i as i64);
+    }
     let step_ms = start.elapsed().as_secs_f64() / 5.0 * 1e3;
+    let peak = match cuda {
+        true => device_memory(device)[1],
+        false => status_bytes("VmHWM:") as f64,
+    };
     let zero = std::env::var("TCH_DISTRIBUTED_ZERO").unwrap_or_default();
     let side = match zero.as_str() {
         "" | "0" => "ddp".to_string(),
@@ -66,7 +93,8 @@ fn worker() -> anyhow::Result<()> {
         "SHARDING {}\n",
         serde_json::json!({
             "rank": ctx.rank(), "world_size": ctx.world_size(), "side": side,
-            "baseline_rss": baseline, "peak_rss": status_bytes("VmHWM:"), "step_ms": step_ms,
+            "device": if cuda { "cuda" } else { "cpu" },
+            "baseline": baseline, "peak": peak, "step_ms": step_ms,
         })
     );
     // Every rank's line (println! prints on rank 0 only).
@@ -80,7 +108,7 @@ fn measure(cmd: Command, what: &str) -> anyhow::Result<(f64, f64, Vec<serde_json
     let rows = worker_rows(cmd, "SHARDING", what)?;
     let added = rows
         .iter()
-        .map(|r| r["peak_rss"].as_f64().unwrap_or(0.0) - r["baseline_rss"].as_f64().unwrap_or(0.0))
+        .map(|r| r["peak"].as_f64().unwrap_or(0.0) - r["baseline"].as_f64().unwrap_or(0.0))
         .fold(0.0, f64::max);
     let step = rows
         .iter()
@@ -112,6 +140,9 @@ fn print_row(
 fn main() -> anyhow::Result<()> {
     tch::set_num_threads(1);
     let args: Vec<String> = std::env::args().collect();
+    if std::env::var("TCHD_BENCH_DEVICE").is_ok_and(|d| d == "cuda") {
+        load_libtorch_cuda();
+    }
     if args.iter().any(|a| a == "--worker") {
         return worker();
     }
@@ -119,9 +150,16 @@ fn main() -> anyhow::Result<()> {
         .iter()
         .position(|a| a == "--python")
         .and_then(|i| args.get(i + 1).cloned());
+    let cuda = args
+        .iter()
+        .position(|a| a == "--device")
+        .is_some_and(|i| args.get(i + 1).is_some_and(|d| d == "cuda"));
     let exe = std::env::current_exe()?;
     let tchrun = exe.with_file_name("tchrun");
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/fsdp_bench.py");
+    // PyTorch's side: beside the sources, or where a GPU package put it.
+    let script = std::env::var("TCHD_FSDP_BENCH")
+        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/python/fsdp_bench.py").into());
+    let script = script.as_str();
     println!("| ranks | side | added peak per rank (MB) | of DDP's | step (ms) |");
     println!("|---|---|---|---|---|");
     // The last rows: glibc's own settings (no fixed mmap threshold), where the SDK
@@ -138,12 +176,20 @@ fn main() -> anyhow::Result<()> {
     ];
     let mut ddp = 0.0;
     for (i, (ranks, zero, fixed)) in configurations.into_iter().enumerate() {
+        // glibc's settings do not move CUDA memory.
+        if cuda && !fixed {
+            continue;
+        }
         {
             let mut cmd = Command::new(&tchrun);
             cmd.args(["--nproc-per-node", &ranks.to_string()])
                 .arg(&exe)
                 .arg("--worker")
-                .env("TCH_DISTRIBUTED_ZERO", zero);
+                .env("TCH_DISTRIBUTED_ZERO", zero)
+                .env("TCHD_BENCH_DEVICE", if cuda { "cuda" } else { "cpu" });
+            if !cuda {
+                cmd.env("CUDA_VISIBLE_DEVICES", "");
+            }
             if fixed {
                 cmd.env("MALLOC_MMAP_THRESHOLD_", "65536");
             }
@@ -171,9 +217,19 @@ fn main() -> anyhow::Result<()> {
         let mut ddp = 0.0;
         for mode in ["ddp", "fsdp2"] {
             let mut cmd = Command::new(python);
-            cmd.args([script, &ranks.to_string(), mode])
+            let device = if cuda { "cuda" } else { "cpu" };
+            cmd.args([script, &ranks.to_string(), mode, device])
                 .env("MALLOC_MMAP_THRESHOLD_", "65536");
-            let (added, step, rows) = measure(cmd, &format!("PyTorch {mode}, {ranks} ranks"))?;
+            let measured = measure(cmd, &format!("PyTorch {mode}, {ranks} ranks"));
+            // On CUDA, Gloo may lack a collective that FSDP2 asks for: the row says so.
+            let (added, step, rows) = match measured {
+                Err(e) if cuda => {
+                    let why = e.to_string().lines().last().unwrap_or_default().to_string();
+                    println!("| {ranks} | PyTorch {mode} | failed: {why} | | |");
+                    continue;
+                }
+                measured => measured?,
+            };
             if mode == "ddp" {
                 ddp = added;
             }

@@ -15,8 +15,8 @@ use std::process::Command;
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
-mod worker_rows;
-use worker_rows::{status_bytes, worker_rows};
+mod memory;
+use memory::{status_bytes, worker_rows};
 
 const LAYERS: i64 = 8;
 const WIDTH: i64 = 2560;

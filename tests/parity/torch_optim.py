@@ -55,16 +55,26 @@ def train(model, opt, data, first, last, save):
 
 # ANCHOR: state_dict
 def state_dict(paths):
-    """The SDK's state file (or, under ZeRO, the ranks' shards of it) as torch.optim's
+    """The SDK's state file (or, under ZeRO, the ranks' files) as torch.optim's
     state_dict: {"state": {j: {name: tensor}}, "param_groups": [...]}, from
-    `state.{j}.{name}` and the metadata."""
-    state = {}
+    `state.{j}.{name}` and the metadata. Under ZeRO each rank's file holds its rows
+    (dim 0) of every state tensor and names its rank in `dim0_shard`: the rows are put
+    together in rank order."""
+    parts = {}
     for path in [paths] if isinstance(paths, str) else paths:
         with safe_open(path, framework="pt") as f:
-            groups = json.loads(f.metadata()["param_groups"])
+            metadata = f.metadata()
+            groups = json.loads(metadata["param_groups"])
+            rank = json.loads(metadata.get("dim0_shard", '{"rank": 0}'))["rank"]
             for key in f.keys():
                 _, j, name = key.split(".", 2)
-                state.setdefault(int(j), {})[name] = f.get_tensor(key)
+                parts.setdefault((int(j), name), []).append((rank, f.get_tensor(key)))
+    state = {}
+    for (j, name), chunks in parts.items():
+        chunks = [t for _, t in sorted(chunks, key=lambda c: c[0])]
+        # Every rank keeps the step count; the rest are rows.
+        whole = chunks[0] if name == "step" or len(chunks) == 1 else torch.cat(chunks)
+        state.setdefault(j, {})[name] = whole
     return {"state": state, "param_groups": groups}
 # ANCHOR_END: state_dict
 

@@ -27,7 +27,8 @@ const OPTIMIZER: &str = "optimizer.safetensors";
 /// archive: still read (converted on load), never written.
 const LIBTORCH_OPTIMIZER: &str = "optimizer.pt";
 
-/// Under ZeRO, rank `rank`'s shard of the optimizer's state (the parameters it owns).
+/// Under ZeRO, rank `rank`'s shard of the optimizer's state (its rows of every
+/// parameter's state).
 fn optimizer_shard(rank: usize) -> String {
     format!("optimizer-rank-{rank}.safetensors")
 }
@@ -98,7 +99,7 @@ impl TrainState {
 /// |---|---|---|
 /// | `model.safetensors` | rank 0 | parameters and buffers, named as `VarStore::save` names them (loads in 1 rank, N ranks, or PyTorch's `safetensors.torch.load_file`) |
 /// | `optimizer.safetensors` | rank 0 | the optimizer's state in `torch.optim`'s `state_dict` layout (moments, step counts, the groups' options: see [`Optimizer::state`]); loads into PyTorch. Checkpoints of tch-distributed 0.1, with libtorch's `optimizer.pt` instead, still load |
-/// | `optimizer-rank-R.safetensors` | rank R, with ZeRO ([`Optimizer::zero`]) instead of the above | the state of the parameters rank R owns, in the same layout and numbering: together the whole state; they load at any world size, with or without ZeRO |
+/// | `optimizer-rank-R.safetensors` | rank R, with ZeRO ([`Optimizer::zero`]) instead of the above | rank R's rows (dim 0, as `torch.chunk` cuts) of every parameter's state, in the same layout and numbering, with `dim0_shard` in the metadata: together the whole state; they load at any world size, with or without ZeRO |
 /// | `state.json` | rank 0 | [`TrainState`]: step, epoch, samples consumed, world size, configuration |
 /// | `rank-R.safetensors` | rank R | that rank's random-generator states: `cpu`, and `cuda` when the model is on a GPU |
 /// | `COMPLETE` | rank 0, last | every file's size and hash |

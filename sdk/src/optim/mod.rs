@@ -141,7 +141,7 @@ pub struct Optimizer {
     groups_of: Vec<usize>,
     state: Vec<Option<ParamState>>,
     implementation: Implementation,
-    /// ZeRO stage 1: which rank owns each parameter ([`zero`](Self::zero)).
+    /// ZeRO stage 1: each parameter's rows on each rank ([`zero`](Self::zero)).
     zero: Option<zero::Zero>,
     /// ZeRO stages 2 and 3: the parameters, gradients and state sharded
     /// ([`zero`](Self::zero)).
@@ -220,12 +220,13 @@ impl Optimizer {
 
     /// ZeRO, in a job of several ranks (in a world of one it changes nothing):
     ///
-    /// - **stage 1**, as PyTorch's `ZeroRedundancyOptimizer`: each rank keeps the state
-    ///   of, and updates, only its share of the parameters (partitioned by size, largest
-    ///   first, each to the rank with the fewest elements so far, as
-    ///   `ZeroRedundancyOptimizer` does), then every rank receives the updated
-    ///   parameters from their owners (one `broadcast_coalesced` per rank). DDP's
-    ///   gradient averaging is unchanged: every rank still has every gradient.
+    /// - **stage 1** (DeepSpeed's ZeRO-1; PyTorch's `ZeroRedundancyOptimizer` shards
+    ///   whole parameters instead): every parameter is cut on dim 0 as at stages 2 and
+    ///   3 (`torch.chunk`'s `ceil(rows / world_size)` rows a rank); each rank keeps the
+    ///   state of its rows of every parameter, exactly `1/N` of the state, and updates
+    ///   them, then every rank broadcasts its rows to the others (one
+    ///   `broadcast_coalesced` per rank, in place). DDP's gradient averaging is
+    ///   unchanged: every rank still has every gradient.
     /// - **stage 2**, as FSDP2's `fully_shard(reshard_after_forward=False)` (DeepSpeed's
     ///   ZeRO-2): every parameter is cut on dim 0 into `world_size` chunks (padded, so
     ///   exactly `1/N` each); each rank keeps its chunk of every parameter, of its
@@ -282,6 +283,17 @@ impl Optimizer {
         Ok(self)
     }
 
+    /// Which dim-0 chunk of every parameter this rank's state holds, at ZeRO stages 1
+    /// to 3: `(rank, world_size)`, the rows `torch.chunk` gives rank `rank` of
+    /// `world_size`.
+    pub(crate) fn dim0_shard(&self) -> Option<(usize, usize)> {
+        match (&self.sharding, &self.zero) {
+            (Some(sharding), _) => Some(sharding.rank_and_world_size()),
+            (None, Some(zero)) => Some(zero.rank_and_world_size()),
+            (None, None) => None,
+        }
+    }
+
     /// The ZeRO stage, when the state is sharded over several ranks.
     pub fn zero_stage(&self) -> Option<u8> {
         match &self.sharding {
@@ -307,18 +319,25 @@ impl Optimizer {
         }
     }
 
-    /// With ZeRO, partitions the parameters again (they changed) and drops the state
-    /// of those this rank does not own.
+    /// With ZeRO stage 1, cuts the parameters not cut yet (added since) and keeps this
+    /// rank's rows of any state they have.
     fn repartition(&mut self) {
         let Some(zero) = &mut self.zero else { return };
-        let mut groups = vec![Vec::new(); self.groups.len()];
-        for (i, &g) in self.groups_of.iter().enumerate() {
-            groups[g].push(i);
-        }
-        zero.partition(&self.params, &groups);
-        for (state, owned) in self.state.iter_mut().zip(zero.owned()) {
-            if !owned {
-                *state = None;
+        let cut = zero.cut();
+        zero.partition(&self.params);
+        for i in cut..self.params.len() {
+            let Some(state) = self.state[i].as_mut() else {
+                continue;
+            };
+            if zero.rows(i, &self.params[i]).is_none() {
+                self.state[i] = None;
+                continue;
+            }
+            for t in state.tensors.iter_mut().flatten() {
+                *t = zero
+                    .rows(i, t)
+                    .expect("rows of a tensor of the parameter's shape")
+                    .copy();
             }
         }
     }
@@ -473,10 +492,27 @@ impl Optimizer {
     /// are left alone, as in tch).
     fn update(&mut self) -> Result<()> {
         self.add_missing_variables()?;
-        let owned = self.zero.as_ref().map(zero::Zero::owned);
-        let shards = self.sharding.as_ref().map(crate::shard::Sharding::shards);
+        // What the kernels step: the shards (stages 2 and 3), this rank's rows of each
+        // parameter (stage 1: none of some), or the parameters.
+        let (stepped, owned) = match (&self.sharding, &self.zero) {
+            (Some(sharding), _) => (sharding.shards(), None),
+            (None, Some(zero)) => {
+                let views = zero.views(&self.params)?;
+                let owned: Vec<bool> = views.iter().map(Option::is_some).collect();
+                let stepped = views
+                    .into_iter()
+                    .zip(&self.params)
+                    .map(|(view, p)| view.unwrap_or_else(|| p.shallow_clone()))
+                    .collect();
+                (stepped, Some(owned))
+            }
+            (None, None) => (
+                self.params.iter().map(Tensor::shallow_clone).collect(),
+                None,
+            ),
+        };
         kernels::update(
-            shards.as_deref().unwrap_or(&self.params),
+            &stepped,
             &self.groups_of,
             &self.groups,
             &mut self.state,
@@ -767,8 +803,9 @@ impl Optimizer {
     }
 
     /// Restores a state saved in shards, as the ranks of a ZeRO run save it (each
-    /// rank's [`state`](Self::state) holds the parameters it owned, numbered as in the
-    /// whole): together they give every parameter's state. This optimizer keeps what
+    /// rank's [`state`](Self::state) holds its rows of every parameter's state, numbered
+    /// as in the whole, or, as stage 1 used to write it, the whole state of the
+    /// parameters it owned): together they give every parameter's state. This optimizer keeps what
     /// it holds: every parameter's state, or with [`zero`](Self::zero) its own share,
     /// whatever the world size that saved them.
     ///

@@ -215,6 +215,13 @@ pub(super) fn to_safetensors(opt: &Optimizer) -> Result<Vec<u8>> {
                     Some(sharding) => sharding.unpadded(i, t),
                     None => t.shallow_clone(),
                 };
+                // A chunk that is the whole parameter (a scalar's, on rank 0) in its
+                // shape, as torch.optim keeps it.
+                let p = &opt.params[i];
+                let t = match t.numel() == p.numel() && t.size() != p.size() {
+                    true => t.reshape(p.size().as_slice()),
+                    false => t,
+                };
                 owned.push(Owned::new(format!("state.{j}.{name}"), &t)?);
             }
         }
@@ -240,8 +247,7 @@ pub(super) fn to_safetensors(opt: &Optimizer) -> Result<Vec<u8>> {
         (PARAM_GROUPS.to_string(), Value::Array(groups).to_string()),
         (OPTIMIZER.to_string(), algorithm.torch_name().to_string()),
     ]);
-    if let Some(sharding) = &opt.sharding {
-        let (rank, world_size) = sharding.rank_and_world_size();
+    if let Some((rank, world_size)) = opt.dim0_shard() {
         let shard = json!({ "rank": rank, "world_size": world_size });
         metadata.insert(DIM0_SHARD.to_string(), shard.to_string());
     }
@@ -339,10 +345,20 @@ pub(super) fn from_safetensors(opt: &mut Optimizer, shards: &[&[u8]]) -> Result<
                 )));
             }
             let full = full.to_device(p.device());
-            tensors[k] = Some(match &opt.sharding {
-                Some(sharding) => sharding.chunk(i, &full),
-                None => full,
-            });
+            tensors[k] = match (&opt.sharding, &opt.zero) {
+                (Some(sharding), _) => Some(sharding.chunk(i, &full)),
+                // Stage 1: this rank's rows, none past the last.
+                (None, Some(zero)) => zero.rows(i, &full).map(|rows| rows.copy()),
+                (None, None) => Some(full),
+            };
+        }
+        // Stage 1 keeps no state for a parameter of which this rank holds no rows.
+        if opt
+            .zero
+            .as_ref()
+            .is_some_and(|zero| zero.rows(i, p).is_none())
+        {
+            continue;
         }
         if tensors.iter().any(Option::is_some) || steps[i].is_some() {
             state[i] = Some(ParamState {

@@ -9,8 +9,10 @@
 
 mod engine;
 mod hooks;
-mod layout;
+pub(crate) mod layout;
 mod unit;
 
 pub(crate) use engine::{named, Sharding};
+pub(crate) use hooks::set_grad;
+pub(crate) use layout::Piece;
 pub use unit::{fully_shard, FullyShard};
