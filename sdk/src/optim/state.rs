@@ -17,7 +17,7 @@ use crate::ffi;
 /// The metadata keys: `torch.optim`'s `param_groups`, and the class they belong to.
 const PARAM_GROUPS: &str = "param_groups";
 const OPTIMIZER: &str = "optimizer";
-/// In a file of ZeRO stage 2 or 3, which dim-0 chunk of every state tensor it holds:
+/// In a file of a ZeRO run, which dim-0 chunk of every state tensor it holds:
 /// `{"rank": r, "world_size": n}` (the rows `torch.chunk` gives rank r of n).
 const DIM0_SHARD: &str = "dim0_shard";
 
@@ -274,10 +274,10 @@ pub(super) fn to_safetensors(opt: &Optimizer) -> Result<Vec<u8>> {
 }
 
 /// See [`Optimizer::load_state_shards`]: the shards' groups must agree; the last
-/// shard's options win. A parameter's state is the one file's that holds it (ZeRO
-/// stage 1's shards, or an unsharded state), or the dim-0 chunks of every file of a
-/// stage 2 or 3 run put together in rank order. A sharded optimizer then keeps its
-/// own chunk of it.
+/// shard's options win. A parameter's state is the one file's that holds it (an
+/// unsharded state, or a ZeRO-1 file of the former layout, whole parameters per rank),
+/// or the dim-0 chunks of every file of a ZeRO run put together in rank order. A
+/// sharded optimizer then keeps its own chunk of it.
 pub(super) fn from_safetensors(opt: &mut Optimizer, shards: &[&[u8]]) -> Result<()> {
     let bad = |why: String| checkpoint(None, format!("optimizer state: {why}"));
     let n = opt.params.len();
@@ -299,8 +299,8 @@ pub(super) fn from_safetensors(opt: &mut Optimizer, shards: &[&[u8]]) -> Result<
         chunked.extend(chunks);
         groups = read_groups;
     }
-    // The files of a stage 2 or 3 run hold every parameter's chunk: all of them, one
-    // per rank, or the state put together would be short (or padded) of rows.
+    // The files of a ZeRO run hold every parameter's chunk: all of them, one per rank,
+    // or the state put together would be short (or padded) of rows.
     if let Some(&(_, world)) = chunked.first() {
         let mut ranks: Vec<usize> = chunked.iter().map(|&(rank, _)| rank).collect();
         ranks.sort_unstable();
@@ -310,7 +310,7 @@ pub(super) fn from_safetensors(opt: &mut Optimizer, shards: &[&[u8]]) -> Result<
         if !whole {
             return Err(bad(format!(
                 "the {} files given hold the chunks of ranks {ranks:?} of a run of {world} \
-                 ranks (ZeRO stage 2 or 3): give every rank's file of the same checkpoint \
+                 ranks (ZeRO): give every rank's file of the same checkpoint \
                  (`optimizer-rank-R.safetensors`, R = 0 to {}) once each",
                 shards.len(),
                 world - 1
@@ -378,7 +378,7 @@ pub(super) fn from_safetensors(opt: &mut Optimizer, shards: &[&[u8]]) -> Result<
 type Items = Vec<(usize, Option<usize>, Tensor)>;
 
 /// Reads one file: the groups' options it gives, the rank whose dim-0 chunks it holds
-/// and the world size they were cut for (ZeRO stage 2 or 3), if it does, and its
+/// and the world size they were cut for (ZeRO), if it does, and its
 /// tensors.
 fn read_shard(
     opt: &Optimizer,
