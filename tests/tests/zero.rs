@@ -102,9 +102,13 @@ fn a_zero_checkpoint_resumes_on_other_world_sizes_with_or_without_zero_and_in_py
     run(&dir, 4, true, "zero4.safetensors", &["10", c, "5"]);
     let step = ckpt.join("step-0000000005");
     for r in 0..4 {
-        assert!(step
-            .join(format!("optimizer-rank-{r}.safetensors"))
-            .exists());
+        // Each file names the chunk it holds, which loading checks and orders by.
+        let file = std::fs::read(step.join(format!("optimizer-rank-{r}.safetensors"))).unwrap();
+        let len = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Value = serde_json::from_slice(&file[8..8 + len]).unwrap();
+        let shard: serde_json::Value =
+            serde_json::from_str(header["__metadata__"]["dim0_shard"].as_str().unwrap()).unwrap();
+        assert_eq!(shard, serde_json::json!({ "rank": r, "world_size": 4 }));
     }
     assert!(!step.join("optimizer.safetensors").exists());
     let reference = dir.join("uninterrupted.safetensors");
