@@ -12,6 +12,7 @@
 
 #include <ATen/ATen.h>
 #include <memory>
+#include <unordered_set>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -130,6 +131,34 @@ tdc_grad_hooks* tdc_grad_hooks_new(
       hooks->keys.push_back(key);
     }
     return hooks.release();
+  })
+}
+
+int tdc_grad_hooks_reachable(tdc_grad_hooks* hooks, tdc_tensor* roots, int n, int* out) {
+  TDC_PROTECT(1, {
+    using torch::autograd::Node;
+    std::unordered_set<Node*> seen;
+    std::vector<Node*> stack;
+    auto visit = [&](Node* node) {
+      if (node != nullptr && seen.insert(node).second) stack.push_back(node);
+    };
+    for (int i = 0; i < n; i++) {
+      const auto& root = tensor(roots[i]);
+      if (root.grad_fn()) {
+        visit(root.grad_fn().get());
+      } else if (root.requires_grad()) {
+        visit(torch::autograd::impl::try_get_grad_accumulator(root).get());
+      }
+    }
+    while (!stack.empty()) {
+      Node* node = stack.back();
+      stack.pop_back();
+      for (const auto& edge : node->next_edges()) visit(edge.function.get());
+    }
+    for (size_t i = 0; i < hooks->accumulators.size(); i++) {
+      out[i] = seen.count(hooks->accumulators[i].get()) ? 1 : 0;
+    }
+    return 0;
   })
 }
 

@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/distributed/c10d/logger.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
 #include <ATen/ATen.h>
@@ -28,7 +29,11 @@ struct tdc_pg {
 };
 
 struct tdc_reducer {
-  std::unique_ptr<c10d::Reducer> reducer;
+  std::shared_ptr<c10d::Reducer> reducer;
+  // As DDP's constructor gives its Reducer one: the Reducer logs through it (when the
+  // set of unused parameters changes under find_unused_parameters, it calls it
+  // without checking that it is there). Destroyed first, as DDP's.
+  std::shared_ptr<c10d::Logger> logger;
 };
 
 namespace {
@@ -383,14 +388,16 @@ tdc_reducer* tdc_reducer_new(
     auto [indices, per_bucket_limits] =
         c10d::compute_bucket_assignment_by_size(ps, limits, sparse);
     std::reverse(indices.begin(), indices.end());
-    auto reducer = std::make_unique<c10d::Reducer>(
+    auto reducer = std::make_shared<c10d::Reducer>(
         ps, std::move(indices), pg->pg, sparse, bucket_bytes_cap,
         find_unused_parameters != 0, gradient_as_bucket_view != 0,
         std::move(param_names), first_bucket_bytes_cap,
         /*skip_all_reduce_unused_params=*/false,
         /*use_python_reducer=*/false,
         /*bucket_bytes_cap_list=*/std::vector<int64_t>{});
-    return new tdc_reducer{std::move(reducer)};
+    auto logger = std::make_shared<c10d::Logger>(reducer);
+    reducer->set_logger(logger);
+    return new tdc_reducer{std::move(reducer), std::move(logger)};
   })
 }
 

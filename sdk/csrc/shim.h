@@ -196,6 +196,10 @@ int tdc_hook_gradient(
 // the hooks are freed.
 tdc_grad_hooks* tdc_grad_hooks_new(
     tdc_tensor* params, int n, tdc_callback callback, void* ctx, tdc_drop drop);
+// out[i] = 1 when parameter i's gradient accumulator is in the autograd graph of
+// `roots` (a backward pass from them accumulates its `.grad`), else 0; as the
+// Reducer's search for unused parameters.
+int tdc_grad_hooks_reachable(tdc_grad_hooks* hooks, tdc_tensor* roots, int n, int* out);
 void tdc_grad_hooks_free(tdc_grad_hooks* hooks);
 
 #ifdef __cplusplus

@@ -256,6 +256,12 @@ extern "C" {
         ctx: *mut c_void,
         drop: Drop,
     ) -> *mut GradHooks;
+    pub fn tdc_grad_hooks_reachable(
+        hooks: *mut GradHooks,
+        roots: *const Tensor,
+        n: c_int,
+        out: *mut c_int,
+    ) -> c_int;
     pub fn tdc_grad_hooks_free(hooks: *mut GradHooks);
     pub fn tdc_amp_unscale(
         grads: *const Tensor,

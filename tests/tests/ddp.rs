@@ -90,8 +90,10 @@ fn no_sync_accumulates_locally_then_averages_once() {
     );
 }
 
-/// With `find_unused_parameters`, a model with a layer the loss never uses trains to
-/// the parameters of one process on the global batch, the unused layer unchanged.
+/// With `find_unused_parameters`, a model with a layer the loss never uses, and one it
+/// uses on one step of three, trains to the parameters of one process on the global
+/// batch, the unused layer unchanged. (The set of unused parameters changing from one
+/// step to the next made the Reducer log through a logger it did not have: SIGSEGV.)
 #[test]
 fn find_unused_parameters_trains_a_model_with_an_unused_layer() {
     let run = ddp(2, &["unused"]);

@@ -102,6 +102,58 @@ fn clipping_and_accumulation_on_shards_match_ddp() {
     }
 }
 
+/// Variables that get no gradient: one unused on some steps (a unit of its own, or
+/// in the root), one used on rank 0 only (in a unit whose other members every rank
+/// uses), one never. A variable no rank had a gradient for is left alone by the step,
+/// and one some rank had counts as zero on the others, as DDP with
+/// `find_unused_parameters` does. Alone and with accumulation, which must not count
+/// a member's gradient from one micro-batch towards another's. At stage 2, a whole
+/// unit used on rank 0 only: the reduce-scatters keep one order on every rank,
+/// though rank 1 has that unit's (zero) gradients before its backward pass starts.
+#[test]
+fn variables_without_gradients_train_as_ddp_with_find_unused_parameters() {
+    let dir = scratch_dir("sharding-unused");
+    let unused = [
+        ("UNUSED", "1"),
+        ("TCH_DISTRIBUTED_FIND_UNUSED_PARAMETERS", "true"),
+    ];
+    let accumulation = [unused.as_slice(), &[("TCH_DISTRIBUTED_GRAD_ACCUM", "2")]].concat();
+    let rank_0 = [("UNUSED", "rank0"), unused[1]];
+    let cases: [(&str, &[(&str, &str)], &[u8]); 3] = [
+        ("alone", &unused, &[2, 3]),
+        ("accum", &accumulation, &[2, 3]),
+        ("rank0", &rank_0, &[2]),
+    ];
+    for (name, env, stages) in cases {
+        let ddp = format!("{name}-ddp.safetensors");
+        run(&dir, 2, 0, &ddp, &[env, &[("INIT_OUT", "1")]].concat());
+        let runs = stages
+            .iter()
+            .flat_map(|&zero| [(zero, false), (zero, true)]);
+        for (zero, units) in runs {
+            let out = format!("{name}-zero{zero}-units{units}.safetensors");
+            let env = match units {
+                true => [env, &[("UNITS", "1")]].concat(),
+                false => env.to_vec(),
+            };
+            run(&dir, 2, zero, &out, &env);
+            let diff = compare(&dir.join(&ddp), &dir.join(&out));
+            assert!(
+                diff.max_abs < 1e-6,
+                "{name}, zero {zero}, units {units}: {diff:?}"
+            );
+        }
+    }
+    // Weight decay would move a variable the step did not skip: `never` kept its
+    // first value, `l3.skip` did not.
+    use tch_distributed_tests::compare::{named_where, read};
+    let mut init = read(&dir.join("alone-ddp.safetensors.init.safetensors"));
+    init.retain(|(name, _)| name != "x" && name != "y");
+    let end = read(&dir.join("alone-zero3-unitstrue.safetensors"));
+    assert_eq!(named_where(&init, &end, |n| n == "never").max_abs, 0.0);
+    assert!(named_where(&init, &end, |n| n == "l3.skip").max_abs > 1e-3);
+}
+
 /// A stage-3 checkpoint holds each rank's chunks of the optimizer's state and the
 /// whole model: it resumes bit for bit on the same ranks, and on other world sizes
 /// and stages, or without sharding, where the whole run would have ended.

@@ -648,7 +648,7 @@ impl Optimizer {
                 ddp.backward(loss)?
             }
             (None, Some(sharding)) => {
-                sharding.set_sync(last);
+                sharding.begin_backward(loss, last)?;
                 // A hook's own failure (a collective) is the cause, not autograd's text.
                 loss.f_backward()
                     .map_err(|e| sharding.take_failure().unwrap_or(Error::from(e)))?

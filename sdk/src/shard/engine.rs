@@ -26,7 +26,7 @@ pub(crate) struct Sharding {
     inner: Arc<Inner>,
     /// The units' views (their chunks), in the optimizer's order: see `shards`.
     shards: Vec<Tensor>,
-    _hooks: GradHooks,
+    hooks: GradHooks,
 }
 
 pub(crate) struct Inner {
@@ -42,6 +42,8 @@ pub(crate) struct Inner {
     /// accumulation cycle, which keeps its full gradients, as FSDP2's
     /// `set_requires_gradient_sync(False)`).
     sync: AtomicBool,
+    /// Where this cycle's reduce-scatters stand (see [`Order`]).
+    order: Mutex<Order>,
     /// The first failure inside a hook, which fails the backward pass.
     failure: Mutex<Option<Error>>,
     /// The hook that gathers a unit before its backward pass.
@@ -55,18 +57,38 @@ pub(crate) struct Inner {
 unsafe impl Sync for Inner {}
 unsafe impl Send for Inner {}
 
+/// The reduce-scatters of a cycle run in one fixed order on every rank: the declared
+/// units from the last to the first (the order of a backward pass when they were
+/// declared in the forward's order), then the root, as the Reducer launches its
+/// buckets in order. A unit complete early (all its gradients accumulated) waits for
+/// those before it, so that a unit that is complete on one rank and not on another
+/// (a member without a gradient there) cannot pair one rank's collective with
+/// another unit's: the incomplete ones run at the step, in the same order.
+struct Order {
+    /// How many units of the order were reduce-scattered in this cycle.
+    next: usize,
+    /// The units whose gradients were all accumulated in this cycle.
+    complete: Vec<bool>,
+}
+
 struct Unit {
     /// The unit's parameters (places in the optimizer) and their pieces.
     members: Vec<usize>,
     pieces: Vec<Piece>,
-    /// This rank's flat shard of the unit's parameters, and of their gradients.
+    /// This rank's flat shard of the unit's parameters.
     shard: Tensor,
+    /// This rank's flat shard of their gradients (`shard`'s length), then one flag
+    /// per member: after the reduce-scatter, above zero when some rank had a gradient
+    /// for that member in this cycle.
     grad: Tensor,
     /// Per member, its chunk of `shard` in the parameter's shape with `chunk_rows`
-    /// rows; its `.grad` is its chunk of `grad`. The optimizer steps these.
+    /// rows; its `.grad` is its chunk of `grad` (`grads`), or none in a cycle where no
+    /// rank had a gradient for it (the optimizer skips it, as DDP leaves such a
+    /// variable's gradient undefined). The optimizer steps these.
     views: Vec<Tensor>,
-    /// Members whose gradients this backward pass accumulated so far.
-    ready: usize,
+    grads: Vec<Tensor>,
+    /// Per member, whether this backward pass accumulated its gradient.
+    ready: Vec<bool>,
     /// The gradients were reduce-scattered in this cycle.
     reduced: bool,
     /// The full parameters hold the shards' values.
@@ -161,6 +183,10 @@ impl Sharding {
                 unit_of,
                 units,
                 sync: AtomicBool::new(true),
+                order: Mutex::new(Order {
+                    next: 0,
+                    complete: vec![false; unit_members.len()],
+                }),
                 failure: Mutex::new(None),
                 gather_hook,
             }
@@ -193,7 +219,7 @@ impl Sharding {
         Ok(Sharding {
             inner,
             shards,
-            _hooks: hooks,
+            hooks,
         })
     }
 
@@ -242,10 +268,34 @@ impl Sharding {
         chunk.reshape(piece.chunk_shape().as_slice())
     }
 
-    /// Whether the next backward pass reduce-scatters the gradients (the last
-    /// micro-batch of an accumulation cycle) or keeps them (the others).
-    pub fn set_sync(&self, sync: bool) {
-        self.inner.sync.store(sync, Ordering::SeqCst);
+    /// Before a backward pass from `loss`: whether it reduce-scatters the gradients
+    /// (the last micro-batch of an accumulation cycle) or keeps them (the others).
+    /// The members outside `loss`'s autograd graph get no gradient in it: they count
+    /// as ready from the start, as the Reducer marks unused parameters ready, so that
+    /// a unit is complete at the same point on every rank whichever of its members a
+    /// rank's loss leaves out (a unit none of whose members are in the graph is
+    /// complete now).
+    ///
+    /// Errors: [`Error::Torch`] when the graph cannot be searched; [`Error::Collective`]
+    /// when a reduce-scatter this completes fails.
+    pub fn begin_backward(&self, loss: &Tensor, sync: bool) -> Result<()> {
+        let inner = &self.inner;
+        let reachable = self
+            .hooks
+            .reachable(std::slice::from_ref(loss), inner.params.len())?;
+        inner.sync.store(sync, Ordering::SeqCst);
+        for u in 0..inner.units.len() {
+            let complete = {
+                let mut unit = inner.unit(u);
+                let ready: Vec<bool> = unit.members.iter().map(|&i| !reachable[i]).collect();
+                unit.ready = ready;
+                !unit.members.is_empty() && !unit.ready.contains(&false)
+            };
+            if complete {
+                inner.complete(u)?;
+            }
+        }
+        Ok(())
     }
 
     /// The failure that made a backward pass fail inside a hook, if one did.
@@ -254,12 +304,15 @@ impl Sharding {
     }
 
     /// Before a step: the units whose gradients no hook reduce-scattered in this cycle
-    /// (some parameter got no gradient) are reduce-scattered now, in unit order on
-    /// every rank, a missing gradient counting as zero.
+    /// (some member got no gradient, or an earlier unit of the [`Order`] did not) are
+    /// reduce-scattered now, in that order on every rank, a missing gradient counting
+    /// as zero (as DDP's `find_unused_parameters`).
     pub fn finish_gradients(&self) -> Result<()> {
-        for u in 0..self.inner.units.len() {
-            let mut unit = self.inner.unit(u);
-            unit.ready = 0;
+        let mut order = self.inner.order.lock().expect("order lock");
+        let n = self.inner.units.len();
+        for position in order.next..n {
+            let mut unit = self.inner.unit(n - 1 - position);
+            unit.ready.fill(false);
             if !unit.reduced && !unit.members.is_empty() {
                 self.inner.reduce(&mut unit)?;
                 if unit.reshard {
@@ -267,6 +320,8 @@ impl Sharding {
                 }
             }
         }
+        order.next = 0;
+        order.complete.fill(false);
         Ok(())
     }
 
@@ -290,7 +345,10 @@ impl Sharding {
     /// 1e-6)` when that is below 1 (tch's arithmetic). Returns the norm.
     pub fn clip_grad_norm(&self, max: f64) -> Result<f64> {
         let grads: Vec<Tensor> = (0..self.inner.units.len())
-            .map(|u| self.inner.unit(u).grad.shallow_clone())
+            .map(|u| {
+                let unit = self.inner.unit(u);
+                unit.grad.narrow(0, 0, unit.shard.numel() as i64)
+            })
             .filter(|g| g.numel() > 0)
             .collect();
         let Some(first) = grads.first() else {
@@ -360,8 +418,8 @@ impl Unit {
             }
         }
         let shard = Tensor::zeros([len], options);
-        let grad = Tensor::zeros([len], options);
-        let mut views = Vec::new();
+        let grad = Tensor::zeros([len + members.len() as i64], options);
+        let (mut views, mut grads) = (Vec::new(), Vec::new());
         tch::no_grad(|| -> Result<()> {
             for piece in &pieces {
                 let view = shard.narrow(0, piece.offset, piece.chunk_len());
@@ -371,6 +429,7 @@ impl Unit {
                     .view(piece.chunk_shape().as_slice());
                 hooks::set_grad(&view, &grad_view)?;
                 views.push(view);
+                grads.push(grad_view);
             }
             Ok(())
         })?;
@@ -380,7 +439,8 @@ impl Unit {
             shard,
             grad,
             views,
-            ready: 0,
+            grads,
+            ready: vec![false; members.len()],
             reduced: false,
             gathered: true,
             reshard,
@@ -519,48 +579,74 @@ impl Inner {
     }
 
     /// Parameter `i`'s gradient was accumulated: once all of its unit's are, the unit
-    /// reduce-scatters them (unless the cycle goes on) and, at stage 3, frees its
-    /// parameters.
+    /// is [`complete`](Self::complete).
     fn grad_ready(&self, i: usize) -> Result<()> {
-        let (u, _) = self.unit_of[i];
-        let mut unit = self.unit(u);
-        unit.ready += 1;
-        if unit.ready < unit.members.len() {
+        let (u, j) = self.unit_of[i];
+        {
+            let mut unit = self.unit(u);
+            unit.ready[j] = true;
+            if unit.ready.contains(&false) {
+                return Ok(());
+            }
+        }
+        self.complete(u)
+    }
+
+    /// Unit `u`'s gradients of this backward pass are all accumulated: it frees its
+    /// parameters (stage 3) and, unless the cycle goes on, it reduce-scatters its
+    /// gradients, and so do the complete units after it in the [`Order`], up to the
+    /// first that is not.
+    fn complete(&self, u: usize) -> Result<()> {
+        {
+            let mut unit = self.unit(u);
+            unit.ready.fill(false);
+            if unit.reshard {
+                self.free_locked(&mut unit)?;
+            }
+        }
+        if !self.sync.load(Ordering::SeqCst) {
             return Ok(());
         }
-        unit.ready = 0;
-        if self.sync.load(Ordering::SeqCst) {
+        let mut order = self.order.lock().expect("order lock");
+        order.complete[u] = true;
+        let n = self.units.len();
+        while order.next < n && order.complete[n - 1 - order.next] {
+            let mut unit = self.unit(n - 1 - order.next);
             self.reduce(&mut unit)?;
-        }
-        if unit.reshard {
-            self.free_locked(&mut unit)?;
+            order.next += 1;
         }
         Ok(())
     }
 
     /// Reduce-scatters (averages) the unit's full gradients into its gradient shard
-    /// (one collective), then drops the full gradients.
+    /// (one collective, which also tells every rank which members had a gradient on
+    /// some rank), then drops the full gradients. A member no rank had a gradient for
+    /// gets none on its shard for this step.
     fn reduce(&self, unit: &mut Unit) -> Result<()> {
         let world = self.group.world_size();
-        let len = unit.grad.numel() as i64;
-        // Only the padding, and the pieces of members without a gradient, stay zero:
+        let (len, stride) = (unit.shard.numel() as i64, unit.grad.numel() as i64);
+        // Only the padding, and the pieces of members without a gradient, are zeroed:
         // the rest is written below.
-        let buffer = unit
-            .grad
-            .new_empty([world as i64 * len], (unit.grad.kind(), unit.grad.device()));
+        let buffer = unit.grad.new_empty(
+            [world as i64 * stride],
+            (unit.grad.kind(), unit.grad.device()),
+        );
         let chunks: Vec<Tensor> = (0..world)
-            .map(|r| buffer.narrow(0, r as i64 * len, len))
+            .map(|r| buffer.narrow(0, r as i64 * stride, stride))
             .collect();
         tch::no_grad(|| {
-            for (&i, piece) in unit.members.iter().zip(&unit.pieces) {
+            for (j, (&i, piece)) in unit.members.iter().zip(&unit.pieces).enumerate() {
                 let g = self.params[i].grad();
+                let had = if g.defined() { 1.0 } else { 0.0 };
                 for (r, chunk) in chunks.iter().enumerate() {
+                    let _ = chunk.narrow(0, len + j as i64, 1).fill_(had);
                     let (_, rows) = piece.rows_of(r);
                     let written = if g.defined() { rows * piece.row_len } else { 0 };
                     let mut padding =
                         chunk.narrow(0, piece.offset + written, piece.chunk_len() - written);
                     let _ = padding.zero_();
-                    if let (true, Some(src)) = (g.defined(), piece.rows_in_full(&g, r)) {
+                    let src = g.defined().then(|| piece.rows_in_full(&g, r)).flatten();
+                    if let Some(src) = src {
                         piece.rows_in_shard(chunk, r).expect("rows").copy_(&src);
                     }
                 }
@@ -568,6 +654,17 @@ impl Inner {
         });
         self.group
             .reduce_scatter_into(&unit.grad, &chunks, ReduceOp::Avg)?;
+        let had = Vec::<f64>::try_from(
+            unit.grad
+                .narrow(0, len, stride - len)
+                .to_kind(tch::Kind::Double),
+        )?;
+        for ((view, grad), had) in unit.views.iter().zip(&unit.grads).zip(had) {
+            match had > 0.0 {
+                true => hooks::set_grad(view, grad)?,
+                false => hooks::clear_grad(view)?,
+            }
+        }
         let members: Vec<Tensor> = unit
             .members
             .iter()

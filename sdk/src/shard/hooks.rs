@@ -113,6 +113,26 @@ impl GradHooks {
     }
 }
 
+impl GradHooks {
+    /// Per parameter (of `n`, in the order given to [`new`](Self::new)), whether a
+    /// backward pass from `roots` accumulates its gradient: whether its gradient
+    /// accumulator is in their autograd graph, as the Reducer searches for unused
+    /// parameters.
+    pub fn reachable(&self, roots: &[Tensor], n: usize) -> Result<Vec<bool>> {
+        let ptrs = ffi::tensors(roots);
+        let mut out = vec![0; n];
+        torch("searching the autograd graph", unsafe {
+            ffi::tdc_grad_hooks_reachable(
+                self.0,
+                ptrs.as_ptr(),
+                ptrs.len() as c_int,
+                out.as_mut_ptr(),
+            )
+        })?;
+        Ok(out.into_iter().map(|r| r != 0).collect())
+    }
+}
+
 impl Drop for GradHooks {
     fn drop(&mut self) {
         unsafe { ffi::tdc_grad_hooks_free(self.0) }

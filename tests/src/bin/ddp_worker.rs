@@ -10,9 +10,10 @@
 //!   `DIR/rank{R}.safetensors`.
 //! - `accumulate`: two micro-batches under `no_sync` then one synced backward equal
 //!   the single-process gradient of the concatenated batch, with one all-reduce.
-//! - `unused`: a model with a parameter the loss never uses trains with
-//!   `find_unused_parameters`, to the parameters of one process on the global batch
-//!   (the unused one unchanged).
+//! - `unused`: a model with a parameter the loss never uses, and one it uses on the
+//!   second of three steps only (the set of unused parameters changes from step to
+//!   step), trains with `find_unused_parameters` to the parameters of one process on
+//!   the global batch (the unused one unchanged).
 //! - `zero_late`: ZeRO stage 1 through the optimizer's own API, without DDP (every
 //!   rank on the same whole batch, so no averaging is needed), with a variable created
 //!   after the optimizer: one SGD step must move every variable, the late one too, to
@@ -367,11 +368,17 @@ fn main() -> anyhow::Result<()> {
             println!("ok accumulate with no_sync, stats {stats:?}");
         }
         "unused" => {
-            // Two linear layers, "used" and "unused"; plain SGD with learning rate 0.1.
+            // Three linear layers, "used", "unused", and "sometimes", whose output the
+            // loss adds on the second step only; plain SGD with learning rate 0.1.
             let model = |vs: &nn::VarStore| {
                 let used = nn::linear(vs.root() / "used", FEATURES, 1, Default::default());
                 let _unused = nn::linear(vs.root() / "unused", FEATURES, 1, Default::default());
-                used
+                let sometimes =
+                    nn::linear(vs.root() / "sometimes", FEATURES, 1, Default::default());
+                move |xs: &Tensor, step: usize| match step {
+                    1 => used.forward(xs) + sometimes.forward(xs),
+                    _ => used.forward(xs),
+                }
             };
             tch::manual_seed(4);
             let vs = nn::VarStore::new(Device::Cpu);
@@ -384,10 +391,10 @@ fn main() -> anyhow::Result<()> {
             let ddp = DistributedDataParallel::new(&vs, pg, options)?;
             let init = named_copy(&vs);
             let (xs, ys) = batch(4, 9 + rank);
-            for _ in 0..3 {
+            for step in 0..3 {
                 ddp.backward_step(
                     &mut opt,
-                    &used.forward(&xs).mse_loss(&ys, tch::Reduction::Mean),
+                    &used(&xs, step).mse_loss(&ys, tch::Reduction::Mean),
                 )?;
             }
             assert_identical(pg, &flat_params(&vs), "parameters with an unused parameter")?;
@@ -408,11 +415,9 @@ fn main() -> anyhow::Result<()> {
             let batches: Vec<(Tensor, Tensor)> = (0..world).map(|r| batch(4, 9 + r)).collect();
             let all_xs = Tensor::cat(&batches.iter().map(|b| &b.0).collect::<Vec<_>>(), 0);
             let all_ys = Tensor::cat(&batches.iter().map(|b| &b.1).collect::<Vec<_>>(), 0);
-            for _ in 0..3 {
+            for step in 0..3 {
                 reference_opt.backward_step(
-                    &reference_used
-                        .forward(&all_xs)
-                        .mse_loss(&all_ys, tch::Reduction::Mean),
+                    &reference_used(&all_xs, step).mse_loss(&all_ys, tch::Reduction::Mean),
                 );
             }
             let (trained, expected) = (named_copy(&vs), named_copy(&reference));
@@ -428,6 +433,11 @@ fn main() -> anyhow::Result<()> {
             ensure!(still.is_exact(), "the unused layer changed: {still:?}");
             let moved = compare::named_where(&init, &trained, |n| !unused(n)).max_abs;
             ensure!(moved > 1e-3, "the used layer moved by only {moved:e}");
+            let sometimes = compare::named_where(&init, &trained, |n| n.starts_with("sometimes."));
+            ensure!(
+                sometimes.max_abs > 1e-3,
+                "the layer used once did not move: {sometimes:?}"
+            );
             println!(
                 "ok find_unused_parameters: equals one process on the global batch \
                  (max |diff| {:e}), the used layer moved {moved:e}, the unused one not at all",

@@ -9,7 +9,11 @@
 //! stops there; with `EXPORT=1` (and `CKPT`) it writes the loaded state whole, as
 //! `torch.optim`'s `state_dict` (DIR/OUT.optimizer.safetensors), and the model
 //! (DIR/OUT), and stops; with `INIT_OUT=1` rank 0 writes the data and the initial
-//! parameters to DIR/OUT.init.safetensors.
+//! parameters to DIR/OUT.init.safetensors; with `UNUSED=1`, variables that get no
+//! gradient on some steps or ranks join: l4 (13 → 7, a unit with `UNITS`) adds to
+//! l2's output on odd steps only (with `UNUSED=rank0`, on rank 0 only), `l3.skip` (3, in
+//! l3's unit) on rank 0 only, and `never` (5) is never used
+//! (run DDP with `TCH_DISTRIBUTED_FIND_UNUSED_PARAMETERS=true` for the reference).
 //!
 //! With `TCHD_TEST_DEVICE=cuda` it trains on the rank's CUDA device.
 //!
@@ -39,19 +43,20 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
     let root = vs.root();
     let l1 = nn::linear(&root / "l1", 6, 13, Default::default());
     let l2 = nn::linear(&root / "l2", 13, 7, Default::default());
-    let l3 = nn::linear(&root / "l3", 7, 3, Default::default());
-    let units = env("UNITS").is_some();
-    let (l2, l3) = match units {
-        true => (
-            tch_distributed::fully_shard(l2, &(&root / "l2")),
-            tch_distributed::fully_shard(l3, &(&root / "l3")),
-        ),
-        // Units no sharded optimizer claims: the modules run as they are.
-        false => (
-            tch_distributed::fully_shard(l2, &(&root / "unclaimed" / "l2")),
-            tch_distributed::fully_shard(l3, &(&root / "unclaimed" / "l3")),
-        ),
+    let unused = env("UNUSED").is_some();
+    let l3 = Head {
+        linear: nn::linear(&root / "l3", 7, 3, Default::default()),
+        skip: unused
+            .then(|| (&root / "l3").randn("skip", &[3], 0.0, 1.0))
+            .filter(|_| rank == 0),
     };
+    let units = env("UNITS").is_some();
+    let (l2, l3) = (unit(l2, &root, "l2", units), unit(l3, &root, "l3", units));
+    let l4 = unused.then(|| {
+        let l4 = nn::linear(&root / "l4", 13, 7, Default::default());
+        let _never = root.randn("never", &[5], 0.0, 1.0);
+        unit(l4, &root, "l4", units)
+    });
     // The data and the initial parameters, for PyTorch's reference.
     if rank == 0 && env("INIT_OUT").is_some() {
         let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
@@ -78,8 +83,14 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
         }
     }
     for step in start + 1..=10 {
+        let first = l1.forward(&x).tanh();
+        let mut second = l2.forward(&first);
+        let l4_here = rank == 0 || env("UNUSED").as_deref() != Some("rank0");
+        if let (Some(l4), 1, true) = (&l4, step % 2, l4_here) {
+            second += l4.forward(&first);
+        }
         let loss = l3
-            .forward(&l2.forward(&l1.forward(&x).tanh()).tanh())
+            .forward(&second.tanh())
             .mse_loss(&y, tch::Reduction::Mean);
         match clip {
             Some(max) => opt.backward_step_clip_norm(&loss, max),
@@ -116,6 +127,32 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
     )?;
     vs.save(format!("{dir}/{out}"))?;
     Ok(())
+}
+
+/// l3, and the variable `l3.skip` added to its output where it is `Some`.
+#[derive(Debug)]
+struct Head {
+    linear: nn::Linear,
+    skip: Option<Tensor>,
+}
+
+impl Module for Head {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        let out = self.linear.forward(xs);
+        match &self.skip {
+            Some(skip) => out + skip,
+            None => out,
+        }
+    }
+}
+
+/// `module` (the variables under `root / name`) as a unit with `units`, else as a
+/// unit no sharded optimizer claims, which runs the module as it is.
+fn unit<M>(module: M, root: &nn::Path, name: &str, units: bool) -> tch_distributed::FullyShard<M> {
+    match units {
+        true => tch_distributed::fully_shard(module, &(root / name)),
+        false => tch_distributed::fully_shard(module, &(root / "unclaimed" / name)),
+    }
 }
 
 fn main() -> anyhow::Result<()> {
