@@ -28,6 +28,10 @@ struct tdc_pg {
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
 };
 
+struct tdc_work {
+  c10::intrusive_ptr<c10d::Work> work;
+};
+
 struct tdc_reducer {
   std::shared_ptr<c10d::Reducer> reducer;
   // As DDP's constructor gives its Reducer one: the Reducer logs through it (when the
@@ -314,6 +318,28 @@ int tdc_all_gather(
     wait(pg->pg->allgather(out, in, opts), timeout_ms);
     return 0;
   })
+}
+
+tdc_work* tdc_all_gather_start(
+    tdc_pg* pg, tdc_tensor* outputs, int n, tdc_tensor input, int64_t timeout_ms) {
+  TDC_PROTECT(nullptr, {
+    std::vector<std::vector<at::Tensor>> out{tensors(outputs, n)};
+    std::vector<at::Tensor> in{tensor(input)};
+    c10d::AllgatherOptions opts;
+    opts.timeout = ms(timeout_ms);
+    return new tdc_work{pg->pg->allgather(out, in, opts)};
+  })
+}
+
+int tdc_work_wait(tdc_work* work, int64_t timeout_ms) {
+  TDC_PROTECT(1, {
+    wait(work->work, timeout_ms);
+    return 0;
+  })
+}
+
+void tdc_work_free(tdc_work* work) {
+  delete work;
 }
 
 int tdc_reduce_scatter(

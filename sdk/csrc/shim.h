@@ -17,6 +17,8 @@ extern "C" {
 typedef struct tdc_store tdc_store;
 typedef struct tdc_pg tdc_pg;
 typedef struct tdc_reducer tdc_reducer;
+// A collective started and not waited for yet.
+typedef struct tdc_work tdc_work;
 typedef void* tdc_tensor;
 
 // The last error message of this thread (malloc'ed, or NULL when none); resets it.
@@ -86,6 +88,14 @@ int tdc_reduce_scatter(
     tdc_pg* pg, tdc_tensor output, tdc_tensor* inputs, int n, int op,
     int64_t timeout_ms);
 int tdc_barrier(tdc_pg* pg, int64_t timeout_ms);
+// tdc_all_gather, started: returns at once (NULL on failure); the outputs hold the
+// result once tdc_work_wait returned 0.
+tdc_work* tdc_all_gather_start(
+    tdc_pg* pg, tdc_tensor* outputs, int n, tdc_tensor input, int64_t timeout_ms);
+// Waits until `work` completes (its failure or timeout is the error).
+int tdc_work_wait(tdc_work* work, int64_t timeout_ms);
+// Releases `work` (waited for or not: the backend keeps what it still needs).
+void tdc_work_free(tdc_work* work);
 // c10d::broadcast_coalesced: broadcasts tensors from `root` in flattened buffers of
 // at most `buffer_bytes` bytes, without recording autograd history.
 int tdc_broadcast_coalesced(

@@ -21,6 +21,11 @@ pub struct Reducer {
 }
 
 #[repr(C)]
+pub struct Work {
+    _private: [u8; 0],
+}
+
+#[repr(C)]
 pub struct GradHooks {
     _private: [u8; 0],
 }
@@ -131,6 +136,15 @@ extern "C" {
         timeout_ms: i64,
     ) -> c_int;
     pub fn tdc_barrier(pg: *mut Pg, timeout_ms: i64) -> c_int;
+    pub fn tdc_all_gather_start(
+        pg: *mut Pg,
+        outputs: *const Tensor,
+        n: c_int,
+        input: Tensor,
+        timeout_ms: i64,
+    ) -> *mut Work;
+    pub fn tdc_work_wait(work: *mut Work, timeout_ms: i64) -> c_int;
+    pub fn tdc_work_free(work: *mut Work);
     pub fn tdc_broadcast_coalesced(
         pg: *mut Pg,
         ts: *const Tensor,

@@ -64,7 +64,7 @@ pub use process_group::{Backend, ProcessGroup, ReduceOp};
 pub use rank_helpers::{any_rank, local_main_process_first, main_process_first};
 pub use rendezvous::{GlooAddress, Store};
 pub use rng::AgreedSeed;
-pub use shard::{fully_shard, FullyShard};
+pub use shard::{fully_shard, FullyShard, ShardingStats};
 
 #[doc(inline)]
 #[doc = include_str!("distributed.md")]

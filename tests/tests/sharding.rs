@@ -67,6 +67,22 @@ fn stages_2_and_3_train_as_ddp_with_and_without_units() {
                 _ => "",
             };
             assert_eq!(freed, expected, "{out}");
+            // Per step: a reduce-scatter per unit; an all-gather per unit after the
+            // step, but at stage 3 for the root (l1) after the step and for l2 and
+            // l3 around their forward and backward passes, the next unit's started
+            // during the compute of the one before: l3's forward from l2's (from the
+            // second step on, once the first forward pass gave the order), l2's
+            // backward from l3's (FSDP's prefetch).
+            let stats = std::fs::read_to_string(dir.join(format!("{out}.stats-0"))).unwrap();
+            let expected = match (zero, units) {
+                (3, true) => "50 19 30",
+                (_, true) => "30 0 30",
+                _ => "10 0 10",
+            };
+            assert_eq!(
+                stats, expected,
+                "{out}: all-gathers, prefetched, reduce-scatters"
+            );
         }
     }
 }

@@ -294,6 +294,11 @@ impl Optimizer {
         }
     }
 
+    /// What the sharded parameters' collectives did so far, at ZeRO stages 2 and 3.
+    pub fn sharding_stats(&self) -> Option<crate::ShardingStats> {
+        self.sharding.as_ref().map(|sharding| sharding.stats())
+    }
+
     /// The ZeRO stage, when the state is sharded over several ranks.
     pub fn zero_stage(&self) -> Option<u8> {
         match &self.sharding {

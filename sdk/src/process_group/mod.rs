@@ -411,6 +411,33 @@ impl ProcessGroup {
         })
     }
 
+    /// [`all_gather_into`](Self::all_gather_into), started: the outputs hold the
+    /// result once [`Pending::wait`] returned. Every rank starts its collectives in
+    /// the same order, as for the blocking ones.
+    ///
+    /// Errors: [`Error::Collective`] when the backend cannot start it.
+    pub(crate) fn all_gather_start(&self, outputs: &[Tensor], input: &Tensor) -> Result<Pending> {
+        let ptrs = ffi::tensors(outputs);
+        let raw = unsafe {
+            ffi::tdc_all_gather_start(
+                self.raw(),
+                ptrs.as_ptr(),
+                ptrs.len() as i32,
+                ffi::tensor(input),
+                millis(self.timeout),
+            )
+        };
+        let work = ffi::check_ptr(raw).map_err(|message| Error::Collective {
+            op: "all_gather",
+            message,
+        })?;
+        Ok(Pending {
+            group: self.clone(),
+            op: "all_gather",
+            work,
+        })
+    }
+
     /// Reduces `inputs[r]` across ranks with `op` and leaves the result on rank `r`,
     /// as `torch.distributed.reduce_scatter`. `inputs` holds one tensor per rank, all
     /// of one shape; the result has that shape.
@@ -506,6 +533,33 @@ impl ProcessGroup {
             )));
         }
         Ok(())
+    }
+}
+
+/// A collective started by [`ProcessGroup::all_gather_start`] and not waited for yet.
+/// Dropped without a wait, it still completes (the backend keeps its tensors).
+pub(crate) struct Pending {
+    group: ProcessGroup,
+    op: &'static str,
+    work: *mut ffi::Work,
+}
+
+impl Pending {
+    /// Waits until the collective completes; the wait is recorded as a blocking
+    /// collective's (its number, for the diagnosis of a stall, is taken now).
+    ///
+    /// Errors: as the blocking collective's ([`Error::Collective`], [`Error::Timeout`]).
+    pub(crate) fn wait(self) -> Result<()> {
+        let timeout = millis(self.group.timeout);
+        self.group.run(self.op, || unsafe {
+            ffi::tdc_work_wait(self.work, timeout)
+        })
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        unsafe { ffi::tdc_work_free(self.work) }
     }
 }
 

@@ -7,7 +7,7 @@
 //! unit), or around each forward and backward pass of a unit (stage 3).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use tch::Tensor;
@@ -15,11 +15,25 @@ use tch::Tensor;
 use super::hooks::{self, GradHooks, Hook};
 use super::layout::{layout, Piece};
 use crate::error::{Error, Result};
-use crate::process_group::{ProcessGroup, ReduceOp};
+use crate::process_group::{Pending, ProcessGroup, ReduceOp};
 use crate::unit_registry::{ShardedParameters, Units};
 
 /// DDP's broadcast bucket: the parameters and buffers rank 0 sends at the start.
 const BROADCAST_BYTES: usize = 25 << 20;
+
+/// Counters of the collectives of a fully sharded optimizer (ZeRO stages 2 and 3),
+/// for tests and benchmarks ([`Optimizer::sharding_stats`](crate::Optimizer::sharding_stats)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ShardingStats {
+    /// All-gathers of a unit's shards into its parameters (after each step at stage 2
+    /// and for stage 3's root; around each forward and backward pass of a stage-3
+    /// unit), the prefetched ones included.
+    pub all_gathers: u64,
+    /// Those started ahead, during the compute of the unit before (FSDP's prefetch).
+    pub prefetched_all_gathers: u64,
+    /// Reduce-scatters of a unit's gradients (one per unit and cycle).
+    pub reduce_scatters: u64,
+}
 
 /// The sharded parameters of one optimizer (see the module's documentation).
 pub(crate) struct Sharding {
@@ -44,6 +58,12 @@ pub(crate) struct Inner {
     sync: AtomicBool,
     /// Where this cycle's reduce-scatters stand (see [`Order`]).
     order: Mutex<Order>,
+    /// The units in the order of their first forward pass (the same on every rank),
+    /// for the prefetch: the all-gather of the unit whose pass comes next starts
+    /// before a unit's compute, as FSDP's forward and backward prefetch.
+    forward_order: Mutex<Vec<usize>>,
+    /// [`ShardingStats`]' counters: all-gathers, prefetched ones, reduce-scatters.
+    counts: [AtomicU64; 3],
     /// The first failure inside a hook, which fails the backward pass.
     failure: Mutex<Option<Error>>,
     /// The hook that gathers a unit before its backward pass.
@@ -93,6 +113,9 @@ struct Unit {
     reduced: bool,
     /// The full parameters hold the shards' values.
     gathered: bool,
+    /// An all-gather of `shard` started ahead of the unit's pass (prefetched), and
+    /// its output, one chunk per rank.
+    gathering: Option<(Pending, Vec<Tensor>)>,
     /// Freed after each forward and backward pass (stage 3, not the root).
     reshard: bool,
 }
@@ -173,7 +196,7 @@ impl Sharding {
         let inner = Arc::new_cyclic(|me: &Weak<Inner>| {
             let me = me.clone();
             let gather_hook: Arc<Hook> = Arc::new(move |u| match me.upgrade() {
-                Some(inner) => inner.kept(inner.gather(u)),
+                Some(inner) => inner.kept(inner.gather_ahead(u, false)),
                 None => true,
             });
             Inner {
@@ -183,6 +206,8 @@ impl Sharding {
                 unit_of,
                 units,
                 sync: AtomicBool::new(true),
+                forward_order: Mutex::new(Vec::new()),
+                counts: Default::default(),
                 order: Mutex::new(Order {
                     next: 0,
                     complete: vec![false; unit_members.len()],
@@ -221,6 +246,20 @@ impl Sharding {
             shards,
             hooks,
         })
+    }
+
+    /// What the collectives did so far.
+    pub fn stats(&self) -> ShardingStats {
+        let [all_gathers, prefetched_all_gathers, reduce_scatters] = self
+            .inner
+            .counts
+            .each_ref()
+            .map(|c| c.load(Ordering::Relaxed));
+        ShardingStats {
+            all_gathers,
+            prefetched_all_gathers,
+            reduce_scatters,
+        }
     }
 
     /// The ZeRO stage (2 or 3).
@@ -308,6 +347,7 @@ impl Sharding {
     /// reduce-scattered now, in that order on every rank, a missing gradient counting
     /// as zero (as DDP's `find_unused_parameters`).
     pub fn finish_gradients(&self) -> Result<()> {
+        self.inner.settle()?;
         let mut order = self.inner.order.lock().expect("order lock");
         let n = self.inner.units.len();
         for position in order.next..n {
@@ -443,6 +483,7 @@ impl Unit {
             ready: vec![false; members.len()],
             reduced: false,
             gathered: true,
+            gathering: None,
             reshard,
         };
         unit.cut(params, rank);
@@ -494,7 +535,7 @@ impl Inner {
     /// Runs a unit's forward pass between its gather and, at stage 3, its reshard; the
     /// output's gradient gathers it again before the unit's backward pass.
     pub fn around_forward(&self, u: usize, forward: impl FnOnce() -> Tensor) -> Result<Tensor> {
-        self.gather(u)?;
+        self.gather_ahead(u, true)?;
         let out = forward();
         if self.unit(u).reshard {
             if out.requires_grad() {
@@ -536,11 +577,41 @@ impl Inner {
         self.gather_locked(&mut self.unit(u))
     }
 
-    /// All-gathers the unit's shards (one collective) into its parameters' memory.
-    fn gather_locked(&self, unit: &mut Unit) -> Result<()> {
-        if unit.gathered || unit.members.is_empty() {
-            return Ok(());
+    /// Gathers unit `u` for a forward (`forward`) or a backward pass, and starts the
+    /// all-gather of the unit whose pass comes next, so that it runs during this
+    /// unit's compute: the next unit of the forward order in a forward pass, the
+    /// previous one in a backward pass (FSDP's prefetch, one unit ahead).
+    fn gather_ahead(&self, u: usize, forward: bool) -> Result<()> {
+        self.gather(u)?;
+        let next = {
+            let mut order = self.forward_order.lock().expect("forward order lock");
+            if forward && !order.contains(&u) {
+                order.push(u);
+            }
+            let at = order.iter().position(|&v| v == u);
+            match (at, forward) {
+                (Some(at), true) => order.get(at + 1).copied(),
+                (Some(at), false) => at.checked_sub(1).map(|before| order[before]),
+                (None, _) => None,
+            }
+        };
+        match next {
+            Some(next) => self.prefetch(next),
+            None => Ok(()),
         }
+    }
+
+    /// Starts unit `u`'s all-gather if it is neither gathered nor being gathered.
+    fn prefetch(&self, u: usize) -> Result<()> {
+        let mut unit = self.unit(u);
+        if !unit.gathered && unit.gathering.is_none() && !unit.members.is_empty() {
+            unit.gathering = Some(self.start_gather(&unit)?);
+        }
+        Ok(())
+    }
+
+    /// Starts the all-gather of the unit's shards (one collective) into a buffer.
+    fn start_gather(&self, unit: &Unit) -> Result<(Pending, Vec<Tensor>)> {
         let world = self.group.world_size();
         let len = unit.shard.numel() as i64;
         let buffer = unit.shard.new_empty(
@@ -550,7 +621,38 @@ impl Inner {
         let chunks: Vec<Tensor> = (0..world)
             .map(|r| buffer.narrow(0, r as i64 * len, len))
             .collect();
-        self.group.all_gather_into(&chunks, &unit.shard)?;
+        let pending = self.group.all_gather_start(&chunks, &unit.shard)?;
+        Ok((pending, chunks))
+    }
+
+    /// Waits for the prefetched all-gathers that no pass used (a unit the forward
+    /// order expected and this step skipped), before a step changes the shards they
+    /// read: what they gathered is dropped.
+    fn settle(&self) -> Result<()> {
+        for u in 0..self.units.len() {
+            let gathering = self.unit(u).gathering.take();
+            if let Some((pending, _)) = gathering {
+                pending.wait()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// All-gathers the unit's shards (one collective, or the one prefetched) into its
+    /// parameters' memory.
+    fn gather_locked(&self, unit: &mut Unit) -> Result<()> {
+        if unit.gathered || unit.members.is_empty() {
+            return Ok(());
+        }
+        let (pending, chunks) = match unit.gathering.take() {
+            Some(gathering) => {
+                self.counts[1].fetch_add(1, Ordering::Relaxed);
+                gathering
+            }
+            None => self.start_gather(unit)?,
+        };
+        pending.wait()?;
+        self.counts[0].fetch_add(1, Ordering::Relaxed);
         tch::no_grad(|| -> Result<()> {
             for (&i, piece) in unit.members.iter().zip(&unit.pieces) {
                 let full = hooks::storage_alias(&self.params[i])?;
@@ -654,6 +756,7 @@ impl Inner {
         });
         self.group
             .reduce_scatter_into(&unit.grad, &chunks, ReduceOp::Avg)?;
+        self.counts[2].fetch_add(1, Ordering::Relaxed);
         let had = Vec::<f64>::try_from(
             unit.grad
                 .narrow(0, len, stride - len)

@@ -12,6 +12,7 @@ mod hooks;
 pub(crate) mod layout;
 mod unit;
 
+pub use engine::ShardingStats;
 pub(crate) use engine::{named, Sharding};
 pub(crate) use hooks::set_grad;
 pub(crate) use layout::Piece;

@@ -18,7 +18,9 @@
 //! With `TCHD_TEST_DEVICE=cuda` it trains on the rank's CUDA device.
 //!
 //! Writes the parameters to DIR/OUT (rank 0), each rank's optimizer-state bytes to
-//! DIR/OUT.state-bytes-RANK and the names of the variables that hold no memory after
+//! DIR/OUT.state-bytes-RANK, its sharded collectives (`Optimizer::sharding_stats`:
+//! all-gathers, prefetched ones, reduce-scatters; none without sharding) to
+//! DIR/OUT.stats-RANK and the names of the variables that hold no memory after
 //! the steps to DIR/OUT.freed-RANK.
 //!
 //! Usage: sharding_worker DIR OUT
@@ -121,6 +123,14 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
         .collect();
     freed.sort();
     std::fs::write(format!("{dir}/{out}.freed-{rank}"), freed.join(" "))?;
+    let stats = opt.sharding_stats().unwrap_or_default();
+    std::fs::write(
+        format!("{dir}/{out}.stats-{rank}"),
+        format!(
+            "{} {} {}",
+            stats.all_gathers, stats.prefetched_all_gathers, stats.reduce_scatters
+        ),
+    )?;
     std::fs::write(
         format!("{dir}/{out}.state-bytes-{rank}"),
         opt.state_bytes().to_string(),
