@@ -28,6 +28,16 @@ fn run(dir: &Path, ranks: usize, zero: u8, out: &str, env: &[(&str, &str)]) -> S
     run.stdout
 }
 
+/// Rank 0's `Optimizer::sharding_stats` of run OUT: all-gathers, prefetched ones,
+/// reduce-scatters, all-gathered bytes.
+fn stats(dir: &Path, out: &str) -> Vec<u64> {
+    std::fs::read_to_string(dir.join(format!("{out}.stats-0")))
+        .unwrap()
+        .split(' ')
+        .map(|n| n.parse().unwrap())
+        .collect()
+}
+
 #[test]
 fn stages_2_and_3_train_as_ddp_with_and_without_units() {
     let dir = scratch_dir("sharding");
@@ -73,14 +83,14 @@ fn stages_2_and_3_train_as_ddp_with_and_without_units() {
             // during the compute of the one before: l3's forward from l2's (from the
             // second step on, once the first forward pass gave the order), l2's
             // backward from l3's (FSDP's prefetch).
-            let stats = std::fs::read_to_string(dir.join(format!("{out}.stats-0"))).unwrap();
             let expected = match (zero, units) {
-                (3, true) => "50 19 30",
-                (_, true) => "30 0 30",
-                _ => "10 0 10",
+                (3, true) => [50, 19, 30],
+                (_, true) => [30, 0, 30],
+                _ => [10, 0, 10],
             };
             assert_eq!(
-                stats, expected,
+                stats(&dir, &out)[..3],
+                expected,
                 "{out}: all-gathers, prefetched, reduce-scatters"
             );
         }
@@ -116,6 +126,57 @@ fn clipping_and_accumulation_on_shards_match_ddp() {
             assert!(diff.max_abs < 1e-6, "{name}, zero {zero}: {diff:?}");
         }
     }
+}
+
+/// Under bf16 mixed precision, stage 3 all-gathers in bf16 (half the bytes) over the
+/// fp32 shards the optimizer steps, as FSDP2's `MixedPrecisionPolicy(param_dtype=
+/// torch.bfloat16)`: the units compute with the weights rounded to bf16, which is what
+/// autocast does with DDP's fp32 weights in these layers, so it ends where DDP with
+/// the same autocast ends. The model it saves is the fp32 one, gathered exactly.
+#[test]
+fn stage_3_gathers_in_bf16_under_mixed_precision() {
+    let dir = scratch_dir("sharding-bf16");
+    let bf16 = [("TCH_DISTRIBUTED_MIXED_PRECISION", "bf16"), ("UNITS", "1")];
+    run(&dir, 2, 0, "ddp.safetensors", &bf16);
+    run(&dir, 2, 3, "zero3.safetensors", &bf16);
+    run(&dir, 2, 3, "fp32.safetensors", &[("UNITS", "1")]);
+    let diff = compare(&dir.join("ddp.safetensors"), &dir.join("zero3.safetensors"));
+    assert!(
+        diff.max_abs < 1e-6,
+        "against DDP with bf16 autocast: {diff:?}"
+    );
+    // bf16 rounds: the run differs from the fp32 one.
+    let rounded = compare(
+        &dir.join("fp32.safetensors"),
+        &dir.join("zero3.safetensors"),
+    );
+    assert!(rounded.max_abs > 1e-4, "bf16 changed nothing: {rounded:?}");
+    let (low, full) = (
+        stats(&dir, "zero3.safetensors"),
+        stats(&dir, "fp32.safetensors"),
+    );
+    // Rank 0's padded shards: l1 (the root) 7 × 6 + 7 = 49 elements, l2 4 × 13 + 4 =
+    // 56, l3 2 × 7 + 2 = 16; per step the root is gathered once, l2 and l3 twice.
+    // Under bf16 the root is gathered once more, as the model is built (rounded).
+    assert_eq!(full[..3], [50, 19, 30]);
+    assert_eq!(low[..3], [51, 19, 30]);
+    let elements = |root: u64| root * 49 + 20 * 56 + 20 * 16;
+    assert_eq!(full[3], 4 * elements(10), "fp32: 4 bytes an element");
+    assert_eq!(low[3], 2 * elements(11), "bf16: 2 bytes an element");
+    // The saved parameters are the fp32 shards', not their bf16 rounding.
+    let saved = tch_distributed_tests::compare::read(&dir.join("zero3.safetensors"));
+    let exact = saved
+        .iter()
+        .filter(|(_, t)| {
+            let rounded = t.to_kind(tch::Kind::BFloat16).to_kind(tch::Kind::Float);
+            rounded.not_equal_tensor(t).any().int64_value(&[]) != 0
+        })
+        .count();
+    assert_eq!(
+        exact,
+        saved.len(),
+        "every saved parameter holds fp32 values"
+    );
 }
 
 /// Variables that get no gradient: one unused on some steps (a unit of its own, or
@@ -296,39 +357,49 @@ save_file({n: p.detach().clone() for n, p in net.named_parameters()}, out)
 }
 
 /// Against PyTorch's FSDP2 (`fully_shard` over Gloo on the CPU, the same libtorch):
-/// the same model, data, units and Adam end within 1e-6.
+/// the same model, data, units and Adam end within 1e-6, in fp32 and under bf16
+/// (FSDP2's `MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+/// reduce_dtype=torch.float32)`, ours `mixed_precision = "bf16"`).
 #[test]
 fn stage_3_ends_where_pytorch_fsdp2_ends() {
     let dir = scratch_dir("sharding-fsdp2");
-    run(
-        &dir,
-        2,
-        3,
-        "ours.safetensors",
-        &[("UNITS", "1"), ("INIT_OUT", "1")],
-    );
-    let init = dir.join("ours.safetensors.init.safetensors");
-    let theirs = dir.join("fsdp2.safetensors");
     // A file of its own: torch.multiprocessing's spawned ranks import the script.
     let script = dir.join("fsdp2_reference.py");
     std::fs::write(&script, include_str!("support/fsdp2_reference.py")).unwrap();
     let run_file =
         "import subprocess, sys; sys.exit(subprocess.call([sys.executable] + sys.argv[1:]))";
-    let args = [
-        script.to_str().unwrap(),
-        init.to_str().unwrap(),
-        theirs.to_str().unwrap(),
-        "2",
-    ];
-    if tch_distributed_tests::run_python(run_file, &args, "").is_none() {
-        return;
+    for precision in ["fp32", "bf16"] {
+        let ours = format!("ours-{precision}.safetensors");
+        let mut env = vec![("UNITS", "1"), ("INIT_OUT", "1")];
+        if precision == "bf16" {
+            env.push(("TCH_DISTRIBUTED_MIXED_PRECISION", "bf16"));
+        }
+        run(&dir, 2, 3, &ours, &env);
+        let init = dir.join(format!("{ours}.init.safetensors"));
+        let theirs = dir.join(format!("fsdp2-{precision}.safetensors"));
+        let args = [
+            script.to_str().unwrap(),
+            init.to_str().unwrap(),
+            theirs.to_str().unwrap(),
+            "2",
+            precision,
+        ];
+        if tch_distributed_tests::run_python(run_file, &args, "").is_none() {
+            return;
+        }
+        let diff = compare(&theirs, &dir.join(&ours));
+        eprintln!("against FSDP2, {precision}: {diff:?}");
+        assert!(diff.max_abs < 1e-6, "{precision}: {diff:?}");
+        use tch_distributed_tests::compare::{named, read};
+        let mut initial = read(&init);
+        initial.retain(|(name, _)| name != "x" && name != "y");
+        let moved = named(&read(&theirs), &initial);
+        assert!(moved.max_abs > 1e-3, "trained: {moved:?}");
     }
-    let diff = compare(&theirs, &dir.join("ours.safetensors"));
-    eprintln!("against FSDP2: {diff:?}");
-    assert!(diff.max_abs < 1e-6, "{diff:?}");
-    use tch_distributed_tests::compare::{named, read};
-    let mut initial = read(&init);
-    initial.retain(|(name, _)| name != "x" && name != "y");
-    let moved = named(&read(&theirs), &initial);
-    assert!(moved.max_abs > 1e-3, "trained: {moved:?}");
+    // The policy bites: bf16 and fp32 end apart.
+    let apart = compare(
+        &dir.join("fsdp2-fp32.safetensors"),
+        &dir.join("fsdp2-bf16.safetensors"),
+    );
+    assert!(apart.max_abs > 1e-4, "{apart:?}");
 }

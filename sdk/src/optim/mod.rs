@@ -279,6 +279,7 @@ impl Optimizer {
             params,
             &all,
             ctx.units(),
+            ctx.precision().0.kind(),
         )?);
         Ok(self)
     }

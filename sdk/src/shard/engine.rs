@@ -33,6 +33,9 @@ pub struct ShardingStats {
     pub prefetched_all_gathers: u64,
     /// Reduce-scatters of a unit's gradients (one per unit and cycle).
     pub reduce_scatters: u64,
+    /// Bytes this rank sent into its all-gathers: its shards, in the gathers' dtype
+    /// (under mixed precision, bf16 or fp16 rather than the parameters' fp32).
+    pub all_gather_bytes: u64,
 }
 
 /// The sharded parameters of one optimizer (see the module's documentation).
@@ -62,8 +65,14 @@ pub(crate) struct Inner {
     /// for the prefetch: the all-gather of the unit whose pass comes next starts
     /// before a unit's compute, as FSDP's forward and backward prefetch.
     forward_order: Mutex<Vec<usize>>,
-    /// [`ShardingStats`]' counters: all-gathers, prefetched ones, reduce-scatters.
-    counts: [AtomicU64; 3],
+    /// [`ShardingStats`]' counters: all-gathers, prefetched ones, reduce-scatters,
+    /// all-gathered bytes.
+    counts: [AtomicU64; 4],
+    /// Under mixed precision, the dtype fp32 units are all-gathered in (bf16 or fp16,
+    /// as FSDP2's `MixedPrecisionPolicy(param_dtype=…)`): the forward and backward
+    /// passes compute with the parameters rounded to it, the optimizer steps the fp32
+    /// shards. `None`: the parameters' own dtype.
+    low: Option<tch::Kind>,
     /// The first failure inside a hook, which fails the backward pass.
     failure: Mutex<Option<Error>>,
     /// The hook that gathers a unit before its backward pass.
@@ -91,6 +100,15 @@ struct Order {
     complete: Vec<bool>,
 }
 
+/// An all-gather started and not waited for.
+struct Gathering {
+    pending: Pending,
+    /// Its output, one chunk per rank (views of one buffer).
+    chunks: Vec<Tensor>,
+    /// Its input (the shard, or its low-precision copy), alive until it completes.
+    _input: Tensor,
+}
+
 struct Unit {
     /// The unit's parameters (places in the optimizer) and their pieces.
     members: Vec<usize>,
@@ -113,9 +131,8 @@ struct Unit {
     reduced: bool,
     /// The full parameters hold the shards' values.
     gathered: bool,
-    /// An all-gather of `shard` started ahead of the unit's pass (prefetched), and
-    /// its output, one chunk per rank.
-    gathering: Option<(Pending, Vec<Tensor>)>,
+    /// An all-gather of `shard` started ahead of the unit's pass (prefetched).
+    gathering: Option<Gathering>,
     /// Freed after each forward and backward pass (stage 3, not the root).
     reshard: bool,
 }
@@ -123,7 +140,8 @@ struct Unit {
 impl Sharding {
     /// Shards `params` (the optimizer's, with their names) over `group` at `stage`
     /// (2 or 3), in the units declared in `registry` that claim some of them, and
-    /// registers itself there. Every rank gets rank 0's values of `all` (the store's
+    /// registers itself there. Under mixed precision, `low` (bf16 or fp16) is the
+    /// dtype fp32 units are all-gathered and computed in. Every rank gets rank 0's values of `all` (the store's
     /// variables and buffers, in an order every rank agrees on) first, as DDP's
     /// construction does.
     ///
@@ -136,6 +154,7 @@ impl Sharding {
         params: Vec<(String, Tensor)>,
         all: &[Tensor],
         registry: &Units,
+        low: Option<tch::Kind>,
     ) -> Result<Sharding> {
         let declared = registry.declared();
         group.verify_same_shapes(all)?;
@@ -208,6 +227,7 @@ impl Sharding {
                 sync: AtomicBool::new(true),
                 forward_order: Mutex::new(Vec::new()),
                 counts: Default::default(),
+                low,
                 order: Mutex::new(Order {
                     next: 0,
                     complete: vec![false; unit_members.len()],
@@ -225,8 +245,14 @@ impl Sharding {
         let engine: Arc<dyn ShardedParameters> = inner.clone();
         registry.add_engine(Arc::downgrade(&engine));
         for u in 0..inner.units.len() {
-            if inner.unit(u).reshard {
-                inner.free(u)?;
+            let mut unit = inner.unit(u);
+            if unit.reshard {
+                inner.free_locked(&mut unit)?;
+            } else if low.is_some() {
+                // The units that stay gathered hold the rounded parameters from the
+                // start, as after each step.
+                unit.gathered = false;
+                inner.gather_locked(&mut unit, false)?;
             }
         }
         let weak = Arc::downgrade(&inner);
@@ -250,7 +276,7 @@ impl Sharding {
 
     /// What the collectives did so far.
     pub fn stats(&self) -> ShardingStats {
-        let [all_gathers, prefetched_all_gathers, reduce_scatters] = self
+        let [all_gathers, prefetched_all_gathers, reduce_scatters, all_gather_bytes] = self
             .inner
             .counts
             .each_ref()
@@ -259,6 +285,7 @@ impl Sharding {
             all_gathers,
             prefetched_all_gathers,
             reduce_scatters,
+            all_gather_bytes,
         }
     }
 
@@ -374,7 +401,7 @@ impl Sharding {
             unit.reduced = false;
             if !unit.reshard {
                 unit.gathered = false;
-                self.inner.gather_locked(&mut unit)?;
+                self.inner.gather_locked(&mut unit, false)?;
             }
         }
         Ok(())
@@ -505,13 +532,33 @@ impl Unit {
 }
 
 impl ShardedParameters for Inner {
+    /// Every unit gathered exactly (in the parameters' own dtype, under mixed
+    /// precision too) around `f`, which reads (a save) or writes (a load) the
+    /// parameters; after a load the shards are cut from them. Then every unit is as
+    /// it was: freed, or gathered again (rounded, under mixed precision).
     fn with_full_parameters(&self, loaded: bool, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        let gathered = self.gather_all()?;
+        self.settle()?;
+        let rounded = self.low.is_some();
+        let mut before = Vec::new();
+        for u in 0..self.units.len() {
+            let mut unit = self.unit(u);
+            before.push(unit.gathered);
+            unit.gathered &= !rounded;
+            self.gather_locked(&mut unit, true)?;
+        }
         let r = f();
         if loaded && r.is_ok() {
             self.recut()?;
         }
-        self.release(&gathered)?;
+        for (u, gathered) in before.into_iter().enumerate() {
+            let mut unit = self.unit(u);
+            if !gathered {
+                self.free_locked(&mut unit)?;
+            } else if rounded {
+                unit.gathered = false;
+                self.gather_locked(&mut unit, false)?;
+            }
+        }
         r
     }
 }
@@ -546,24 +593,6 @@ impl Inner {
         Ok(out)
     }
 
-    /// Gathers every unit that is not; returns those it gathered.
-    pub fn gather_all(&self) -> Result<Vec<usize>> {
-        let mut gathered = Vec::new();
-        for u in 0..self.units.len() {
-            let mut unit = self.unit(u);
-            if !unit.gathered && !unit.members.is_empty() {
-                self.gather_locked(&mut unit)?;
-                gathered.push(u);
-            }
-        }
-        Ok(gathered)
-    }
-
-    /// Frees `units` again (those [`gather_all`](Self::gather_all) gathered).
-    pub fn release(&self, units: &[usize]) -> Result<()> {
-        units.iter().try_for_each(|&u| self.free(u))
-    }
-
     /// Cuts every unit's shard again from its gathered parameters (after a load).
     pub fn recut(&self) -> Result<()> {
         let rank = self.group.rank();
@@ -574,7 +603,7 @@ impl Inner {
     }
 
     fn gather(&self, u: usize) -> Result<()> {
-        self.gather_locked(&mut self.unit(u))
+        self.gather_locked(&mut self.unit(u), false)
     }
 
     /// Gathers unit `u` for a forward (`forward`) or a backward pass, and starts the
@@ -605,24 +634,35 @@ impl Inner {
     fn prefetch(&self, u: usize) -> Result<()> {
         let mut unit = self.unit(u);
         if !unit.gathered && unit.gathering.is_none() && !unit.members.is_empty() {
-            unit.gathering = Some(self.start_gather(&unit)?);
+            unit.gathering = Some(self.start_gather(&unit, false)?);
         }
         Ok(())
     }
 
-    /// Starts the all-gather of the unit's shards (one collective) into a buffer.
-    fn start_gather(&self, unit: &Unit) -> Result<(Pending, Vec<Tensor>)> {
+    /// Starts the all-gather of the unit's shards (one collective) into a buffer:
+    /// in the low precision under mixed precision, unless `exact`.
+    fn start_gather(&self, unit: &Unit, exact: bool) -> Result<Gathering> {
         let world = self.group.world_size();
         let len = unit.shard.numel() as i64;
-        let buffer = unit.shard.new_empty(
-            [world as i64 * len],
-            (unit.shard.kind(), unit.shard.device()),
-        );
+        let low = self
+            .low
+            .filter(|_| !exact && unit.shard.kind() == tch::Kind::Float);
+        let input = match low {
+            Some(kind) => unit.shard.to_kind(kind),
+            None => unit.shard.shallow_clone(),
+        };
+        let buffer = input.new_empty([world as i64 * len], (input.kind(), input.device()));
         let chunks: Vec<Tensor> = (0..world)
             .map(|r| buffer.narrow(0, r as i64 * len, len))
             .collect();
-        let pending = self.group.all_gather_start(&chunks, &unit.shard)?;
-        Ok((pending, chunks))
+        let pending = self.group.all_gather_start(&chunks, &input)?;
+        let bytes = len as usize * input.kind().elt_size_in_bytes();
+        self.counts[3].fetch_add(bytes as u64, Ordering::Relaxed);
+        Ok(Gathering {
+            pending,
+            chunks,
+            _input: input,
+        })
     }
 
     /// Waits for the prefetched all-gathers that no pass used (a unit the forward
@@ -631,25 +671,28 @@ impl Inner {
     fn settle(&self) -> Result<()> {
         for u in 0..self.units.len() {
             let gathering = self.unit(u).gathering.take();
-            if let Some((pending, _)) = gathering {
-                pending.wait()?;
+            if let Some(gathering) = gathering {
+                gathering.pending.wait()?;
             }
         }
         Ok(())
     }
 
     /// All-gathers the unit's shards (one collective, or the one prefetched) into its
-    /// parameters' memory.
-    fn gather_locked(&self, unit: &mut Unit) -> Result<()> {
+    /// parameters' memory; `exact`: in their own dtype under mixed precision too (no
+    /// prefetched gather is pending then).
+    fn gather_locked(&self, unit: &mut Unit, exact: bool) -> Result<()> {
         if unit.gathered || unit.members.is_empty() {
             return Ok(());
         }
-        let (pending, chunks) = match unit.gathering.take() {
+        let Gathering {
+            pending, chunks, ..
+        } = match unit.gathering.take() {
             Some(gathering) => {
                 self.counts[1].fetch_add(1, Ordering::Relaxed);
                 gathering
             }
-            None => self.start_gather(unit)?,
+            None => self.start_gather(unit, exact)?,
         };
         pending.wait()?;
         self.counts[0].fetch_add(1, Ordering::Relaxed);

@@ -19,7 +19,8 @@
 //!
 //! Writes the parameters to DIR/OUT (rank 0), each rank's optimizer-state bytes to
 //! DIR/OUT.state-bytes-RANK, its sharded collectives (`Optimizer::sharding_stats`:
-//! all-gathers, prefetched ones, reduce-scatters; none without sharding) to
+//! all-gathers, prefetched ones, reduce-scatters, all-gathered bytes; zeros without
+//! sharding) to
 //! DIR/OUT.stats-RANK and the names of the variables that hold no memory after
 //! the steps to DIR/OUT.freed-RANK.
 //!
@@ -127,8 +128,11 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
     std::fs::write(
         format!("{dir}/{out}.stats-{rank}"),
         format!(
-            "{} {} {}",
-            stats.all_gathers, stats.prefetched_all_gathers, stats.reduce_scatters
+            "{} {} {} {}",
+            stats.all_gathers,
+            stats.prefetched_all_gathers,
+            stats.reduce_scatters,
+            stats.all_gather_bytes
         ),
     )?;
     std::fs::write(

@@ -3,7 +3,10 @@
 # whole model, Adam (lr 0.01, weight decay 1e-2, torch.optim's default kernels) for 10
 # steps, each of WORLD ranks (Gloo, on the CPU) on its share of the 24 samples.
 #
-# Usage: python fsdp2_reference.py INIT OUT WORLD
+# With a fourth argument `bf16` (`fp32`: none), every `fully_shard` gets
+# MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32).
+#
+# Usage: python fsdp2_reference.py INIT OUT WORLD [fp32|bf16]
 #   INIT: safetensors with x, y and the initial l1/l2/l3 weights and biases;
 #   OUT: the final parameters (full tensors), written by rank 0.
 import os
@@ -15,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
 class Net(torch.nn.Module):
@@ -29,7 +32,7 @@ class Net(torch.nn.Module):
         return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x)))))
 
 
-def worker(rank, world, port, init, out):
+def worker(rank, world, port, init, out, bf16):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -39,16 +42,20 @@ def worker(rank, world, port, init, out):
         for name, p in net.named_parameters():
             p.copy_(data[name])
     mesh = init_device_mesh("cpu", (world,))
-    fully_shard(net.l2, mesh=mesh)
-    fully_shard(net.l3, mesh=mesh)
-    fully_shard(net, mesh=mesh)
+    policy = MixedPrecisionPolicy()
+    if bf16:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(net.l2, mesh=mesh, mp_policy=policy)
+    fully_shard(net.l3, mesh=mesh, mp_policy=policy)
+    fully_shard(net, mesh=mesh, mp_policy=policy)
     opt = torch.optim.Adam(net.parameters(), lr=0.01, weight_decay=1e-2)
     share = 24 // world
     x = data["x"][rank * share:(rank + 1) * share]
     y = data["y"][rank * share:(rank + 1) * share]
     for _ in range(10):
         opt.zero_grad()
-        torch.nn.functional.mse_loss(net(x), y).backward()
+        # Under bf16, the loss in fp32, as autocast runs mse_loss.
+        torch.nn.functional.mse_loss(net(x).float(), y).backward()
         opt.step()
     full = {k: v.full_tensor().contiguous() for k, v in net.state_dict().items()}
     if rank == 0:
@@ -58,7 +65,8 @@ def worker(rank, world, port, init, out):
 
 if __name__ == "__main__":
     init, out, world = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    bf16 = sys.argv[4:] == ["bf16"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(world, port, init, out), nprocs=world)
+    mp.spawn(worker, args=(world, port, init, out, bf16), nprocs=world)
