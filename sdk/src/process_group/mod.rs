@@ -320,7 +320,8 @@ impl ProcessGroup {
     }
 
     /// How many times gradients were averaged over this group (DDP's synchronized
-    /// backward passes, over any of its clones).
+    /// backward passes, a sharded optimizer's reduce-scatters, over any of its
+    /// clones).
     pub(crate) fn gradient_averages(&self) -> u64 {
         self.shared.gradient_averages.load(Ordering::Relaxed)
     }

@@ -800,6 +800,8 @@ impl Inner {
         self.group
             .reduce_scatter_into(&unit.grad, &chunks, ReduceOp::Avg)?;
         self.counts[2].fetch_add(1, Ordering::Relaxed);
+        // For the sharded loop's check that its steps averaged gradients.
+        self.group.count_gradient_average();
         let had = Vec::<f64>::try_from(
             unit.grad
                 .narrow(0, len, stride - len)
