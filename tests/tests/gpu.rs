@@ -596,9 +596,10 @@ fn resume_after_sigkill_on_cuda_is_bit_for_bit() {
 }
 
 /// ZeRO stage 3 with units on CUDA: parameters freed and gathered in the caching
-/// allocator's memory, gradients reduce-scattered from the accumulators' hooks. Two ranks
-/// sharing the GPU over Gloo end where DDP ends (within 1e-5: cuBLAS rounds as it
-/// likes); NCCL on one rank runs it as a world of one (nothing to shard).
+/// allocator's memory (the next unit's gather started ahead), gradients reduce-scattered
+/// from the accumulators' hooks. Two ranks sharing the GPU over Gloo end where DDP ends
+/// (within 1e-5: cuBLAS rounds as it likes), in fp32 and under bf16 (units gathered in
+/// bf16); NCCL on one rank runs it as a world of one (nothing to shard).
 #[test]
 fn zero_3_on_the_gpu_trains_as_ddp() {
     require_gpu();
@@ -606,7 +607,16 @@ fn zero_3_on_the_gpu_trains_as_ddp() {
     let dir = scratch_dir("gpu-sharding");
     let d = dir.to_str().unwrap();
     let run = |ranks: usize, backend: Backend, zero: &str, out: &str| {
-        let envs = [CUDA, ("TCH_DISTRIBUTED_ZERO", zero), ("UNITS", "1")];
+        let precision = match out.starts_with("bf16") {
+            true => "bf16",
+            false => "no",
+        };
+        let envs = [
+            CUDA,
+            ("TCH_DISTRIBUTED_ZERO", zero),
+            ("UNITS", "1"),
+            ("TCH_DISTRIBUTED_MIXED_PRECISION", precision),
+        ];
         let run = launch(ranks, backend, &worker, &[d, out], &envs, &dir);
         run.assert_success();
         run
@@ -627,5 +637,12 @@ fn zero_3_on_the_gpu_trains_as_ddp() {
         read(&dir, "zero3.safetensors.freed-0"),
         "l2.bias l2.weight l3.bias l3.weight"
     );
+    run(2, Backend::Gloo, "0", "bf16-ddp.safetensors");
+    run(2, Backend::Gloo, "3", "bf16-zero3.safetensors");
+    let diff = tch_distributed_tests::compare::files(
+        &dir.join("bf16-ddp.safetensors"),
+        &dir.join("bf16-zero3.safetensors"),
+    );
+    assert!(diff.max_abs < 1e-5, "bf16: {diff:?}");
     run(1, Backend::Nccl, "3", "nccl.safetensors");
 }
