@@ -421,10 +421,10 @@ impl Optimizer {
     }
 
     /// Makes this optimizer step through `ddp` from now on, if it steps through none
-    /// yet: `#[distributed]`, at the first step of an optimizer the function did not
-    /// build. Returns whether it did (not when it had one already).
-    pub(crate) fn distributed_from_now(&self, ddp: DistributedDataParallel) -> bool {
-        self.ddp.set(ddp).is_ok()
+    /// yet (one it has stays): `#[distributed]`, at the first step of an optimizer the
+    /// function did not build.
+    pub(crate) fn distributed_from_now(&self, ddp: DistributedDataParallel) {
+        let _ = self.ddp.set(ddp);
     }
 
     /// The DDP this optimizer steps through, if any.
