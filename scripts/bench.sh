@@ -10,6 +10,7 @@
 #                                          cost a step: 2 ranks over Gloo
 #   scripts/bench.sh zero                  ZeRO stage 1's memory: Adam on 52.5 M parameters, 1/2/4 ranks
 #   scripts/bench.sh sharding              ZeRO 1/2/3 against DDP and PyTorch FSDP2: memory, step time
+#   scripts/bench.sh activation            activation checkpointing against the plain model: memory, step time
 #   scripts/bench.sh multi-node [STEPS]    shakespeare's tokens/s, 1 host × 2 ranks against 2 hosts ×
 #                                          1 rank (network namespaces; root and `ip`)
 #
@@ -43,6 +44,11 @@ case "$bench" in
     cargo build --release --quiet -p tch-distributed --bin tchrun
     cargo build --release --quiet -p tch-distributed-bench --bin zero
     exec "$TARGET/release/zero" "$@"
+    ;;
+  activation)
+    cargo build --release --quiet -p tch-distributed --bin tchrun
+    cargo build --release --quiet -p tch-distributed-bench --bin activation
+    exec "$TARGET/release/activation" "$@"
     ;;
   multi-node)
     cargo build --release --quiet -p tch-distributed --bin tchrun

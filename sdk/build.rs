@@ -194,6 +194,7 @@ fn main() {
         .file("csrc/sealed_store.cpp")
         .file("csrc/optim.cpp")
         .file("csrc/sharding.cpp")
+        .file("csrc/activation.cpp")
         .file("csrc/nccl.cpp");
 
     let has_cuda = lib_dir.join("libtorch_cuda.so").exists();
@@ -226,6 +227,7 @@ fn main() {
         "sealed_store.cpp",
         "optim.cpp",
         "sharding.cpp",
+        "activation.cpp",
         "shim.h",
         "internal.hpp",
         "nccl.cpp",

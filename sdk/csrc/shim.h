@@ -212,6 +212,19 @@ tdc_grad_hooks* tdc_grad_hooks_new(
 int tdc_grad_hooks_reachable(tdc_grad_hooks* hooks, tdc_tensor* roots, int n, int* out);
 void tdc_grad_hooks_free(tdc_grad_hooks* hooks);
 
+// ---- activation checkpointing (activation.cpp) ----
+// Runs a block on `n` inputs (handles the callee frees) and writes at most `cap`
+// outputs (handles the caller frees) to `outputs`; returns their count, -1 when it
+// failed, -2 for more than `cap`.
+typedef int (*tdc_block_fn)(void* ctx, tdc_tensor* inputs, int n, tdc_tensor* outputs, int cap);
+// Runs the block without autograd and gives its outputs (at most `cap`, their count in
+// `n_out`) one autograd node that runs it again in the backward pass, with the
+// random generators' and autocast's states of this run. The context is released
+// (`drop`) with the node, or before returning when there is none.
+int tdc_checkpoint(
+    tdc_block_fn fn, void* ctx, tdc_drop drop, tdc_tensor* inputs, int n,
+    tdc_tensor* outputs, int cap, int* n_out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -30,6 +30,14 @@ pub struct GradHooks {
     _private: [u8; 0],
 }
 
+/// A checkpointed block's call into Rust (`tdc_block_fn`).
+pub type BlockFn = unsafe extern "C" fn(
+    ctx: *mut c_void,
+    inputs: *const Tensor,
+    n: c_int,
+    outputs: *mut Tensor,
+    cap: c_int,
+) -> c_int;
 /// A hook's call into Rust with its context and index; 0, or non-zero to fail the
 /// backward pass (`tdc_callback`).
 pub type Callback = unsafe extern "C" fn(ctx: *mut c_void, index: c_int) -> c_int;
@@ -277,6 +285,16 @@ extern "C" {
         out: *mut c_int,
     ) -> c_int;
     pub fn tdc_grad_hooks_free(hooks: *mut GradHooks);
+    pub fn tdc_checkpoint(
+        block: BlockFn,
+        ctx: *mut c_void,
+        drop: Drop,
+        inputs: *const Tensor,
+        n: c_int,
+        outputs: *mut Tensor,
+        cap: c_int,
+        n_out: *mut c_int,
+    ) -> c_int;
     pub fn tdc_amp_unscale(
         grads: *const Tensor,
         n: c_int,

@@ -196,7 +196,8 @@ fn variables_without_gradients_train_as_ddp_with_find_unused_parameters() {
     ];
     let accumulation = [unused.as_slice(), &[("TCH_DISTRIBUTED_GRAD_ACCUM", "2")]].concat();
     let rank_0 = [("UNUSED", "rank0"), unused[1]];
-    let cases: [(&str, &[(&str, &str)], &[u8]); 3] = [
+    type Case<'a> = (&'a str, &'a [(&'a str, &'a str)], &'a [u8]);
+    let cases: [Case; 3] = [
         ("alone", &unused, &[2, 3]),
         ("accum", &accumulation, &[2, 3]),
         ("rank0", &rank_0, &[2]),

@@ -9,9 +9,11 @@ use crate::error::{io, Error, Result};
 use crate::files::{self, sync_dir, sync_file};
 use crate::init::Context;
 
+mod activation;
 mod preemption;
 mod state;
 
+pub use activation::{checkpoint, checkpoint_many, checkpointed, f_checkpoint_many, Checkpointed};
 pub use preemption::{preempted_exit_code, Preemption};
 pub use state::{Checkpointer, TrainState};
 

@@ -1,0 +1,251 @@
+// Activation checkpointing: a block's forward pass runs without autograd, so none of
+// its activations are kept; an autograd node stands for the whole block and, in the
+// backward pass, runs the block again (a callback into Rust) with autograd on and
+// differentiates it, as torch.utils.checkpoint. The random generators' states and
+// autocast's are those of the first run, so dropout draws the same numbers.
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/edge.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/Context.h>
+#include <ATen/core/Generator.h>
+
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "internal.hpp"
+
+namespace {
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+// A node as autograd holds it: a std::shared_ptr in libtorch 2.11, a
+// c10::intrusive_ptr in 2.13.
+using NodePtr = std::remove_cv_t<
+    std::remove_reference_t<decltype(std::declval<torch::autograd::Edge>().function)>>;
+
+template <typename T, typename... Args>
+NodePtr make_node(Args&&... args) {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<Node>>) {
+    return std::make_shared<T>(std::forward<Args>(args)...);
+  } else {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  }
+}
+
+at::Tensor& tensor(tdc_tensor t) {
+  return *static_cast<at::Tensor*>(t);
+}
+
+// The block: the Rust closure behind `fn` and its context.
+struct Block {
+  tdc_block_fn fn;
+  std::shared_ptr<void> ctx;
+  int max_outputs;
+
+  variable_list run(const variable_list& inputs) const {
+    // Rust takes each input (a new handle it frees) and hands each output over (a
+    // handle freed here).
+    std::vector<tdc_tensor> in;
+    in.reserve(inputs.size());
+    for (const auto& x : inputs) in.push_back(new at::Tensor(x));
+    std::vector<tdc_tensor> out(max_outputs, nullptr);
+    int n = fn(ctx.get(), in.data(), static_cast<int>(in.size()), out.data(), max_outputs);
+    if (n < 0) {
+      throw std::runtime_error(
+          n == -2 ? "the checkpointed block returned more outputs than its first run"
+                  : "the checkpointed block panicked");
+    }
+    variable_list outputs;
+    for (int i = 0; i < n; i++) {
+      auto* t = static_cast<at::Tensor*>(out[i]);
+      outputs.push_back(*t);
+      delete t;
+    }
+    return outputs;
+  }
+};
+
+// The generators and autocast as the first run found them, put back around the
+// recompute (and the caller's put back after it).
+struct State {
+  at::Tensor cpu_rng;
+  std::vector<std::pair<c10::Device, at::Tensor>> cuda_rng;
+  bool autocast_cpu = false, autocast_cuda = false;
+  at::ScalarType dtype_cpu = at::kBFloat16, dtype_cuda = at::kHalf;
+
+  static at::Tensor get(at::Generator gen) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    return gen.get_state();
+  }
+
+  static void put(at::Generator gen, const at::Tensor& state) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+  }
+
+  static State capture(const variable_list& inputs) {
+    State s;
+    s.cpu_rng = get(at::detail::getDefaultCPUGenerator());
+    for (const auto& x : inputs) {
+      if (!x.defined() || !x.is_cuda()) continue;
+      bool seen = false;
+      for (const auto& [d, _] : s.cuda_rng) seen |= d == x.device();
+      if (!seen) {
+        s.cuda_rng.emplace_back(
+            x.device(), get(at::globalContext().defaultGenerator(x.device())));
+      }
+    }
+    s.autocast_cpu = at::autocast::is_autocast_enabled(at::kCPU);
+    s.dtype_cpu = at::autocast::get_autocast_dtype(at::kCPU);
+    s.autocast_cuda = at::autocast::is_autocast_enabled(at::kCUDA);
+    s.dtype_cuda = at::autocast::get_autocast_dtype(at::kCUDA);
+    return s;
+  }
+
+  void set() const {
+    put(at::detail::getDefaultCPUGenerator(), cpu_rng);
+    for (const auto& [d, state] : cuda_rng) {
+      put(at::globalContext().defaultGenerator(d), state);
+    }
+    at::autocast::set_autocast_enabled(at::kCPU, autocast_cpu);
+    at::autocast::set_autocast_dtype(at::kCPU, dtype_cpu);
+    at::autocast::set_autocast_enabled(at::kCUDA, autocast_cuda);
+    at::autocast::set_autocast_dtype(at::kCUDA, dtype_cuda);
+  }
+};
+
+// Sets `saved` for its lifetime, then puts back what was there.
+struct Restore {
+  State before;
+  Restore(const State& saved, const variable_list& inputs)
+      : before(State::capture(inputs)) {
+    saved.set();
+  }
+  ~Restore() {
+    try {
+      before.set();
+    } catch (...) {
+    }
+  }
+};
+
+struct CheckpointBackward : public Node {
+  Block block;
+  variable_list inputs;
+  State state;
+
+  CheckpointBackward(Block b, variable_list xs, State s)
+      : block(std::move(b)), inputs(std::move(xs)), state(std::move(s)) {}
+
+  std::string name() const override {
+    return "tch_distributed::CheckpointBackward";
+  }
+
+  void release_variables() override {
+    inputs.clear();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    if (inputs.empty() && num_outputs() > 0) {
+      throw std::runtime_error(
+          "a checkpointed block was differentiated twice: its inputs were released "
+          "after the first backward pass (retain_graph is not supported)");
+    }
+    variable_list detached;
+    for (const auto& x : inputs) {
+      auto d = x.detach();
+      d.requires_grad_(x.requires_grad());
+      detached.push_back(d);
+    }
+    variable_list outputs;
+    {
+      Restore restore(state, inputs);
+      at::AutoGradMode grad_mode(true);
+      outputs = block.run(detached);
+    }
+    variable_list roots, seeds;
+    for (size_t i = 0; i < outputs.size() && i < grads.size(); i++) {
+      if (outputs[i].requires_grad() && grads[i].defined()) {
+        roots.push_back(outputs[i]);
+        seeds.push_back(grads[i]);
+      }
+    }
+    if (!roots.empty()) {
+      // Accumulates into the block's parameters (their hooks fire once, here) and
+      // into the detached inputs, whose gradients go on from this node.
+      torch::autograd::backward(roots, seeds);
+    }
+    variable_list result;
+    for (const auto& d : detached) {
+      result.push_back(d.requires_grad() ? d.grad() : at::Tensor());
+    }
+    return result;
+  }
+};
+} // namespace
+
+int tdc_checkpoint(
+    tdc_block_fn fn, void* ctx, tdc_drop drop, tdc_tensor* inputs, int n,
+    tdc_tensor* outputs, int cap, int* n_out) {
+  // The context is the Rust side's until the node holds it.
+  auto held = std::shared_ptr<void>(ctx, [drop](void* p) { drop(p); });
+  TDC_PROTECT(1, {
+    variable_list xs;
+    bool any = false;
+    for (int i = 0; i < n; i++) {
+      xs.push_back(tensor(inputs[i]));
+      any |= xs.back().requires_grad();
+    }
+    // A block on the data (no input requires a gradient) is still differentiated
+    // for its parameters: its first floating-point input gets a gradient of its own.
+    for (auto& x : xs) {
+      if (any || !torch::autograd::GradMode::is_enabled()) break;
+      if (x.defined() && x.is_floating_point()) {
+        x = x.detach().requires_grad_(true);
+        any = true;
+      }
+    }
+    Block block{fn, held, cap};
+    bool record = torch::autograd::GradMode::is_enabled() && any;
+    State state;
+    if (record) state = State::capture(xs);
+    variable_list ys;
+    {
+      at::NoGradGuard no_grad;
+      ys = block.run(xs);
+    }
+    if (record) {
+      for (const auto& y : ys) {
+        for (const auto& x : xs) {
+          if (y.defined() && x.defined() && y.is_alias_of(x)) {
+            throw std::invalid_argument(
+                "the checkpointed block returned its input (or a view of it): it has "
+                "nothing to recompute. Call the block directly");
+          }
+        }
+      }
+      auto node = make_node<CheckpointBackward>(block, xs, std::move(state));
+      node->set_next_edges(torch::autograd::collect_next_edges(xs));
+      for (auto& y : ys) {
+        if (y.defined() && torch::autograd::isDifferentiableType(y.scalar_type())) {
+          torch::autograd::set_history(y, node);
+        } else {
+          node->add_input_metadata(Node::undefined_input());
+        }
+      }
+    }
+    for (size_t i = 0; i < ys.size(); i++) outputs[i] = new at::Tensor(ys[i]);
+    *n_out = static_cast<int>(ys.size());
+    return 0;
+  })
+}

@@ -1,0 +1,187 @@
+//! Activation checkpointing, as `torch.utils.checkpoint.checkpoint`: a block's forward
+//! pass keeps none of its activations, and the backward pass runs the block again to
+//! differentiate it. The autograd node is the shim's (`csrc/activation.cpp`); the
+//! block is a Rust closure it calls back.
+
+use std::ffi::{c_int, c_void};
+use std::sync::{Arc, Mutex};
+
+use tch::nn::{Module, ModuleT};
+use tch::Tensor;
+
+use crate::error::{Error, Result};
+use crate::ffi;
+
+/// The most outputs a checkpointed block may return.
+const MAX_OUTPUTS: usize = 64;
+
+/// The block, called from the thread that runs the forward pass and from autograd's
+/// in the backward pass (one at a time).
+type Block = Mutex<Box<dyn Fn(&[Tensor]) -> Vec<Tensor> + Send>>;
+
+unsafe extern "C" fn run(
+    ctx: *mut c_void,
+    inputs: *const ffi::Tensor,
+    n: c_int,
+    outputs: *mut ffi::Tensor,
+    cap: c_int,
+) -> c_int {
+    let block = &*(ctx as *const Block);
+    // Each input is a handle of its own for Rust to free; each output's handle goes
+    // to the shim, which frees it.
+    let xs: Vec<Tensor> = (0..n as usize)
+        .map(|i| Tensor::from_ptr(*inputs.add(i) as *mut torch_sys::C_tensor))
+        .collect();
+    // No panic may unwind into libtorch: it fails the backward pass instead.
+    let call = || block.lock().unwrap_or_else(|e| e.into_inner())(&xs);
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
+        Ok(ys) if ys.len() <= cap as usize => {
+            let count = ys.len() as c_int;
+            for (i, y) in ys.into_iter().enumerate() {
+                *outputs.add(i) = ffi::tensor(&y);
+                std::mem::forget(y);
+            }
+            count
+        }
+        Ok(_) => -2,
+        Err(_) => -1,
+    }
+}
+
+unsafe extern "C" fn drop_block(ctx: *mut c_void) {
+    drop(Box::from_raw(ctx as *mut Block));
+}
+
+/// [`checkpoint_many`], returning its errors: [`Error::Usage`] for a block that
+/// returns its input (or a view of it) or more than 64 tensors, [`Error::Torch`] for
+/// a failure of the forward pass.
+pub fn f_checkpoint_many(
+    block: impl Fn(&[Tensor]) -> Vec<Tensor> + Send + 'static,
+    inputs: &[Tensor],
+) -> Result<Vec<Tensor>> {
+    let block: Block = Mutex::new(Box::new(block));
+    let ctx = Box::into_raw(Box::new(block)) as *mut c_void;
+    let ptrs = ffi::tensors(inputs);
+    let mut outputs = vec![std::ptr::null_mut(); MAX_OUTPUTS];
+    let mut n = 0;
+    let status = unsafe {
+        ffi::tdc_checkpoint(
+            run,
+            ctx,
+            drop_block,
+            ptrs.as_ptr(),
+            ptrs.len() as c_int,
+            outputs.as_mut_ptr(),
+            MAX_OUTPUTS as c_int,
+            &mut n,
+        )
+    };
+    ffi::check(status).map_err(|e| match e.contains("returned") {
+        true => Error::Usage(format!("activation checkpointing: {e}")),
+        false => Error::Torch(format!("a checkpointed block's forward pass: {e}")),
+    })?;
+    Ok(outputs[..n as usize]
+        .iter()
+        .map(|&p| unsafe { Tensor::from_ptr(p as *mut torch_sys::C_tensor) })
+        .collect())
+}
+
+/// Runs `block` on `inputs` without keeping its activations, as
+/// `torch.utils.checkpoint.checkpoint(block, *inputs)`: in the backward pass the
+/// block runs again, with autograd, and is differentiated. Returns the block's
+/// outputs (at most 64), the same values as `block(inputs)`.
+///
+/// - The parameters the block uses get their gradients once per backward pass, from
+///   the recompute (so DDP's and the sharded optimizer's hooks fire once each).
+/// - The recompute draws the same random numbers (dropout) as the first run: the CPU
+///   generator's state, and that of each CUDA device of the inputs, are set back for
+///   it, as PyTorch's `preserve_rng_state`; autocast's state is the first run's too.
+/// - When no input requires a gradient (the block takes the data), the first
+///   floating-point input is given one, so that the block is differentiated still (its
+///   gradient is dropped); PyTorch's reentrant checkpoint gives its parameters none.
+/// - Under `tch::no_grad`, or when nothing can require a gradient, it runs the block.
+///
+/// The block must compute from its inputs: one that returns an input (or a view of
+/// it) is an error. The graph cannot be differentiated twice (`retain_graph`).
+///
+/// Panics with `Error: …` where [`f_checkpoint_many`] returns an error (as tch's
+/// modules panic on a failed forward pass).
+pub fn checkpoint_many(
+    block: impl Fn(&[Tensor]) -> Vec<Tensor> + Send + 'static,
+    inputs: &[Tensor],
+) -> Vec<Tensor> {
+    f_checkpoint_many(block, inputs).unwrap_or_else(|e| panic!("Error: {e}"))
+}
+
+/// [`checkpoint_many`] for a block of one input and one output: `block(input)`
+/// without its activations, recomputed in the backward pass.
+///
+/// ```no_run
+/// # use tch::{nn, nn::Module, Tensor};
+/// # let vs = nn::VarStore::new(tch::Device::Cpu);
+/// # let x = Tensor::zeros([8, 64], (tch::Kind::Float, tch::Device::Cpu));
+/// let layer = nn::linear(vs.root() / "l1", 64, 64, Default::default());
+/// let y = tch_distributed::checkpoint(move |x| layer.forward(x).gelu("none"), &x);
+/// ```
+pub fn checkpoint(block: impl Fn(&Tensor) -> Tensor + Send + 'static, input: &Tensor) -> Tensor {
+    checkpoint_many(move |xs| vec![block(&xs[0])], std::slice::from_ref(input)).remove(0)
+}
+
+/// A module whose forward pass is checkpointed ([`checkpoint`]): it implements tch's
+/// `Module` (and has `forward_t` for a `ModuleT`), so the program uses it as the
+/// module itself. Made by [`checkpointed`].
+pub struct Checkpointed<M> {
+    module: Arc<Mutex<M>>,
+}
+
+/// `module` with its forward pass checkpointed, as wrapping a block's forward in
+/// `torch.utils.checkpoint.checkpoint`: its activations are recomputed in the backward
+/// pass rather than kept.
+pub fn checkpointed<M>(module: M) -> Checkpointed<M> {
+    Checkpointed {
+        module: Arc::new(Mutex::new(module)),
+    }
+}
+
+impl<M> Checkpointed<M> {
+    /// The module.
+    pub fn inner(&self) -> std::sync::MutexGuard<'_, M> {
+        self.module.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl<M: Module + 'static> Module for Checkpointed<M> {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        let module = self.module.clone();
+        checkpoint(
+            move |x| module.lock().unwrap_or_else(|e| e.into_inner()).forward(x),
+            xs,
+        )
+    }
+}
+
+impl<M: ModuleT + 'static> Checkpointed<M> {
+    /// The checkpointed forward pass of a module with a train mode (dropout, batch
+    /// norm): both runs see `train`. (tch gives every `Module` a `ModuleT`, so the
+    /// wrapper has this method rather than the trait.)
+    pub fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        let module = self.module.clone();
+        checkpoint(
+            move |x| {
+                module
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .forward_t(x, train)
+            },
+            xs,
+        )
+    }
+}
+
+impl<M: std::fmt::Debug> std::fmt::Debug for Checkpointed<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkpointed")
+            .field("module", &self.module)
+            .finish()
+    }
+}

@@ -1,0 +1,156 @@
+//! Activation checkpointing (`tch_distributed::checkpoint`, `checkpointed`): the
+//! gradients are those of the same model without it, bit for bit (deterministic CPU
+//! operations), with dropout, under bf16 autocast, and on 2 ranks under the attribute.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Tensor};
+use tch_distributed::MixedPrecision;
+use tch_distributed_tests::compare::files as compare;
+use tch_distributed_tests::{run_with, scratch_dir, tchrun};
+
+/// A block's forward pass, checkpointed or not.
+type Layer = Box<dyn Fn(&Tensor) -> Tensor>;
+
+const WORKER: &str = env!("CARGO_BIN_EXE_activation_worker");
+
+/// libtorch's CPU generator is the process's: the tests that draw from it take turns.
+static GENERATOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Three blocks (Linear(8, 8), tanh, dropout 0.3) and a head on 5 rows of data; two
+/// forward and backward passes (the gradients add up). Returns every parameter's
+/// gradient, by name, and the loss of each pass.
+fn gradients(checkpointed: bool, precision: MixedPrecision) -> (Vec<(String, Tensor)>, Vec<f64>) {
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let root = vs.root();
+    let layers: Vec<nn::Linear> = (0..3)
+        .map(|i| nn::linear(&root / format!("l{i}"), 8, 8, Default::default()))
+        .collect();
+    let head = nn::linear(&root / "head", 8, 1, Default::default());
+    let blocks: Vec<Layer> = layers
+        .into_iter()
+        .map(|layer| -> Layer {
+            let block = move |x: &Tensor| layer.forward(x).tanh().dropout(0.3, true);
+            match checkpointed {
+                true => {
+                    let block = std::sync::Arc::new(std::sync::Mutex::new(block));
+                    Box::new(move |x| {
+                        let block = block.clone();
+                        tch_distributed::checkpoint(move |x| block.lock().unwrap()(x), x)
+                    })
+                }
+                false => Box::new(block),
+            }
+        })
+        .collect();
+    let mut losses = Vec::new();
+    for pass in 0..2 {
+        let x = Tensor::randn([5, 8], (Kind::Float, Device::Cpu)) + pass as f64;
+        let loss = tch_distributed::autocast(Device::Cpu, precision, || {
+            let hidden = blocks.iter().fold(x, |h, block| block(&h));
+            head.forward(&hidden).square().mean(Kind::Float)
+        })
+        .unwrap();
+        losses.push(loss.double_value(&[]));
+        loss.backward();
+    }
+    let mut grads: Vec<(String, Tensor)> = vs
+        .variables()
+        .into_iter()
+        .map(|(name, t)| (name, t.grad().copy()))
+        .collect();
+    grads.sort_by(|a, b| a.0.cmp(&b.0));
+    (grads, losses)
+}
+
+fn assert_bit_identical(precision: MixedPrecision) {
+    let _turn = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
+    let (plain, plain_losses) = gradients(false, precision);
+    let (ours, our_losses) = gradients(true, precision);
+    assert_eq!(plain_losses, our_losses, "{precision:?}: the losses");
+    assert_eq!(plain.len(), 8);
+    for ((name, a), (_, b)) in plain.iter().zip(&ours) {
+        assert!(
+            a.abs().sum(Kind::Float).double_value(&[]) > 0.0,
+            "{name}: no gradient"
+        );
+        assert!(a.equal(b), "{precision:?}: {name}: {a} vs {b}");
+    }
+}
+
+/// The recompute draws dropout's numbers from the generator's state of the first run
+/// (and the generator goes on from where the first run left it): the gradients, and
+/// the next pass's losses, are bit for bit the plain model's.
+#[test]
+fn gradients_with_dropout_are_the_plain_model_s_bit_for_bit() {
+    assert_bit_identical(MixedPrecision::No);
+}
+
+/// The recompute runs under the first run's autocast (bf16 on the CPU).
+#[test]
+fn gradients_under_bf16_autocast_are_the_plain_model_s_bit_for_bit() {
+    assert_bit_identical(MixedPrecision::Bf16);
+}
+
+/// A block that returns its input (or a view of it) is an error at the call; one that
+/// returns more than 64 tensors too. Under `no_grad` the block just runs.
+#[test]
+fn a_block_that_returns_its_input_is_an_error() {
+    let x = Tensor::ones([3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let err =
+        tch_distributed::f_checkpoint_many(|xs| vec![xs[0].narrow(0, 0, 2)], &[x.shallow_clone()])
+            .unwrap_err()
+            .to_string();
+    assert!(err.contains("returned its input"), "{err}");
+    let many = |xs: &[Tensor]| (0..65).map(|_| &xs[0] * 2.0).collect();
+    let err = tch_distributed::f_checkpoint_many(many, &[x.shallow_clone()])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("more outputs"), "{err}");
+    let y = tch::no_grad(|| tch_distributed::checkpoint(|x| x * 3.0, &x));
+    assert!(!y.requires_grad());
+    assert_eq!(Vec::<f32>::try_from(&y).unwrap(), [3.0, 3.0, 3.0]);
+}
+
+/// Several inputs and outputs: each input gets the gradient of what the block made of
+/// it.
+#[test]
+fn several_inputs_and_outputs_get_their_gradients() {
+    let a = Tensor::from_slice(&[1.0f32, 2.0]).set_requires_grad(true);
+    let b = Tensor::from_slice(&[3.0f32, 4.0]).set_requires_grad(true);
+    let ys = tch_distributed::checkpoint_many(
+        |xs| vec![&xs[0] * &xs[1], xs[0].square()],
+        &[a.shallow_clone(), b.shallow_clone()],
+    );
+    (ys[0].sum(Kind::Float) + ys[1].sum(Kind::Float)).backward();
+    // d/da (a·b + a²) = b + 2a; d/db = a.
+    assert_eq!(Vec::<f32>::try_from(a.grad()).unwrap(), [5.0, 8.0]);
+    assert_eq!(Vec::<f32>::try_from(b.grad()).unwrap(), [1.0, 2.0]);
+}
+
+fn run(dir: &Path, out: &str, checkpointed: bool) {
+    let mut cmd = Command::new(tchrun());
+    cmd.args(["--nproc-per-node", "2", WORKER])
+        .args([dir.to_str().unwrap(), out])
+        .env("CHECKPOINT", if checkpointed { "1" } else { "0" });
+    run_with(cmd, dir, Duration::from_secs(120), |_, _| {}).assert_success();
+}
+
+/// On 2 ranks under `#[distributed]` (DDP's Reducer averaging the gradients the
+/// recompute accumulates, once per parameter), dropout in every block, the first block
+/// on the data: the parameters after 6 steps are the plain model's, bit for bit.
+#[test]
+fn on_2_ranks_under_the_attribute_training_is_the_plain_model_s() {
+    let dir = scratch_dir("activation");
+    run(&dir, "plain.safetensors", false);
+    run(&dir, "checkpointed.safetensors", true);
+    let diff = compare(
+        &dir.join("plain.safetensors"),
+        &dir.join("checkpointed.safetensors"),
+    );
+    assert_eq!(diff.max_abs, 0.0, "{diff:?}");
+}
