@@ -180,11 +180,15 @@ struct CheckpointBackward : public Node {
         seeds.push_back(grads[i]);
       }
     }
-    if (!roots.empty()) {
-      // Accumulates into the block's parameters (their hooks fire once, here) and
-      // into the detached inputs, whose gradients go on from this node.
-      torch::autograd::backward(roots, seeds);
+    if (roots.empty()) {
+      throw std::runtime_error(
+          "the checkpointed block's outputs depend on neither its inputs nor a "
+          "parameter that requires a gradient: there is nothing to differentiate. Call "
+          "the block without checkpoint");
     }
+    // Accumulates into the block's parameters (their hooks fire once, here) and into
+    // the detached inputs, whose gradients go on from this node.
+    torch::autograd::backward(roots, seeds);
     variable_list result;
     for (const auto& d : detached) {
       result.push_back(d.requires_grad() ? d.grad() : at::Tensor());

@@ -150,13 +150,17 @@ int tdc_grad_hooks_reachable(tdc_grad_hooks* hooks, tdc_tensor* roots, int n, in
         visit(torch::autograd::impl::try_get_grad_accumulator(root).get());
       }
     }
+    // A checkpointed block's node (activation.cpp) reaches the parameters its
+    // recompute uses, which its edges do not show: any of them may get a gradient.
+    bool opaque = false;
     while (!stack.empty()) {
       Node* node = stack.back();
       stack.pop_back();
+      opaque |= node->name() == "tch_distributed::CheckpointBackward";
       for (const auto& edge : node->next_edges()) visit(edge.function.get());
     }
     for (size_t i = 0; i < hooks->accumulators.size(); i++) {
-      out[i] = seen.count(hooks->accumulators[i].get()) ? 1 : 0;
+      out[i] = opaque || seen.count(hooks->accumulators[i].get()) ? 1 : 0;
     }
     return 0;
   })

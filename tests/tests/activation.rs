@@ -132,25 +132,34 @@ fn several_inputs_and_outputs_get_their_gradients() {
     assert_eq!(Vec::<f32>::try_from(b.grad()).unwrap(), [1.0, 2.0]);
 }
 
-fn run(dir: &Path, out: &str, checkpointed: bool) {
+fn run(dir: &Path, out: &str, checkpointed: bool, env: &[(&str, &str)]) {
     let mut cmd = Command::new(tchrun());
     cmd.args(["--nproc-per-node", "2", WORKER])
         .args([dir.to_str().unwrap(), out])
-        .env("CHECKPOINT", if checkpointed { "1" } else { "0" });
+        .env("CHECKPOINT", if checkpointed { "1" } else { "0" })
+        .envs(env.iter().copied());
     run_with(cmd, dir, Duration::from_secs(120), |_, _| {}).assert_success();
 }
 
-/// On 2 ranks under `#[distributed]` (DDP's Reducer averaging the gradients the
-/// recompute accumulates, once per parameter), dropout in every block, the first block
-/// on the data: the parameters after 6 steps are the plain model's, bit for bit.
+/// On 2 ranks under `#[distributed]`, dropout in every block, the first block on the
+/// data: the parameters after 6 steps are the plain model's, bit for bit. Under DDP
+/// (its Reducer averages the gradients the recompute accumulates, once per
+/// parameter), with accumulation (`no_sync` between micro-batches), and at ZeRO stage
+/// 3 with every block a unit (gathered again for the recompute).
 #[test]
 fn on_2_ranks_under_the_attribute_training_is_the_plain_model_s() {
     let dir = scratch_dir("activation");
-    run(&dir, "plain.safetensors", false);
-    run(&dir, "checkpointed.safetensors", true);
-    let diff = compare(
-        &dir.join("plain.safetensors"),
-        &dir.join("checkpointed.safetensors"),
-    );
-    assert_eq!(diff.max_abs, 0.0, "{diff:?}");
+    let cases: [(&str, &[(&str, &str)]); 3] = [
+        ("ddp", &[]),
+        ("accumulation", &[("TCH_DISTRIBUTED_GRAD_ACCUM", "2")]),
+        ("zero3", &[("TCH_DISTRIBUTED_ZERO", "3"), ("UNITS", "1")]),
+    ];
+    for (name, env) in cases {
+        let plain = format!("{name}-plain.safetensors");
+        let ours = format!("{name}-checkpointed.safetensors");
+        run(&dir, &plain, false, env);
+        run(&dir, &ours, true, env);
+        let diff = compare(&dir.join(&plain), &dir.join(&ours));
+        assert_eq!(diff.max_abs, 0.0, "{name}: {diff:?}");
+    }
 }

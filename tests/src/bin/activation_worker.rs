@@ -2,7 +2,8 @@
 //! dropout 0.2) and a head (16 → 1), SGD with momentum, 6 steps under
 //! `#[distributed]`, each rank on its own batch of 8 rows. With `CHECKPOINT=1` each
 //! block is checkpointed (`tch_distributed::checkpointed`), the first on the data
-//! itself. Rank 0 writes the parameters to DIR/OUT.
+//! itself; with `UNITS=1` each block's linear layer is a unit of `fully_shard` (for
+//! `TCH_DISTRIBUTED_ZERO=3`). Rank 0 writes the parameters to DIR/OUT.
 //!
 //! Usage: activation_worker DIR OUT
 use tch::nn::{self, Module, ModuleT, OptimizerConfig};
@@ -15,7 +16,7 @@ type Layer = Box<dyn Fn(&Tensor) -> Tensor>;
 /// Linear, tanh, dropout.
 #[derive(Debug)]
 struct Block {
-    linear: nn::Linear,
+    linear: Box<dyn Module>,
 }
 
 impl ModuleT for Block {
@@ -33,8 +34,14 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
     let vs = nn::VarStore::new(Device::Cpu);
     let root = vs.root();
     let blocks: Vec<Block> = (0..4)
-        .map(|i| Block {
-            linear: nn::linear(&root / format!("b{i}"), 16, 16, Default::default()),
+        .map(|i| {
+            let path = &root / format!("b{i}");
+            let linear = nn::linear(&path, 16, 16, Default::default());
+            let linear: Box<dyn Module> = match std::env::var("UNITS").is_ok() {
+                true => Box::new(tch_distributed::fully_shard(linear, &path)),
+                false => Box::new(linear),
+            };
+            Block { linear }
         })
         .collect();
     let head = nn::linear(&root / "head", 16, 1, Default::default());
