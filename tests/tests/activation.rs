@@ -90,10 +90,11 @@ fn gradients_with_dropout_are_the_plain_model_s_bit_for_bit() {
     assert_bit_identical(MixedPrecision::No);
 }
 
-/// The recompute runs under the first run's autocast (bf16 on the CPU).
+/// The recompute runs under the first run's autocast (bf16 and fp16 on the CPU).
 #[test]
-fn gradients_under_bf16_autocast_are_the_plain_model_s_bit_for_bit() {
+fn gradients_under_autocast_are_the_plain_model_s_bit_for_bit() {
     assert_bit_identical(MixedPrecision::Bf16);
+    assert_bit_identical(MixedPrecision::Fp16);
 }
 
 /// A block that returns its input (or a view of it) is an error at the call; one that
