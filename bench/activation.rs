@@ -17,13 +17,12 @@
 //! configuration: each rank writes `ACTIVATION {json}` to stderr.
 
 use std::process::Command;
-use std::time::Instant;
 
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
 mod memory;
-use memory::{status_bytes, worker_rows};
+use memory::{added_peak_and_step, mean_step_ms, status_bytes, worker_rows, write_row};
 
 /// A block's forward pass, checkpointed or not.
 type Layer = Box<dyn Fn(&Tensor) -> Tensor>;
@@ -62,27 +61,18 @@ fn worker() -> anyhow::Result<()> {
     }
     .build(&vs, 1e-3)?;
     let x = Tensor::randn([BATCH, WIDTH], (Kind::Float, Device::Cpu));
-    let mut step = || {
+    let ctx = tch_distributed::current().expect("inside the function");
+    let step_ms = mean_step_ms(&ctx, 5, || {
         let y = blocks.iter().fold(x.shallow_clone(), |h, block| block(&h));
         opt.backward_step(&y.square().mean(Kind::Float));
-    };
-    step();
-    let ctx = tch_distributed::current().expect("inside the function");
-    ctx.barrier()?;
-    let start = Instant::now();
-    for _ in 0..5 {
-        step();
-    }
-    let step_ms = start.elapsed().as_secs_f64() / 5.0 * 1e3;
-    let line = format!(
-        "ACTIVATION {}\n",
+    })?;
+    write_row(
+        "ACTIVATION",
         serde_json::json!({
             "rank": ctx.rank(), "checkpointed": checkpointed,
             "baseline": baseline, "peak": status_bytes("VmHWM:") as f64, "step_ms": step_ms,
-        })
-    );
-    std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes())?;
-    Ok(())
+        }),
+    )
 }
 
 fn main() -> anyhow::Result<()> {
@@ -103,14 +93,7 @@ fn main() -> anyhow::Result<()> {
             .env("CHECKPOINT", checkpointed)
             .env("MALLOC_MMAP_THRESHOLD_", "65536");
         let rows = worker_rows(cmd, "ACTIVATION", "activation bench")?;
-        let added = rows
-            .iter()
-            .map(|r| r["peak"].as_f64().unwrap_or(0.0) - r["baseline"].as_f64().unwrap_or(0.0))
-            .fold(0.0, f64::max);
-        let step = rows
-            .iter()
-            .filter_map(|r| r["step_ms"].as_f64())
-            .fold(0.0, f64::max);
+        let (added, step) = added_peak_and_step(&rows);
         if checkpointed == "0" {
             plain = (added, step);
         }

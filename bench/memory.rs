@@ -1,7 +1,7 @@
-//! What the benches that measure memory (`ddp`, `zero`, `sharding`) share: a rank's
-//! resident memory from `/proc/self/status`, the CUDA caching allocator's statistics
-//! (through `csrc/cuda_memory.cpp`), and the JSON row that each rank of a run writes
-//! to stderr.
+//! What the benches that measure memory (`ddp`, `zero`, `sharding`, `activation`)
+//! share: a rank's resident memory from `/proc/self/status`, the CUDA caching
+//! allocator's statistics (through `csrc/cuda_memory.cpp`), the timing of the steps,
+//! and the JSON row that each rank of a run writes to stderr and the launcher reads.
 #![allow(dead_code)] // each bench uses some of it
 
 use std::process::Command;
@@ -39,6 +39,46 @@ pub fn worker_rows(
         .filter_map(|l| l.strip_prefix(prefix.as_str()))
         .map(serde_json::from_str)
         .collect::<Result<_, _>>()?)
+}
+
+/// Of the ranks' rows of one run (`baseline`, `peak` in bytes, `step_ms`): the peak
+/// memory added (the largest over the ranks, bytes) and the step time (the slowest
+/// rank, ms).
+pub fn added_peak_and_step(rows: &[serde_json::Value]) -> (f64, f64) {
+    let added = rows
+        .iter()
+        .map(|r| r["peak"].as_f64().unwrap_or(0.0) - r["baseline"].as_f64().unwrap_or(0.0))
+        .fold(0.0, f64::max);
+    let step = rows
+        .iter()
+        .filter_map(|r| r["step_ms"].as_f64())
+        .fold(0.0, f64::max);
+    (added, step)
+}
+
+/// Writes the row `PREFIX {row}` to stderr, the line [`worker_rows`] reads back: every
+/// rank's (`println!` prints on rank 0 only).
+pub fn write_row(prefix: &str, row: serde_json::Value) -> anyhow::Result<()> {
+    let line = format!("{prefix} {row}\n");
+    std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes())?;
+    Ok(())
+}
+
+/// Calls `step` once (the warm-up), waits at a barrier of `ctx`'s ranks, then returns
+/// the mean time of `steps` more calls, in milliseconds (`step` ends with what makes
+/// its work complete, a CUDA synchronize on a GPU).
+pub fn mean_step_ms(
+    ctx: &tch_distributed::Context,
+    steps: u32,
+    mut step: impl FnMut(),
+) -> anyhow::Result<f64> {
+    step();
+    ctx.barrier()?;
+    let start = std::time::Instant::now();
+    for _ in 0..steps {
+        step();
+    }
+    Ok(start.elapsed().as_secs_f64() / steps as f64 * 1e3)
 }
 
 extern "C" {

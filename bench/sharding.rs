@@ -24,13 +24,15 @@
 //! `SHARDING {json}` to stderr.
 
 use std::process::Command;
-use std::time::Instant;
 
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
 mod memory;
-use memory::{device_memory, load_libtorch_cuda, reset_device_memory, status_bytes, worker_rows};
+use memory::{
+    added_peak_and_step, device_memory, load_libtorch_cuda, mean_step_ms, reset_device_memory,
+    status_bytes, worker_rows, write_row,
+};
 
 const LAYERS: i64 = 16;
 const WIDTH: i64 = 1024;
@@ -63,23 +65,16 @@ fn worker() -> anyhow::Result<()> {
         .collect();
     let mut opt = nn::Adam::default().build(&vs, 1e-4)?;
     let x = Tensor::randn([BATCH, WIDTH], (Kind::Float, device));
-    let mut step = || {
+    let ctx = tch_distributed::current().expect("inside the function");
+    let step_ms = mean_step_ms(&ctx, 5, || {
         let y = layers
             .iter()
             .fold(x.shallow_clone(), |h, layer| layer.forward(&h).relu());
         opt.backward_step(&y.square().mean(Kind::Float));
-    };
-    step();
-    let ctx = tch_distributed::current().expect("inside the function");
-    ctx.barrier()?;
-    let start = Instant::now();
-    for _ in 0..5 {
-        step();
-    }
-    if let Device::Cuda(i) = device {
-        tch::Cuda::synchronize(i as i64);
-    }
-    let step_ms = start.elapsed().as_secs_f64() / 5.0 * 1e3;
+        if let Device::Cuda(i) = device {
+            tch::Cuda::synchronize(i as i64);
+        }
+    })?;
     let peak = match cuda {
         true => device_memory(device)[1],
         false => status_bytes("VmHWM:") as f64,
@@ -89,31 +84,21 @@ fn worker() -> anyhow::Result<()> {
         "" | "0" => "ddp".to_string(),
         stage => format!("zero{stage}"),
     };
-    let line = format!(
-        "SHARDING {}\n",
+    write_row(
+        "SHARDING",
         serde_json::json!({
             "rank": ctx.rank(), "world_size": ctx.world_size(), "side": side,
             "device": if cuda { "cuda" } else { "cpu" },
             "baseline": baseline, "peak": peak, "step_ms": step_ms,
-        })
-    );
-    // Every rank's line (println! prints on rank 0 only).
-    std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes())?;
-    Ok(())
+        }),
+    )
 }
 
 /// The ranks' rows of one configuration's run: the added peak (the largest over the
 /// ranks, bytes) and the step time (the slowest rank, ms).
 fn measure(cmd: Command, what: &str) -> anyhow::Result<(f64, f64, Vec<serde_json::Value>)> {
     let rows = worker_rows(cmd, "SHARDING", what)?;
-    let added = rows
-        .iter()
-        .map(|r| r["peak"].as_f64().unwrap_or(0.0) - r["baseline"].as_f64().unwrap_or(0.0))
-        .fold(0.0, f64::max);
-    let step = rows
-        .iter()
-        .filter_map(|r| r["step_ms"].as_f64())
-        .fold(0.0, f64::max);
+    let (added, step) = added_peak_and_step(&rows);
     Ok((added, step, rows))
 }
 

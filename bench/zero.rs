@@ -16,7 +16,7 @@ use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
 mod memory;
-use memory::{status_bytes, worker_rows};
+use memory::{status_bytes, worker_rows, write_row};
 
 const LAYERS: i64 = 8;
 const WIDTH: i64 = 2560;
@@ -44,18 +44,15 @@ fn worker() -> anyhow::Result<()> {
         .iter()
         .map(|t| t.numel() as i64)
         .sum();
-    let line = format!(
-        "ZERO {}\n",
+    write_row(
+        "ZERO",
         serde_json::json!({
             "rank": ctx.rank(), "world_size": ctx.world_size(),
             "zero": opt.zero_stage().is_some(), "parameters": parameters,
             "state_bytes": opt.state_bytes(), "peak_rss": status_bytes("VmHWM:"),
             "rss": status_bytes("VmRSS:"),
-        })
-    );
-    // Every rank's line (println! prints on rank 0 only).
-    std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes())?;
-    Ok(())
+        }),
+    )
 }
 
 fn main() -> anyhow::Result<()> {
