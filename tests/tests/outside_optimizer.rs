@@ -42,6 +42,13 @@ fn an_optimizer_made_before_the_function_trains_as_one_process_on_the_global_bat
         std::fs::rename(&reference, &alone).unwrap();
 
         two_ranks(&dir, mode, "7").assert_success();
+        if mode == "sdk" {
+            // The SDK's optimizer steps through one DDP from its first step on, built
+            // then and kept: the first step's averaging, then per step a local
+            // micro-batch and a synchronized one.
+            let ddp = std::fs::read_to_string(dir.join("ddp0-sdk")).unwrap();
+            assert_eq!(ddp, "4 3", "synchronized and local backward passes");
+        }
         for rank in 0..2 {
             let ours = dir.join(format!("params{rank}-{mode}.safetensors"));
             compare::files(&ours, &alone).assert_within(

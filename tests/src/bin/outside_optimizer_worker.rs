@@ -15,7 +15,8 @@
 //! - `two`: tch's optimizer on the MLP and a second one on a second model (a linear
 //!   critic, as a GAN has), each stepped with `backward_step`;
 //! - `sdk`: the SDK's `Optimizer` (same SGD), accumulating 2 micro-batches of 4 rows a
-//!   step (`zero_grad`, `backward`, `step`, with `?`);
+//!   step (`zero_grad`, `backward`, `step`, with `?`); `DIR/ddp{rank}-sdk` gets the
+//!   synchronized and local backward passes of the DDP it steps through (`none`);
 //! - `partial-1`, `partial-2`: tch's optimizer with a second head that rank 0 alone
 //!   adds to its loss, from step 1 or from step 2: the job must fail with an `Error:`
 //!   line, not hang.
@@ -138,6 +139,16 @@ fn main() -> anyhow::Result<()> {
     } else {
         train(mode, &net, &head, &mut tch_opt, &mut sdk_opt, critic_pair)?;
     }
+    // The DDP the SDK's optimizer steps through from its first step on (one, kept):
+    // its synchronized and local backward passes.
+    let ddp = sdk_opt.ddp().map_or("none".to_string(), |d| {
+        let stats = d.stats();
+        format!(
+            "{} {}",
+            stats.synced_backward_passes, stats.local_backward_passes
+        )
+    });
+    std::fs::write(format!("{dir}/ddp{rank}-{mode}"), ddp)?;
     let mut params: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     params.extend(critic_vs.variables());
     params.sort_by(|a, b| a.0.cmp(&b.0));
