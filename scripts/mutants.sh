@@ -66,12 +66,15 @@ FILE[agreement]=sdk/src/runtime/agreement.rs; TESTS[agreement]="different_paths 
 # The collectives' records: a timeout's diagnosis and the deadlock check.
 FILE[collective_record]=sdk/src/process_group/collective_record.rs; TESTS[collective_record]="different_paths stalled_ranks"
 # ZeRO stages 2 and 3: the shards, their gathers, reduce-scatters, hooks and units.
-FILE[shard]=sdk/src/shard/engine.rs;        TESTS[shard]="sharding"
+FILE[shard]=sdk/src/shard/engine.rs;        TESTS[shard]="sharding activation"
+# Activation checkpointing: the block's recompute through the shim's node, against the
+# plain model under DDP, accumulation, autocast and ZeRO-3 units.
+FILE[activation]=sdk/src/checkpoint/activation.rs; TESTS[activation]="activation"
 FILE[error]=sdk/src/error.rs;              TESTS[error]="error_hints"
 # What the attribute's rewritten calls run: the optimizer `.build` makes, the steps of
 # optimizers the function did not build and the DDP averaging them, save/load.
 FILE[rewrites]=sdk/src/runtime/rewrites.rs; TESTS[rewrites]="outside_optimizer adapting accumulation amp error_hints settings"
-ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record shard)
+ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record shard activation)
 # A NAME that stands for several.
 declare -A GROUP
 GROUP[optim]="optim_mod optim_kernels optim_state optim_zero optim_scaler"

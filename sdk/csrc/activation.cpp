@@ -42,10 +42,6 @@ NodePtr make_node(Args&&... args) {
   }
 }
 
-at::Tensor& tensor(tdc_tensor t) {
-  return *static_cast<at::Tensor*>(t);
-}
-
 // The block: the Rust closure behind `fn` and its context.
 struct Block {
   tdc_block_fn fn;
@@ -60,11 +56,12 @@ struct Block {
     for (const auto& x : inputs) in.push_back(new at::Tensor(x));
     std::vector<tdc_tensor> out(max_outputs, nullptr);
     int n = fn(ctx.get(), in.data(), static_cast<int>(in.size()), out.data(), max_outputs);
-    if (n < 0) {
-      throw std::runtime_error(
-          n == -2 ? "the checkpointed block returned more outputs than its first run"
-                  : "the checkpointed block panicked");
+    if (n == -2) {
+      throw std::invalid_argument(
+          "the checkpointed block returned more outputs than the limit of " +
+          std::to_string(max_outputs));
     }
+    if (n < 0) throw std::runtime_error("the checkpointed block panicked");
     variable_list outputs;
     for (int i = 0; i < n; i++) {
       auto* t = static_cast<at::Tensor*>(out[i]);
@@ -196,60 +193,69 @@ struct CheckpointBackward : public Node {
     return result;
   }
 };
+// Runs `block` on `xs` as tdc_checkpoint says; writes the outputs' handles to
+// `outputs` and returns their count. A usage error is a std::invalid_argument.
+int run_checkpoint(const Block& block, variable_list xs, tdc_tensor* outputs) {
+  bool any = false;
+  for (const auto& x : xs) any |= x.requires_grad();
+  // A block on the data (no input requires a gradient) is still differentiated
+  // for its parameters: its first floating-point input gets a gradient of its own.
+  for (auto& x : xs) {
+    if (any || !torch::autograd::GradMode::is_enabled()) break;
+    if (x.defined() && x.is_floating_point()) {
+      x = x.detach().requires_grad_(true);
+      any = true;
+    }
+  }
+  bool record = torch::autograd::GradMode::is_enabled() && any;
+  State state;
+  if (record) state = State::capture(xs);
+  variable_list ys;
+  {
+    at::NoGradGuard no_grad;
+    ys = block.run(xs);
+  }
+  if (record) {
+    for (const auto& y : ys) {
+      for (const auto& x : xs) {
+        if (y.defined() && x.defined() && y.is_alias_of(x)) {
+          throw std::invalid_argument(
+              "the checkpointed block returned its input (or a view of it): it has "
+              "nothing to recompute. Call the block directly");
+        }
+      }
+    }
+    auto node = make_node<CheckpointBackward>(block, xs, std::move(state));
+    node->set_next_edges(torch::autograd::collect_next_edges(xs));
+    for (auto& y : ys) {
+      if (y.defined() && torch::autograd::isDifferentiableType(y.scalar_type())) {
+        torch::autograd::set_history(y, node);
+      } else {
+        node->add_input_metadata(Node::undefined_input());
+      }
+    }
+  }
+  for (size_t i = 0; i < ys.size(); i++) outputs[i] = new at::Tensor(ys[i]);
+  return static_cast<int>(ys.size());
+}
 } // namespace
+
+bool tdc::is_checkpoint_node(const Node* node) {
+  return dynamic_cast<const CheckpointBackward*>(node) != nullptr;
+}
 
 int tdc_checkpoint(
     tdc_block_fn fn, void* ctx, tdc_drop drop, tdc_tensor* inputs, int n,
     tdc_tensor* outputs, int cap, int* n_out) {
   // The context is the Rust side's until the node holds it.
-  auto held = std::shared_ptr<void>(ctx, [drop](void* p) { drop(p); });
+  auto held = tdc::context(ctx, drop);
   TDC_PROTECT(1, {
-    variable_list xs;
-    bool any = false;
-    for (int i = 0; i < n; i++) {
-      xs.push_back(tensor(inputs[i]));
-      any |= xs.back().requires_grad();
+    try {
+      *n_out = run_checkpoint(Block{fn, held, cap}, tdc::tensors(inputs, n), outputs);
+      return 0;
+    } catch (const std::invalid_argument& e) {
+      tdc::set_last_error(e.what());
+      return TDC_USAGE_ERROR;
     }
-    // A block on the data (no input requires a gradient) is still differentiated
-    // for its parameters: its first floating-point input gets a gradient of its own.
-    for (auto& x : xs) {
-      if (any || !torch::autograd::GradMode::is_enabled()) break;
-      if (x.defined() && x.is_floating_point()) {
-        x = x.detach().requires_grad_(true);
-        any = true;
-      }
-    }
-    Block block{fn, held, cap};
-    bool record = torch::autograd::GradMode::is_enabled() && any;
-    State state;
-    if (record) state = State::capture(xs);
-    variable_list ys;
-    {
-      at::NoGradGuard no_grad;
-      ys = block.run(xs);
-    }
-    if (record) {
-      for (const auto& y : ys) {
-        for (const auto& x : xs) {
-          if (y.defined() && x.defined() && y.is_alias_of(x)) {
-            throw std::invalid_argument(
-                "the checkpointed block returned its input (or a view of it): it has "
-                "nothing to recompute. Call the block directly");
-          }
-        }
-      }
-      auto node = make_node<CheckpointBackward>(block, xs, std::move(state));
-      node->set_next_edges(torch::autograd::collect_next_edges(xs));
-      for (auto& y : ys) {
-        if (y.defined() && torch::autograd::isDifferentiableType(y.scalar_type())) {
-          torch::autograd::set_history(y, node);
-        } else {
-          node->add_input_metadata(Node::undefined_input());
-        }
-      }
-    }
-    for (size_t i = 0; i < ys.size(); i++) outputs[i] = new at::Tensor(ys[i]);
-    *n_out = static_cast<int>(ys.size());
-    return 0;
   })
 }

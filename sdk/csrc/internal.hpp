@@ -1,13 +1,20 @@
-// Shared between the shim's translation units (shim.cpp, sealed_store.cpp, nccl.cpp).
+// Shared between the shim's translation units (shim.cpp, sealed_store.cpp, nccl.cpp,
+// optim.cpp, sharding.cpp, activation.cpp).
 #pragma once
 #include <torch/headeronly/version.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "shim.h"
+
+namespace torch::autograd {
+struct Node;
+}
 
 // The libtorch versions the shim is written for, in one place: 2.11 (tch 0.24) and
 // 2.13 (tch 0.26). Between them the c10d headers that the shim uses differ only in
@@ -33,7 +40,32 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
     std::chrono::milliseconds timeout, int cuda_device);
 bool nccl_compiled();
+
+// The tensor behind a handle from Rust (`tch::Tensor`'s `at::Tensor*`).
+inline at::Tensor& tensor(tdc_tensor t) {
+  return *static_cast<at::Tensor*>(t);
+}
+
+inline std::vector<at::Tensor> tensors(tdc_tensor* ts, int n) {
+  std::vector<at::Tensor> out;
+  out.reserve(n);
+  for (int i = 0; i < n; i++) out.push_back(tensor(ts[i]));
+  return out;
+}
+
+// The Rust side's context, released (through `drop`) with the last owner.
+inline std::shared_ptr<void> context(void* ctx, tdc_drop drop) {
+  return std::shared_ptr<void>(ctx, [drop](void* p) { drop(p); });
+}
+
+// Whether `node` is a checkpointed block's (activation.cpp): its backward reaches
+// parameters that its edges do not show.
+bool is_checkpoint_node(const torch::autograd::Node* node);
 } // namespace tdc
+
+// The status of a usage error (std::invalid_argument) where a function tells it
+// apart from a failure (1).
+#define TDC_USAGE_ERROR 2
 
 // Wraps a function body: any C++ exception becomes this thread's last error and
 // the function returns `fail`.

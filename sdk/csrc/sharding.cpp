@@ -36,14 +36,8 @@ struct tdc_grad_hooks {
 };
 
 namespace {
-at::Tensor& tensor(tdc_tensor t) {
-  return *static_cast<at::Tensor*>(t);
-}
-
-// The Rust side's context, released (through `drop`) with the last hook holding it.
-std::shared_ptr<void> context(void* ctx, tdc_drop drop) {
-  return std::shared_ptr<void>(ctx, [drop](void* p) { drop(p); });
-}
+using tdc::context;
+using tdc::tensor;
 
 void call(tdc_callback callback, void* ctx, int index) {
   if (callback(ctx, index) != 0) {
@@ -156,7 +150,7 @@ int tdc_grad_hooks_reachable(tdc_grad_hooks* hooks, tdc_tensor* roots, int n, in
     while (!stack.empty()) {
       Node* node = stack.back();
       stack.pop_back();
-      opaque |= node->name() == "tch_distributed::CheckpointBackward";
+      opaque |= tdc::is_checkpoint_node(node);
       for (const auto& edge : node->next_edges()) visit(edge.function.get());
     }
     for (size_t i = 0; i < hooks->accumulators.size(); i++) {

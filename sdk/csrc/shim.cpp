@@ -48,16 +48,8 @@ std::chrono::milliseconds ms(int64_t v) {
   return std::chrono::milliseconds(v);
 }
 
-at::Tensor& tensor(tdc_tensor t) {
-  return *static_cast<at::Tensor*>(t);
-}
-
-std::vector<at::Tensor> tensors(tdc_tensor* ts, int n) {
-  std::vector<at::Tensor> out;
-  out.reserve(n);
-  for (int i = 0; i < n; i++) out.push_back(tensor(ts[i]));
-  return out;
-}
+using tdc::tensor;
+using tdc::tensors;
 
 // Waits for `work`; a failure or timeout surfaces as an exception.
 void wait(const c10::intrusive_ptr<c10d::Work>& work, int64_t timeout_ms) {
@@ -304,18 +296,6 @@ int tdc_broadcast(tdc_pg* pg, tdc_tensor t, int root, int64_t timeout_ms) {
     opts.rootRank = root;
     opts.timeout = ms(timeout_ms);
     wait(pg->pg->broadcast(ts, opts), timeout_ms);
-    return 0;
-  })
-}
-
-int tdc_all_gather(
-    tdc_pg* pg, tdc_tensor* outputs, int n, tdc_tensor input, int64_t timeout_ms) {
-  TDC_PROTECT(1, {
-    std::vector<std::vector<at::Tensor>> out{tensors(outputs, n)};
-    std::vector<at::Tensor> in{tensor(input)};
-    c10d::AllgatherOptions opts;
-    opts.timeout = ms(timeout_ms);
-    wait(pg->pg->allgather(out, in, opts), timeout_ms);
     return 0;
   })
 }

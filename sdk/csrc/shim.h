@@ -82,14 +82,12 @@ void tdc_pg_free(tdc_pg* pg);
 // op: 0 sum, 1 average, 2 product, 3 min, 4 max (c10d::ReduceOp's numbering).
 int tdc_all_reduce(tdc_pg* pg, tdc_tensor t, int op, int64_t timeout_ms);
 int tdc_broadcast(tdc_pg* pg, tdc_tensor t, int root, int64_t timeout_ms);
-int tdc_all_gather(
-    tdc_pg* pg, tdc_tensor* outputs, int n, tdc_tensor input, int64_t timeout_ms);
 int tdc_reduce_scatter(
     tdc_pg* pg, tdc_tensor output, tdc_tensor* inputs, int n, int op,
     int64_t timeout_ms);
 int tdc_barrier(tdc_pg* pg, int64_t timeout_ms);
-// tdc_all_gather, started: returns at once (NULL on failure); the outputs hold the
-// result once tdc_work_wait returned 0.
+// All-gathers `input` from every rank into `outputs` (one per rank), started: returns
+// at once (NULL on failure); the outputs hold the result once tdc_work_wait returned 0.
 tdc_work* tdc_all_gather_start(
     tdc_pg* pg, tdc_tensor* outputs, int n, tdc_tensor input, int64_t timeout_ms);
 // Waits until `work` completes (its failure or timeout is the error).
@@ -220,7 +218,8 @@ typedef int (*tdc_block_fn)(void* ctx, tdc_tensor* inputs, int n, tdc_tensor* ou
 // Runs the block without autograd and gives its outputs (at most `cap`, their count in
 // `n_out`) one autograd node that runs it again in the backward pass, with the
 // random generators' and autocast's states of this run. The context is released
-// (`drop`) with the node, or before returning when there is none.
+// (`drop`) with the node, or before returning when there is none. Returns 2 for a
+// usage error (a block that returns its input, or more than `cap` outputs).
 int tdc_checkpoint(
     tdc_block_fn fn, void* ctx, tdc_drop drop, tdc_tensor* inputs, int n,
     tdc_tensor* outputs, int cap, int* n_out);

@@ -128,13 +128,6 @@ extern "C" {
     pub fn tdc_pg_free(pg: *mut Pg);
     pub fn tdc_all_reduce(pg: *mut Pg, t: Tensor, op: c_int, timeout_ms: i64) -> c_int;
     pub fn tdc_broadcast(pg: *mut Pg, t: Tensor, root: c_int, timeout_ms: i64) -> c_int;
-    pub fn tdc_all_gather(
-        pg: *mut Pg,
-        outputs: *const Tensor,
-        n: c_int,
-        input: Tensor,
-        timeout_ms: i64,
-    ) -> c_int;
     pub fn tdc_reduce_scatter(
         pg: *mut Pg,
         output: Tensor,

@@ -164,3 +164,25 @@ fn on_2_ranks_under_the_attribute_training_is_the_plain_model_s() {
         assert_eq!(diff.max_abs, 0.0, "{name}: {diff:?}");
     }
 }
+
+/// `checkpointed(module)` is the module to the program: `Module::forward` gives the
+/// module's values and, through the recompute, its gradients; `inner` is the module.
+#[test]
+fn a_checkpointed_module_is_the_module() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let layer = nn::linear(vs.root() / "l", 4, 3, Default::default());
+    let x = Tensor::ones([2, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let plain = layer.forward(&x).tanh().sum(Kind::Float);
+    plain.backward();
+    let (plain_ws, plain_x) = (layer.ws.grad().copy(), x.grad().copy());
+    for (_, mut t) in vs.variables() {
+        t.zero_grad();
+    }
+    x.grad().zero_();
+    let wrapped = tch_distributed::checkpointed(layer);
+    let ours = wrapped.forward(&x).tanh().sum(Kind::Float);
+    assert!(ours.equal(&plain));
+    ours.backward();
+    assert!(wrapped.inner().ws.grad().equal(&plain_ws));
+    assert!(x.grad().equal(&plain_x));
+}

@@ -76,9 +76,10 @@ pub fn f_checkpoint_many(
             &mut n,
         )
     };
-    ffi::check(status).map_err(|e| match e.contains("returned") {
-        true => Error::Usage(format!("activation checkpointing: {e}")),
-        false => Error::Torch(format!("a checkpointed block's forward pass: {e}")),
+    // 2: the shim's usage error (a block that returns its input, or too many outputs).
+    ffi::check(status).map_err(|e| match status {
+        2 => Error::Usage(format!("activation checkpointing: {e}")),
+        _ => Error::Torch(format!("a checkpointed block's forward pass: {e}")),
     })?;
     Ok(outputs[..n as usize]
         .iter()

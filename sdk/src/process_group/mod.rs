@@ -393,28 +393,14 @@ impl ProcessGroup {
     pub fn all_gather(&self, tensor: &Tensor) -> Result<Vec<Tensor>> {
         let input = tensor.contiguous();
         let outputs: Vec<Tensor> = (0..self.world_size).map(|_| input.empty_like()).collect();
-        self.all_gather_into(&outputs, &input)?;
+        self.all_gather_start(&outputs, &input)?.wait()?;
         Ok(outputs)
     }
 
     /// [`all_gather`](Self::all_gather) into `outputs` (one contiguous tensor per
-    /// rank, of `input`'s shape and dtype; views of one buffer are fine).
-    pub(crate) fn all_gather_into(&self, outputs: &[Tensor], input: &Tensor) -> Result<()> {
-        let ptrs = ffi::tensors(outputs);
-        self.run("all_gather", || unsafe {
-            ffi::tdc_all_gather(
-                self.raw(),
-                ptrs.as_ptr(),
-                ptrs.len() as i32,
-                ffi::tensor(input),
-                millis(self.timeout),
-            )
-        })
-    }
-
-    /// [`all_gather_into`](Self::all_gather_into), started: the outputs hold the
-    /// result once [`Pending::wait`] returned. Every rank starts its collectives in
-    /// the same order, as for the blocking ones.
+    /// rank, of `input`'s shape and dtype; views of one buffer are fine), started: the
+    /// outputs hold the result once [`Pending::wait`] returned. Every rank starts its
+    /// collectives in the same order, as for the blocking ones.
     ///
     /// Errors: [`Error::Collective`] when the backend cannot start it.
     pub(crate) fn all_gather_start(&self, outputs: &[Tensor], input: &Tensor) -> Result<Pending> {
@@ -434,7 +420,6 @@ impl ProcessGroup {
         })?;
         Ok(Pending {
             group: self.clone(),
-            op: "all_gather",
             work,
         })
     }
@@ -541,7 +526,6 @@ impl ProcessGroup {
 /// Dropped without a wait, it still completes (the backend keeps its tensors).
 pub(crate) struct Pending {
     group: ProcessGroup,
-    op: &'static str,
     work: *mut ffi::Work,
 }
 
@@ -552,7 +536,7 @@ impl Pending {
     /// Errors: as the blocking collective's ([`Error::Collective`], [`Error::Timeout`]).
     pub(crate) fn wait(self) -> Result<()> {
         let timeout = millis(self.group.timeout);
-        self.group.run(self.op, || unsafe {
+        self.group.run("all_gather", || unsafe {
             ffi::tdc_work_wait(self.work, timeout)
         })
     }

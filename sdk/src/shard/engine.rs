@@ -65,9 +65,8 @@ pub(crate) struct Inner {
     /// for the prefetch: the all-gather of the unit whose pass comes next starts
     /// before a unit's compute, as FSDP's forward and backward prefetch.
     forward_order: Mutex<Vec<usize>>,
-    /// [`ShardingStats`]' counters: all-gathers, prefetched ones, reduce-scatters,
-    /// all-gathered bytes.
-    counts: [AtomicU64; 4],
+    /// [`ShardingStats`]' counters.
+    counts: Counts,
     /// Under mixed precision, the dtype fp32 units are all-gathered in (bf16 or fp16,
     /// as FSDP2's `MixedPrecisionPolicy(param_dtype=…)`): the forward and backward
     /// passes compute with the parameters rounded to it, the optimizer steps the fp32
@@ -94,10 +93,20 @@ unsafe impl Send for Inner {}
 /// (a member without a gradient there) cannot pair one rank's collective with
 /// another unit's: the incomplete ones run at the step, in the same order.
 struct Order {
-    /// How many units of the order were reduce-scattered in this cycle.
+    /// How many units of the order were reduce-scattered in this cycle (all of them
+    /// once the gradients are finished, until the step is over).
     next: usize,
     /// The units whose gradients were all accumulated in this cycle.
     complete: Vec<bool>,
+}
+
+/// [`ShardingStats`], counted as the collectives run.
+#[derive(Default)]
+struct Counts {
+    all_gathers: AtomicU64,
+    prefetched_all_gathers: AtomicU64,
+    reduce_scatters: AtomicU64,
+    all_gather_bytes: AtomicU64,
 }
 
 /// An all-gather started and not waited for.
@@ -127,8 +136,6 @@ struct Unit {
     grads: Vec<Tensor>,
     /// Per member, whether this backward pass accumulated its gradient.
     ready: Vec<bool>,
-    /// The gradients were reduce-scattered in this cycle.
-    reduced: bool,
     /// The full parameters hold the shards' values.
     gathered: bool,
     /// An all-gather of `shard` started ahead of the unit's pass (prefetched).
@@ -276,16 +283,13 @@ impl Sharding {
 
     /// What the collectives did so far.
     pub fn stats(&self) -> ShardingStats {
-        let [all_gathers, prefetched_all_gathers, reduce_scatters, all_gather_bytes] = self
-            .inner
-            .counts
-            .each_ref()
-            .map(|c| c.load(Ordering::Relaxed));
+        let c = &self.inner.counts;
+        let load = |n: &AtomicU64| n.load(Ordering::Relaxed);
         ShardingStats {
-            all_gathers,
-            prefetched_all_gathers,
-            reduce_scatters,
-            all_gather_bytes,
+            all_gathers: load(&c.all_gathers),
+            prefetched_all_gathers: load(&c.prefetched_all_gathers),
+            reduce_scatters: load(&c.reduce_scatters),
+            all_gather_bytes: load(&c.all_gather_bytes),
         }
     }
 
@@ -346,15 +350,15 @@ impl Sharding {
     /// when a reduce-scatter this completes fails.
     pub fn begin_backward(&self, loss: &Tensor, sync: bool) -> Result<()> {
         let inner = &self.inner;
-        let reachable = self
-            .hooks
-            .reachable(std::slice::from_ref(loss), inner.params.len())?;
+        let reachable = self.hooks.reachable(std::slice::from_ref(loss))?;
         inner.sync.store(sync, Ordering::SeqCst);
         for u in 0..inner.units.len() {
             let complete = {
-                let mut unit = inner.unit(u);
-                let ready: Vec<bool> = unit.members.iter().map(|&i| !reachable[i]).collect();
-                unit.ready = ready;
+                let mut guard = inner.unit(u);
+                let unit = &mut *guard;
+                for (ready, &i) in unit.ready.iter_mut().zip(&unit.members) {
+                    *ready = !reachable[i];
+                }
                 !unit.members.is_empty() && !unit.ready.contains(&false)
             };
             if complete {
@@ -380,15 +384,14 @@ impl Sharding {
         for position in order.next..n {
             let mut unit = self.inner.unit(n - 1 - position);
             unit.ready.fill(false);
-            if !unit.reduced && !unit.members.is_empty() {
+            if !unit.members.is_empty() {
                 self.inner.reduce(&mut unit)?;
                 if unit.reshard {
                     self.inner.free_locked(&mut unit)?;
                 }
             }
         }
-        order.next = 0;
-        order.complete.fill(false);
+        order.next = n;
         Ok(())
     }
 
@@ -396,9 +399,13 @@ impl Sharding {
     /// gathered (every unit at stage 2, the root at stage 3) all-gather the updated
     /// shards into their parameters.
     pub fn after_step(&self) -> Result<()> {
+        {
+            let mut order = self.inner.order.lock().expect("order lock");
+            order.next = 0;
+            order.complete.fill(false);
+        }
         for u in 0..self.inner.units.len() {
             let mut unit = self.inner.unit(u);
-            unit.reduced = false;
             if !unit.reshard {
                 unit.gathered = false;
                 self.inner.gather_locked(&mut unit, false)?;
@@ -508,7 +515,6 @@ impl Unit {
             views,
             grads,
             ready: vec![false; members.len()],
-            reduced: false,
             gathered: true,
             gathering: None,
             reshard,
@@ -657,7 +663,9 @@ impl Inner {
             .collect();
         let pending = self.group.all_gather_start(&chunks, &input)?;
         let bytes = len as usize * input.kind().elt_size_in_bytes();
-        self.counts[3].fetch_add(bytes as u64, Ordering::Relaxed);
+        self.counts
+            .all_gather_bytes
+            .fetch_add(bytes as u64, Ordering::Relaxed);
         Ok(Gathering {
             pending,
             chunks,
@@ -689,13 +697,15 @@ impl Inner {
             pending, chunks, ..
         } = match unit.gathering.take() {
             Some(gathering) => {
-                self.counts[1].fetch_add(1, Ordering::Relaxed);
+                self.counts
+                    .prefetched_all_gathers
+                    .fetch_add(1, Ordering::Relaxed);
                 gathering
             }
             None => self.start_gather(unit, exact)?,
         };
         pending.wait()?;
-        self.counts[0].fetch_add(1, Ordering::Relaxed);
+        self.counts.all_gathers.fetch_add(1, Ordering::Relaxed);
         tch::no_grad(|| -> Result<()> {
             for (&i, piece) in unit.members.iter().zip(&unit.pieces) {
                 let full = hooks::storage_alias(&self.params[i])?;
@@ -780,11 +790,26 @@ impl Inner {
             .map(|r| buffer.narrow(0, r as i64 * stride, stride))
             .collect();
         tch::no_grad(|| {
-            for (j, (&i, piece)) in unit.members.iter().zip(&unit.pieces).enumerate() {
+            let had: Vec<f32> = unit
+                .members
+                .iter()
+                .map(|&i| {
+                    if self.params[i].grad().defined() {
+                        1.0
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            // The flags, after every rank's chunk (one copy, broadcast over the ranks).
+            let flags = Tensor::from_slice(&had).to_device(buffer.device());
+            buffer
+                .view([world as i64, stride])
+                .narrow(1, len, stride - len)
+                .copy_(&flags);
+            for (&i, piece) in unit.members.iter().zip(&unit.pieces) {
                 let g = self.params[i].grad();
-                let had = if g.defined() { 1.0 } else { 0.0 };
                 for (r, chunk) in chunks.iter().enumerate() {
-                    let _ = chunk.narrow(0, len + j as i64, 1).fill_(had);
                     let (_, rows) = piece.rows_of(r);
                     let written = if g.defined() { rows * piece.row_len } else { 0 };
                     let mut padding =
@@ -799,7 +824,7 @@ impl Inner {
         });
         self.group
             .reduce_scatter_into(&unit.grad, &chunks, ReduceOp::Avg)?;
-        self.counts[2].fetch_add(1, Ordering::Relaxed);
+        self.counts.reduce_scatters.fetch_add(1, Ordering::Relaxed);
         // For the sharded loop's check that its steps averaged gradients.
         self.group.count_gradient_average();
         let had = Vec::<f64>::try_from(
@@ -813,15 +838,9 @@ impl Inner {
                 false => hooks::clear_grad(view)?,
             }
         }
-        let members: Vec<Tensor> = unit
-            .members
-            .iter()
-            .map(|&i| self.params[i].shallow_clone())
-            .collect();
-        for member in &members {
-            hooks::clear_grad(member)?;
+        for &i in &unit.members {
+            hooks::clear_grad(&self.params[i])?;
         }
-        unit.reduced = true;
         Ok(())
     }
 }

@@ -89,7 +89,11 @@ pub(crate) fn on_gradient(t: &Tensor, hook: &Arc<Hook>, index: usize) -> Result<
 
 /// Runs `hook(i)` each time parameter `i`'s `.grad` has been accumulated in a
 /// backward pass, as c10d's Reducer learns of ready gradients; until dropped.
-pub(crate) struct GradHooks(*mut ffi::GradHooks);
+pub(crate) struct GradHooks {
+    raw: *mut ffi::GradHooks,
+    /// How many parameters are hooked.
+    count: usize,
+}
 
 // Only dropped (which frees the hooks) from another thread.
 unsafe impl Send for GradHooks {}
@@ -108,22 +112,22 @@ impl GradHooks {
             )
         };
         ffi::check_ptr(raw)
-            .map(GradHooks)
+            .map(|raw| GradHooks {
+                raw,
+                count: params.len(),
+            })
             .map_err(|e| Error::Torch(format!("hooking the parameters' gradients: {e}")))
     }
-}
 
-impl GradHooks {
-    /// Per parameter (of `n`, in the order given to [`new`](Self::new)), whether a
-    /// backward pass from `roots` accumulates its gradient: whether its gradient
-    /// accumulator is in their autograd graph, as the Reducer searches for unused
-    /// parameters.
-    pub fn reachable(&self, roots: &[Tensor], n: usize) -> Result<Vec<bool>> {
+    /// Per parameter, in the order given to [`new`](Self::new), whether a backward
+    /// pass from `roots` accumulates its gradient: whether its gradient accumulator is
+    /// in their autograd graph, as the Reducer searches for unused parameters.
+    pub fn reachable(&self, roots: &[Tensor]) -> Result<Vec<bool>> {
         let ptrs = ffi::tensors(roots);
-        let mut out = vec![0; n];
+        let mut out = vec![0; self.count];
         torch("searching the autograd graph", unsafe {
             ffi::tdc_grad_hooks_reachable(
-                self.0,
+                self.raw,
                 ptrs.as_ptr(),
                 ptrs.len() as c_int,
                 out.as_mut_ptr(),
@@ -135,6 +139,6 @@ impl GradHooks {
 
 impl Drop for GradHooks {
     fn drop(&mut self) {
-        unsafe { ffi::tdc_grad_hooks_free(self.0) }
+        unsafe { ffi::tdc_grad_hooks_free(self.raw) }
     }
 }
