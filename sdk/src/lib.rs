@@ -51,8 +51,9 @@ pub use checkpoint::{
 };
 pub use compat::{LIBTORCH_VERSION, TCH_VERSION};
 pub use data::{
-    global_batch_size, per_rank_batch_size, shard, Batch, Batches, DataLoader, Dataset,
-    DistributedSampler, LoaderPosition, LrScaling, Sharded, TensorDataset, TextDataset,
+    global_batch_size, per_rank_batch_size, shard, split_between_processes,
+    split_between_processes_padded, Batch, Batches, DataLoader, Dataset, DistributedSampler,
+    Gatherable, LoaderPosition, LrScaling, Sharded, Splittable, TensorDataset, TextDataset,
 };
 pub use ddp::{DdpOptions, DdpStats, DistributedDataParallel, NoSync};
 pub use env::LaunchEnv;

@@ -473,3 +473,27 @@ fn watching_writes_one_set_of_metrics_from_rank_0() {
     assert_eq!(config["effective_batch_size"], 32, "{config}");
     assert_eq!(config["lr"], 1e-2, "{config}");
 }
+
+#[test]
+fn batch_inference_on_three_ranks_prints_what_one_process_prints() {
+    let dir = scratch_dir("batch-inference");
+    let listing = env!("CARGO_BIN_EXE_batch_inference");
+    let one = run_ok(command(listing), &dir);
+    assert!(one.stdout.contains("50 predictions: ["), "{}", one.stdout);
+    let three = tchrun_listing(&dir, 3, listing, &[]);
+    // Rank 0 alone prints, past the banner: the same predictions, in the same order.
+    let predictions = |s: &str| -> String {
+        s.lines()
+            .filter(|l| l.contains("predictions") || l.contains("per class"))
+            .map(|l| l.trim_start_matches("[rank 0] "))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    assert_eq!(predictions(&three.stdout), predictions(&one.stdout));
+    assert_eq!(
+        three.stdout.matches("predictions").count(),
+        1,
+        "{}",
+        three.stdout
+    );
+}

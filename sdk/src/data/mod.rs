@@ -13,11 +13,13 @@ mod batch_size;
 mod dataset;
 mod loader;
 mod sampler;
+mod split;
 
 pub use batch_size::{global_batch_size, per_rank_batch_size, LrScaling};
 pub use dataset::{Batch, Dataset, TensorDataset, TextDataset};
 pub use loader::{Batches, DataLoader, LoaderPosition};
 pub use sampler::DistributedSampler;
+pub use split::{split_between_processes, split_between_processes_padded, Gatherable, Splittable};
 
 /// Deals the batches of `batches` across the ranks of the current job; see
 /// [`Sharded`]. `#[distributed]` wraps the `for` loops over tch's data iterators in it.
