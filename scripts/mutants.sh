@@ -72,11 +72,13 @@ FILE[shard]=sdk/src/shard/engine.rs;        TESTS[shard]="sharding activation"
 FILE[activation]=sdk/src/checkpoint/activation.rs; TESTS[activation]="activation"
 # Distributed inference: the contiguous split, its padding, and the gather's order.
 FILE[split]=sdk/src/data/split.rs;          TESTS[split]="inference"
+# Retrying with half the batch on out of memory, every rank together.
+FILE[batch_retry]=sdk/src/data/executable_batch_size.rs; TESTS[batch_retry]="executable_batch_size"
 FILE[error]=sdk/src/error.rs;              TESTS[error]="error_hints"
 # What the attribute's rewritten calls run: the optimizer `.build` makes, the steps of
 # optimizers the function did not build and the DDP averaging them, save/load.
 FILE[rewrites]=sdk/src/runtime/rewrites.rs; TESTS[rewrites]="outside_optimizer adapting accumulation amp error_hints settings"
-ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record shard activation split)
+ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record shard activation split batch_retry)
 # A NAME that stands for several.
 declare -A GROUP
 GROUP[optim]="optim_mod optim_kernels optim_state optim_zero optim_scaler"

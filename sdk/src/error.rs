@@ -145,6 +145,19 @@ pub enum Error {
         source: TorchText,
     },
 
+    /// [`find_executable_batch_size`](crate::find_executable_batch_size) ran out of
+    /// memory even at a batch size of 1, on `ranks`; `message` is libtorch's text of
+    /// this rank's error (empty when only other ranks ran out).
+    #[error(
+        "out of memory at batch size 1 (on rank{} {}), so no batch size fits: make the \
+         model smaller per GPU (mixed_precision = \"bf16\", zero = 3, activation \
+         checkpointing with tch_distributed::checkpoint) or use GPUs with more memory{}",
+        if ranks.len() == 1 { "" } else { "s" },
+        ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", "),
+        if message.is_empty() { String::new() } else { format!(" ({message})") }
+    )]
+    OutOfMemory { ranks: Vec<usize>, message: String },
+
     /// The NCCL backend was asked for but is not available.
     #[error("{0}")]
     BackendUnavailable(String),

@@ -51,9 +51,10 @@ pub use checkpoint::{
 };
 pub use compat::{LIBTORCH_VERSION, TCH_VERSION};
 pub use data::{
-    global_batch_size, per_rank_batch_size, shard, split_between_processes,
-    split_between_processes_padded, Batch, Batches, DataLoader, Dataset, DistributedSampler,
-    Gatherable, LoaderPosition, LrScaling, Sharded, Splittable, TensorDataset, TextDataset,
+    find_executable_batch_size, global_batch_size, per_rank_batch_size, shard,
+    split_between_processes, split_between_processes_padded, Batch, Batches, DataLoader, Dataset,
+    DistributedSampler, Gatherable, LoaderPosition, LrScaling, Sharded, Splittable, TensorDataset,
+    TextDataset,
 };
 pub use ddp::{DdpOptions, DdpStats, DistributedDataParallel, NoSync};
 pub use env::LaunchEnv;

@@ -685,3 +685,29 @@ fn checkpointed_blocks_on_the_gpu_have_the_plain_gradients() {
         assert!(a.equal(b), "{name}: the checkpointed gradient differs");
     }
 }
+
+#[test]
+fn a_real_cuda_out_of_memory_halves_the_batch_until_it_fits() {
+    use tch::{Device, Kind, Tensor};
+    require_gpu();
+    // 1 GiB of floats per sample: 4096 samples (4 TiB) cannot fit on any GPU; the
+    // first batch size that fits is the largest power of two below the free memory in
+    // GiB, and every smaller size than the starting one was tried on the way.
+    const SAMPLE: i64 = 1 << 28;
+    let mut tried = Vec::new();
+    let fitted: Result<usize, tch_distributed::Error> =
+        tch_distributed::find_executable_batch_size(4096, |b| {
+            tried.push(b);
+            let batch = Tensor::ones([b as i64, SAMPLE], (Kind::Float, Device::Cuda(0)));
+            Ok(batch.sum(Kind::Float).double_value(&[]) as usize / SAMPLE as usize)
+        });
+    let fitted = fitted.expect("a batch of one GiB sample fits");
+    assert!(fitted < 4096 && fitted >= 1, "{tried:?}");
+    let expected: Vec<usize> = (0..tried.len()).map(|i| 4096 >> i).collect();
+    assert_eq!(tried, expected, "halved from 4096");
+    assert_eq!(
+        *tried.last().unwrap(),
+        fitted,
+        "the last size tried is the one that fits"
+    );
+}

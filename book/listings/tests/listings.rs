@@ -497,3 +497,23 @@ fn batch_inference_on_three_ranks_prints_what_one_process_prints() {
         three.stdout
     );
 }
+
+#[test]
+fn find_batch_size_halves_to_the_size_that_fits_on_every_rank() {
+    let dir = scratch_dir("find-batch-size");
+    let run = tchrun_listing(&dir, 2, env!("CARGO_BIN_EXE_find_batch_size"), &[]);
+    for size in [256, 128, 64] {
+        let line = format!(
+            "out of memory at batch size {size} on ranks 0 and 1: every rank retries with \
+             batch size {}",
+            size / 2
+        );
+        assert!(run.stderr.contains(&line), "{line}: {}", run.stderr);
+    }
+    assert!(
+        run.stdout
+            .contains("trained at batch size 32 per rank: loss "),
+        "{}",
+        run.stdout
+    );
+}

@@ -11,12 +11,14 @@ use crate::process_group::ReduceOp;
 
 mod batch_size;
 mod dataset;
+mod executable_batch_size;
 mod loader;
 mod sampler;
 mod split;
 
 pub use batch_size::{global_batch_size, per_rank_batch_size, LrScaling};
 pub use dataset::{Batch, Dataset, TensorDataset, TextDataset};
+pub use executable_batch_size::find_executable_batch_size;
 pub use loader::{Batches, DataLoader, LoaderPosition};
 pub use sampler::DistributedSampler;
 pub use split::{split_between_processes, split_between_processes_padded, Gatherable, Splittable};
