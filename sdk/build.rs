@@ -144,6 +144,15 @@ fn fail(message: &str) -> ! {
 fn main() {
     println!("cargo:rustc-check-cfg=cfg(tdc_libtorch, values(\"2.11\", \"2.13\"))");
     println!("cargo:rustc-check-cfg=cfg(tdc_nccl)");
+    // The compiler's version, for `tchrun env`'s report.
+    let rustc = env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let rustc_version = Command::new(rustc)
+        .arg("--version")
+        .output()
+        .ok()
+        .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_string())
+        .unwrap_or_default();
+    println!("cargo:rustc-env=TDC_RUSTC_VERSION={rustc_version}");
     // Documentation only (docs.rs, `--features doc-only`): no libtorch, no shim; the
     // docs describe the tch 0.24 / libtorch 2.11 pair. Nothing built this way links.
     if env::var_os("CARGO_FEATURE_DOC_ONLY").is_some() {

@@ -40,6 +40,9 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
     std::chrono::milliseconds timeout, int cuda_device);
 bool nccl_compiled();
+// Appends the NCCL version and one line per GPU (name, compute capability, memory) to
+// `lines` as `key\tvalue\n`; nothing in a build without CUDA.
+void cuda_report(std::string& lines);
 
 // The tensor behind a handle from Rust (`tch::Tensor`'s `at::Tensor*`).
 inline at::Tensor& tensor(tdc_tensor t) {

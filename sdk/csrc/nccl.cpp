@@ -3,6 +3,8 @@
 // found; otherwise asking for NCCL fails with a message saying how to get it.
 #include "internal.hpp"
 
+#include <sstream>
+
 #ifdef TDC_WITH_NCCL
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -24,6 +26,21 @@ extern "C" int tdc_cuda_capability(int device, int* major, int* minor) {
 }
 
 namespace tdc {
+
+void cuda_report(std::string& lines) {
+#ifdef TDC_WITH_NCCL
+  lines += "nccl\t" + c10d::getNcclVersion() + "\n";
+  for (int i = 0; i < at::cuda::device_count(); ++i) {
+    const cudaDeviceProp* props = at::cuda::getDeviceProperties(i);
+    std::ostringstream line;
+    line << "gpu " << i << "\t" << props->name << ", compute capability " << props->major
+         << "." << props->minor << ", " << props->totalGlobalMem << " bytes\n";
+    lines += line.str();
+  }
+#else
+  (void)lines;
+#endif
+}
 
 bool nccl_compiled() {
 #ifdef TDC_WITH_NCCL

@@ -11,6 +11,8 @@
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/Version.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <sstream>
 #include <ATen/autocast_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -89,6 +91,29 @@ char* tdc_last_error(void) {
 
 int tdc_nccl_compiled(void) {
   return tdc::nccl_compiled() ? 1 : 0;
+}
+
+int tdc_runtime_report(char** data, size_t* len) {
+  TDC_PROTECT(1, {
+    std::string lines;
+    auto& cuda = at::detail::getCUDAHooks();
+    lines += std::string("cpu capability\t") + at::get_cpu_capability() + "\n";
+    lines += std::string("cuda available\t") + (cuda.hasCUDA() ? "yes" : "no") + "\n";
+    if (cuda.hasCUDART()) {
+      lines += "cuda runtime\t" + std::to_string(cuda.versionCUDART()) + "\n";
+    }
+    if (cuda.hasCuDNN()) {
+      lines += "cudnn\t" + std::to_string(cuda.versionCuDNN()) + "\n";
+    }
+    if (cuda.hasCUDA()) {
+      lines += "cuda devices\t" + std::to_string(cuda.deviceCount()) + "\n";
+    }
+    tdc::cuda_report(lines);
+    *len = lines.size();
+    *data = static_cast<char*>(malloc(lines.empty() ? 1 : lines.size()));
+    if (!lines.empty()) memcpy(*data, lines.data(), lines.size());
+    return 0;
+  })
 }
 
 // While connecting, c10d logs each failed attempt (warnings, then an error) with the

@@ -26,6 +26,10 @@ char* tdc_last_error(void);
 
 // 1 when the NCCL backend was compiled into this build.
 int tdc_nccl_compiled(void);
+// What libtorch was built with and finds here, for `tchrun env`: `key\tvalue\n` lines
+// (CPU capability, CUDA, cuDNN, NCCL, and one line per GPU) in *data (malloc'ed; the
+// caller frees it) of *len bytes.
+int tdc_runtime_report(char** data, size_t* len);
 
 // ---- stores ----
 // A TCPStore client of host:port, or, with listen_fd >= 0, its server on that socket,

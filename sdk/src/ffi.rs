@@ -71,6 +71,7 @@ pub type OpenFn = unsafe extern "C" fn(
 extern "C" {
     pub fn tdc_last_error() -> *mut c_char;
     pub fn tdc_nccl_compiled() -> c_int;
+    pub fn tdc_runtime_report(data: *mut *mut c_char, len: *mut usize) -> c_int;
 
     pub fn tdc_tcp_store_new(
         host: *const c_char,

@@ -66,3 +66,14 @@ pub(crate) fn under_tchrun() -> bool {
 pub(crate) fn omp_num_threads_set() -> bool {
     std::env::var_os("OMP_NUM_THREADS").is_some()
 }
+
+/// The variables whose names start with one of `prefixes` or are one of `names`, sorted
+/// by name: what `tchrun env` shows.
+pub(crate) fn report_vars(prefixes: &[&str], names: &[&str]) -> Vec<(String, String)> {
+    let mut vars: Vec<(String, String)> = std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.to_string_lossy().into_owned())))
+        .filter(|(k, _)| names.contains(&k.as_str()) || prefixes.iter().any(|p| k.starts_with(p)))
+        .collect();
+    vars.sort();
+    vars
+}

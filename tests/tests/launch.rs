@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tch_distributed_tests::{
     children, compare, free_port, rank_line, run_tchrun, run_together, run_with, scratch_dir,
-    torchrun, wait_for_text, Run,
+    tchrun, torchrun, wait_for_text, Run,
 };
 
 #[path = "support/distributed_program_reference.rs"]
@@ -657,4 +657,62 @@ fn a_helpers_println_shows_once_when_a_program_starts_its_own_ranks() {
         &[("TCH_DISTRIBUTED_ALL_RANKS_STDOUT", "true")],
     );
     assert_every_ranks_stdout(&run);
+}
+
+/// `tchrun env` reports what PyTorch itself reports for the same libtorch (its version,
+/// CUDA's, cuDNN's and NCCL's), and the variables that are set, the job token hidden.
+#[test]
+fn tchrun_env_reports_what_pytorch_reports() {
+    let dir = scratch_dir("tchrun-env");
+    let mut cmd = Command::new(tchrun());
+    cmd.arg("env")
+        .env("RANK", "3")
+        .env("TCH_DISTRIBUTED_ZERO", "2")
+        .env("TCH_DISTRIBUTED_JOB_TOKEN", "not-for-bug-reports");
+    let run = run_with(cmd, &dir, Duration::from_secs(60), |_, _| {});
+    run.assert_success();
+    let report = &run.stdout;
+    let field = |name: &str| -> String {
+        report
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}:")))
+            .unwrap_or_else(|| panic!("no {name} in:\n{report}"))
+            .trim()
+            .to_string()
+    };
+    assert!(report.contains("  RANK=3\n"), "{report}");
+    assert!(report.contains("  TCH_DISTRIBUTED_ZERO=2\n"), "{report}");
+    assert!(
+        report.contains("  TCH_DISTRIBUTED_JOB_TOKEN=(set)\n"),
+        "{report}"
+    );
+    assert!(!report.contains("not-for-bug-reports"), "{report}");
+    let Some(python) =
+        tch_distributed_tests::python_or_skip("the comparison with PyTorch's own report")
+    else {
+        return;
+    };
+    let script = "import torch\n\
+        print(torch.__version__.split('+')[0])\n\
+        print(torch.version.cuda or '')\n\
+        print(torch.backends.cudnn.version() or '')\n\
+        print('.'.join(map(str, torch.cuda.nccl.version())) if torch.version.cuda else '')\n";
+    let out = tch_distributed_tests::output_within(
+        Command::new(&python).args(["-c", script]),
+        b"",
+        tch_distributed_tests::PYTHON_TIMEOUT,
+    );
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let torch: Vec<&str> = text.lines().collect();
+    assert_eq!(field("libtorch"), torch[0]);
+    if !torch[1].is_empty() {
+        assert_eq!(field("cuda runtime"), torch[1]);
+        let cudnn: u64 = torch[2].parse().unwrap();
+        let expected = format!("{}.{}.{}", cudnn / 10000, cudnn % 10000 / 100, cudnn % 100);
+        assert_eq!(field("cudnn"), expected);
+        if field("backends") == "gloo, nccl" {
+            assert_eq!(field("nccl"), torch[3]);
+        }
+    }
 }

@@ -39,7 +39,7 @@ $XDG_CONFIG_HOME/tch-distributed/config.toml, else ~/.config/tch-distributed/con
 #[command(
     name = "tchrun",
     version,
-    override_usage = "tchrun [OPTIONS] [--] PROGRAM [ARGS]...\n       tchrun config [OPTIONS]",
+    override_usage = "tchrun [OPTIONS] [--] PROGRAM [ARGS]...\n       tchrun config [OPTIONS]\n       tchrun env",
     args_conflicts_with_subcommands = true,
     disable_help_subcommand = true,
     after_help = SETTINGS_HELP
@@ -70,8 +70,10 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    if let Some(Sub::Config(config_args)) = args.subcommand {
-        return write_config(config_args);
+    match args.subcommand {
+        Some(Sub::Config(config_args)) => return write_config(config_args),
+        Some(Sub::Env) => return env_report(),
+        None => {}
     }
     let run = match resolve(&args.settings, args.config.clone()) {
         Ok(run) => run,
@@ -124,6 +126,25 @@ enum Sub {
     /// when stdin is not a terminal, it asks nothing and writes exactly the settings
     /// given; the variables named in brackets do not apply here).
     Config(ConfigArgs),
+    /// Prints what to paste into a bug report, as `accelerate env`: the versions of
+    /// tch-distributed, tch, libtorch, CUDA, cuDNN and NCCL, the backends compiled in,
+    /// the GPUs (compute capability, memory), the OS and Rust versions, and the
+    /// launch, SDK and library variables that are set (secrets shown as "(set)").
+    Env,
+}
+
+/// `tchrun env`: the report on stdout.
+fn env_report() -> ExitCode {
+    match tch_distributed::launch::env_report() {
+        Ok(report) => {
+            print!("{report}");
+            ExitCode::SUCCESS
+        }
+        Err(err) => {
+            tch_distributed::eprintln_whole!("tchrun env: {err}");
+            ExitCode::from(1)
+        }
+    }
 }
 
 #[derive(Debug, clap::Args)]

@@ -23,6 +23,7 @@ use signal_hook::iterator::Signals;
 use crate::error::{Error, Result};
 use crate::rendezvous::job_token::{JobToken, JOB_TOKEN_ENV};
 
+mod env_report;
 pub(crate) mod error_file;
 mod output;
 pub(crate) mod remote;
@@ -31,6 +32,8 @@ mod supervise;
 
 use restart::Rendezvous;
 use supervise::{Attempt, Outcome};
+
+pub use env_report::env_report;
 
 /// Exit code returned when a rank failed (torchrun's convention).
 const FAILURE_EXIT_CODE: i32 = 1;
