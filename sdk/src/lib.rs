@@ -40,6 +40,7 @@ mod rank_helpers;
 pub mod record;
 mod rendezvous;
 mod rng;
+mod self_test;
 pub mod settings;
 mod shard;
 mod unit_registry;
@@ -67,6 +68,8 @@ pub use process_group::{Backend, ProcessGroup, ReduceOp};
 pub use rank_helpers::{any_rank, local_main_process_first, main_process_first};
 pub use rendezvous::{GlooAddress, Store};
 pub use rng::AgreedSeed;
+#[doc(hidden)]
+pub use self_test::rank_check;
 pub use shard::{fully_shard, FullyShard, ShardingStats};
 
 #[doc(inline)]

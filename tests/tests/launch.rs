@@ -716,3 +716,56 @@ fn tchrun_env_reports_what_pytorch_reports() {
         }
     }
 }
+
+/// `tchrun test`: every check passes on 1 and 3 ranks over Gloo, and a job that cannot
+/// start (NCCL asked for on the CPU) fails with the SDK's error.
+#[test]
+fn tchrun_test_checks_collectives_the_store_and_a_ddp_step() {
+    const CHECKS: [&str; 8] = [
+        "all_reduce (sum, max, min, avg)",
+        "broadcast",
+        "all_gather",
+        "reduce_scatter",
+        "broadcast_coalesced",
+        "barrier",
+        "TCP store",
+        "one DDP step against one process",
+    ];
+    for ranks in ["1", "3"] {
+        let dir = scratch_dir("tchrun-test");
+        let run = run_tchrun(
+            &dir,
+            &["test", "--nproc-per-node", ranks],
+            TIMEOUT,
+            |_, _| {},
+        );
+        run.assert_success();
+        for check in CHECKS {
+            assert!(
+                run.stdout.contains(&format!("  ok      {check}\n")),
+                "{check} on {ranks} rank(s):\n{}",
+                run.stdout
+            );
+        }
+        assert!(
+            run.stdout.ends_with(&format!(
+                "tchrun test: passed on {ranks} rank(s), backend gloo, devices cpu\n"
+            )),
+            "{}",
+            run.stdout
+        );
+    }
+    let dir = scratch_dir("tchrun-test-nccl");
+    let run = run_tchrun(
+        &dir,
+        &["test", "--nproc-per-node", "2", "--backend", "nccl"],
+        TIMEOUT,
+        |_, _| {},
+    );
+    assert!(!run.status.success(), "{}", run.stdout);
+    assert!(
+        run.stderr.contains("Error: tchrun test: "),
+        "{}",
+        run.stderr
+    );
+}

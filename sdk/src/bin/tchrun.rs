@@ -39,7 +39,7 @@ $XDG_CONFIG_HOME/tch-distributed/config.toml, else ~/.config/tch-distributed/con
 #[command(
     name = "tchrun",
     version,
-    override_usage = "tchrun [OPTIONS] [--] PROGRAM [ARGS]...\n       tchrun config [OPTIONS]\n       tchrun env",
+    override_usage = "tchrun [OPTIONS] [--] PROGRAM [ARGS]...\n       tchrun config [OPTIONS]\n       tchrun env\n       tchrun test [OPTIONS]",
     args_conflicts_with_subcommands = true,
     disable_help_subcommand = true,
     after_help = SETTINGS_HELP
@@ -73,6 +73,7 @@ fn main() -> ExitCode {
     match args.subcommand {
         Some(Sub::Config(config_args)) => return write_config(config_args),
         Some(Sub::Env) => return env_report(),
+        Some(Sub::Test(test_args)) => return self_test(test_args, args.stop_grace_seconds),
         None => {}
     }
     let run = match resolve(&args.settings, args.config.clone()) {
@@ -82,29 +83,8 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let defaults = LaunchConfig::default();
-    let stop_grace = match Duration::try_from_secs_f64(args.stop_grace_seconds) {
-        Ok(grace) => grace,
-        Err(_) => {
-            tch_distributed::eprintln_whole!(
-                "tchrun: --stop-grace-seconds must be a non-negative number of seconds"
-            );
-            return ExitCode::from(2);
-        }
-    };
-    let config = LaunchConfig {
-        nproc_per_node: run.nproc_or_default(),
-        nnodes: run.nnodes.unwrap_or(defaults.nnodes),
-        node_rank: run.node_rank.unwrap_or(defaults.node_rank),
-        master_addr: run
-            .master_addr
-            .clone()
-            .unwrap_or(defaults.master_addr.clone()),
-        master_port: run.master_port.unwrap_or(defaults.master_port),
-        stop_grace,
-        max_restarts: run.max_restarts.unwrap_or(defaults.max_restarts),
-        all_ranks_stdout: run.all_ranks_stdout.unwrap_or(defaults.all_ranks_stdout),
-        launcher: Launcher::Tchrun,
+    let Some(config) = launch_config(&run, args.stop_grace_seconds) else {
+        return ExitCode::from(2);
     };
     let (program, rest) = match args.command.split_first() {
         Some((program, rest)) => (program.clone(), rest),
@@ -131,6 +111,92 @@ enum Sub {
     /// the GPUs (compute capability, memory), the OS and Rust versions, and the
     /// launch, SDK and library variables that are set (secrets shown as "(set)").
     Env,
+    /// Checks that a job works here, as `accelerate test`: starts the ranks (with the
+    /// same settings as a run: --nproc-per-node, --backend, --gpus, ...) of a built-in
+    /// check of every collective on the job's backend, a TCP store, and one DDP step
+    /// against one process; rank 0 prints a line per check and the verdict. Exits 1
+    /// when a check failed.
+    Test(TestArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct TestArgs {
+    #[command(flatten)]
+    settings: Settings,
+
+    /// The run configuration file to read.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+
+    /// Run as one of the ranks (what `tchrun test` starts).
+    #[arg(long, hide = true)]
+    as_rank: bool,
+}
+
+/// How to launch the ranks of `run`: its settings, else the defaults. `None` (after
+/// saying why) when `stop_grace_seconds` is not a duration.
+fn launch_config(run: &Settings, stop_grace_seconds: f64) -> Option<LaunchConfig> {
+    let defaults = LaunchConfig::default();
+    let Ok(stop_grace) = Duration::try_from_secs_f64(stop_grace_seconds) else {
+        tch_distributed::eprintln_whole!(
+            "tchrun: --stop-grace-seconds must be a non-negative number of seconds"
+        );
+        return None;
+    };
+    Some(LaunchConfig {
+        nproc_per_node: run.nproc_or_default(),
+        nnodes: run.nnodes.unwrap_or(defaults.nnodes),
+        node_rank: run.node_rank.unwrap_or(defaults.node_rank),
+        master_addr: run
+            .master_addr
+            .clone()
+            .unwrap_or(defaults.master_addr.clone()),
+        master_port: run.master_port.unwrap_or(defaults.master_port),
+        stop_grace,
+        max_restarts: run.max_restarts.unwrap_or(defaults.max_restarts),
+        all_ranks_stdout: run.all_ranks_stdout.unwrap_or(defaults.all_ranks_stdout),
+        launcher: Launcher::Tchrun,
+    })
+}
+
+/// `tchrun test`: starts the ranks of the built-in check (this binary again, as
+/// `tchrun test --as-rank`), with the run's settings; or, as a rank, runs it.
+fn self_test(args: TestArgs, stop_grace_seconds: f64) -> ExitCode {
+    if args.as_rank {
+        return match tch_distributed::rank_check() {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => ExitCode::from(1),
+            Err(err) => {
+                tch_distributed::eprintln_whole!("Error: tchrun test: {err}");
+                ExitCode::from(1)
+            }
+        };
+    }
+    let run = match resolve(&args.settings, args.config) {
+        Ok(run) => run,
+        Err(err) => {
+            tch_distributed::eprintln_whole!("tchrun test: {err}");
+            return ExitCode::from(2);
+        }
+    };
+    let Some(config) = launch_config(&run, stop_grace_seconds) else {
+        return ExitCode::from(2);
+    };
+    let me = match std::env::current_exe() {
+        Ok(me) => me,
+        Err(err) => {
+            tch_distributed::eprintln_whole!("tchrun test: cannot find tchrun itself: {err}");
+            return ExitCode::from(1);
+        }
+    };
+    let rest = [OsString::from("test"), OsString::from("--as-rank")];
+    match launch_with_env(&config, me.as_os_str(), &rest, &run.rank_env()) {
+        Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        Err(err) => {
+            tch_distributed::eprintln_whole!("tchrun test: {err}");
+            ExitCode::from(1)
+        }
+    }
 }
 
 /// `tchrun env`: the report on stdout.
