@@ -75,10 +75,7 @@ pub fn rank_check() -> Result<bool> {
             if passed { "passed" } else { "FAILED" },
             ctx.world_size(),
             ctx.backend(),
-            match device {
-                Device::Cpu => "cpu".to_string(),
-                d => format!("{d:?}").to_lowercase(),
-            }
+            crate::devices::device_name(device)
         );
     }
     group.barrier()?;

@@ -711,3 +711,19 @@ fn a_real_cuda_out_of_memory_halves_the_batch_until_it_fits() {
         "the last size tried is the one that fits"
     );
 }
+
+#[test]
+fn tchrun_test_passes_with_nccl_on_one_rank_and_gloo_on_two_sharing_the_gpu() {
+    require_gpu();
+    for (ranks, backend, name) in [("1", "nccl", "nccl"), ("2", "gloo", "gloo")] {
+        let dir = scratch_dir(&format!("tchrun-test-{name}"));
+        let mut cmd = Command::new(tchrun());
+        without_launcher(&mut cmd).args(["test", "--nproc-per-node", ranks, "--backend", backend]);
+        let run = run_with(cmd, &dir, TIMEOUT, |_, _| {});
+        run.assert_success();
+        assert!(!run.stdout.contains("FAILED"), "{}", run.stdout);
+        let verdict =
+            format!("tchrun test: passed on {ranks} rank(s), backend {backend}, devices cuda:0");
+        assert!(run.stdout.contains(&verdict), "{verdict}:\n{}", run.stdout);
+    }
+}
