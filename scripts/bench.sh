@@ -11,6 +11,8 @@
 #   scripts/bench.sh zero                  ZeRO stage 1's memory: Adam on 52.5 M parameters, 1/2/4 ranks
 #   scripts/bench.sh sharding              ZeRO 1/2/3 against DDP and PyTorch FSDP2: memory, step time
 #   scripts/bench.sh activation            activation checkpointing against the plain model: memory, step time
+#   scripts/bench.sh collective-checks    what debug = "detail" costs an all-reduce (1 KiB to 4 MiB,
+#                                          2 ranks over Gloo): the sweep with and without the checks
 #   scripts/bench.sh multi-node [STEPS]    shakespeare's tokens/s, 1 host × 2 ranks against 2 hosts ×
 #                                          1 rank (network namespaces; root and `ip`)
 #
@@ -49,6 +51,25 @@ case "$bench" in
     cargo build --release --quiet -p tch-distributed --bin tchrun
     cargo build --release --quiet -p tch-distributed-bench --bin activation
     exec "$TARGET/release/activation" "$@"
+    ;;
+  collective-checks)
+    cargo build --release --quiet -p tch-distributed --bin tchrun
+    cargo build --release --quiet -p tch-distributed-bench --bin allreduce
+    for debug in off detail; do
+      "$TARGET/release/tchrun" --nproc-per-node 2 --debug "$debug" "$TARGET/release/allreduce" \
+        --max-bytes $((4 << 20)) --volume $((64 << 20)) "$@" | sed -n "s/^BENCH /$debug /p"
+    done | python3 -c '
+import json, sys
+rows = {}
+for line in sys.stdin:
+    debug, report = line.split(" ", 1)
+    r = json.loads(report)
+    rows.setdefault(r["bytes"], {})[debug] = r["seconds"] * 1e6
+print("| bytes | all-reduce | with debug = \"detail\" | added |")
+print("|---|---|---|---|")
+for size, t in sorted(rows.items()):
+    print(f"| {size} | {t[\"off\"]:.0f} us | {t[\"detail\"]:.0f} us | +{t[\"detail\"] - t[\"off\"]:.0f} us |")
+'
     ;;
   multi-node)
     cargo build --release --quiet -p tch-distributed --bin tchrun

@@ -74,6 +74,8 @@ FILE[activation]=sdk/src/checkpoint/activation.rs; TESTS[activation]="activation
 FILE[split]=sdk/src/data/split.rs;          TESTS[split]="inference"
 # Retrying with half the batch on out of memory, every rank together.
 FILE[batch_retry]=sdk/src/data/executable_batch_size.rs; TESTS[batch_retry]="executable_batch_size"
+# debug = "detail": c10d's wrapper's mismatch, in the SDK's words.
+FILE[mismatch]=sdk/src/process_group/mismatch.rs; TESTS[mismatch]="collective_checks"
 FILE[error]=sdk/src/error.rs;              TESTS[error]="error_hints"
 # What the attribute's rewritten calls run: the optimizer `.build` makes, the steps of
 # optimizers the function did not build and the DDP averaging them, save/load.

@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupWrapper.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/logger.hpp>
@@ -242,18 +243,18 @@ int tdc_store_list_keys(tdc_store* store, char** data, size_t* len) {
 
 tdc_pg* tdc_pg_new(
     tdc_store* store, int rank, int size, int64_t timeout_ms, int gloo, int nccl,
-    int cuda_device, const char* gloo_interfaces, const char* gloo_address) {
+    int cuda_device, const char* gloo_interfaces, const char* gloo_address, int checks) {
   TDC_PROTECT(nullptr, {
     auto pg = c10::make_intrusive<c10d::ProcessGroup>(store->store, rank, size);
     if (nccl && cuda_device >= 0) {
       // As `init_process_group(device_id=…)`: the group is bound to this rank's GPU.
       pg->setBoundDeviceId(at::Device(at::DeviceType::CUDA, cuda_device));
     }
-    // Each backend gets its own key space, as torch.distributed does.
-    if (gloo) {
+    // Gloo's devices: one per named interface, as PyTorch reads GLOO_SOCKET_IFNAME;
+    // else the given address; else c10d's default (the hostname's address).
+    auto gloo_options = [&] {
       auto options = c10d::ProcessGroupGloo::Options::create(ms(timeout_ms));
       if (*gloo_interfaces != '\0') {
-        // As PyTorch reads GLOO_SOCKET_IFNAME: one device per named interface.
         std::stringstream names(gloo_interfaces);
         std::string name;
         while (std::getline(names, name, ',')) {
@@ -268,9 +269,25 @@ tdc_pg* tdc_pg_new(
       } else {
         options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
       }
+      return options;
+    };
+    // With `checks`, as torch.distributed under TORCH_DISTRIBUTED_DEBUG=DETAIL: each
+    // backend wrapped in c10d's ProcessGroupWrapper, which compares every collective's
+    // kind, shapes and dtypes across the ranks (through a Gloo group of its own) before
+    // running it.
+    auto checked = [&](c10::intrusive_ptr<c10d::Backend> backend,
+                       const std::string& name) -> c10::intrusive_ptr<c10d::Backend> {
+      if (!checks) return backend;
+      auto prefixed = c10::make_intrusive<c10d::PrefixStore>("wrapper/" + name + "/", store->store);
+      auto helper = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, gloo_options());
+      return c10::make_intrusive<c10d::ProcessGroupWrapper>(backend, helper);
+    };
+    // Each backend gets its own key space, as torch.distributed does.
+    if (gloo) {
       auto prefixed = c10::make_intrusive<c10d::PrefixStore>("cpu/", store->store);
-      auto backend = c10::make_intrusive<c10d::ProcessGroupGloo>(
-          prefixed, rank, size, options);
+      auto backend = checked(
+          c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, gloo_options()),
+          "cpu");
       pg->setBackend(at::DeviceType::CPU, c10d::ProcessGroup::GLOO, backend);
       if (!nccl) {
         // As torch.distributed's "gloo": the same backend serves CUDA tensors (it
@@ -281,7 +298,8 @@ tdc_pg* tdc_pg_new(
     }
     if (nccl) {
       auto prefixed = c10::make_intrusive<c10d::PrefixStore>("cuda/", store->store);
-      auto backend = tdc::make_nccl_backend(prefixed, rank, size, ms(timeout_ms), cuda_device);
+      auto backend = checked(
+          tdc::make_nccl_backend(prefixed, rank, size, ms(timeout_ms), cuda_device), "cuda");
       pg->setBackend(at::DeviceType::CUDA, c10d::ProcessGroup::NCCL, backend);
       pg->setDefaultBackend(c10d::ProcessGroup::NCCL);
     }

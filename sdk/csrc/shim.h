@@ -76,10 +76,12 @@ int tdc_store_list_keys(tdc_store* store, char** data, size_t* len);
 // backend used for barriers.
 // Gloo's device: `gloo_interfaces` (comma-separated interface names) when not
 // empty, else `gloo_address` (an address of this host) when not empty, else the
-// hostname's address (c10d's default).
+// hostname's address (c10d's default). With `checks`, every backend is wrapped in
+// c10d's ProcessGroupWrapper (TORCH_DISTRIBUTED_DEBUG=DETAIL's collective checks).
 tdc_pg* tdc_pg_new(
     tdc_store* store, int rank, int size, int64_t timeout_ms, int gloo,
-    int nccl, int cuda_device, const char* gloo_interfaces, const char* gloo_address);
+    int nccl, int cuda_device, const char* gloo_interfaces, const char* gloo_address,
+    int checks);
 void tdc_pg_free(tdc_pg* pg);
 
 // Collectives. Each blocks until done or until `timeout_ms` has passed.

@@ -125,6 +125,7 @@ extern "C" {
         cuda_device: c_int,
         gloo_interfaces: *const c_char,
         gloo_address: *const c_char,
+        checks: c_int,
     ) -> *mut Pg;
     pub fn tdc_pg_free(pg: *mut Pg);
     pub fn tdc_all_reduce(pg: *mut Pg, t: Tensor, op: c_int, timeout_ms: i64) -> c_int;

@@ -17,7 +17,7 @@ use crate::random_state::RandomState;
 use crate::rendezvous::job_token::{self, JobToken};
 use crate::rendezvous::store::Store;
 use crate::rendezvous::{self, GlooAddress};
-use crate::settings::Settings;
+use crate::settings::{DebugLevel, Settings};
 
 /// The timeout of collectives and rendezvous when none is given: 30 minutes, as
 /// `torch.distributed`'s `default_pg_timeout`.
@@ -340,8 +340,12 @@ impl Context {
             gpus,
         )
         .map_err(place)?;
-        let group = ProcessGroup::new(&store, env.rank, env.world_size, backend, device, timeout)
-            .map_err(place)?;
+        let join = match settings.debug.unwrap_or_default() {
+            DebugLevel::Off => ProcessGroup::new,
+            DebugLevel::Detail => ProcessGroup::checked,
+        };
+        let group =
+            join(&store, env.rank, env.world_size, backend, device, timeout).map_err(place)?;
         if let Some(after) = settings.deadlock_check {
             group.check_deadlocks_after(Duration::from_secs_f64(after));
         }
@@ -499,8 +503,12 @@ impl Context {
             GlooAddress::Loopback { .. } => String::new(),
             chosen => format!(", gloo on {chosen}"),
         };
+        let checks = match self.run.settings.debug {
+            Some(DebugLevel::Detail) => ", debug detail (every collective checked across ranks)",
+            _ => "",
+        };
         format!(
-            "tch-distributed: backend {}, world size {}, local world size {}, devices {}, rendezvous {}{gloo}, timeout {} s",
+            "tch-distributed: backend {}, world size {}, local world size {}, devices {}, rendezvous {}{gloo}, timeout {} s{checks}",
             self.backend(),
             self.world_size,
             self.local_world_size,

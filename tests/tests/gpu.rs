@@ -713,7 +713,7 @@ fn a_real_cuda_out_of_memory_halves_the_batch_until_it_fits() {
 }
 
 #[test]
-fn tchrun_test_passes_with_nccl_on_one_rank_and_gloo_on_two_sharing_the_gpu() {
+fn tchrun_test_passes_with_nccl_on_one_rank_and_gloo_on_two_sharing_the_gpu_checked_or_not() {
     require_gpu();
     for (ranks, backend, name) in [("1", "nccl", "nccl"), ("2", "gloo", "gloo")] {
         let dir = scratch_dir(&format!("tchrun-test-{name}"));

@@ -16,6 +16,7 @@ use crate::rendezvous::network::{self, GlooAddress};
 use crate::rendezvous::store::{millis, Store};
 
 mod collective_record;
+mod mismatch;
 pub use crate::settings::Backend;
 use collective_record::CollectiveRecord;
 
@@ -117,6 +118,38 @@ impl ProcessGroup {
         device: Device,
         timeout: Duration,
     ) -> Result<ProcessGroup> {
+        Self::join(store, rank, world_size, backend, device, timeout, false)
+    }
+
+    /// As [`new`](Self::new), with every collective compared across the ranks before it
+    /// runs: its kind, and its tensors' shapes and dtypes, by c10d's
+    /// `ProcessGroupWrapper` over a Gloo group of its own, as `torch.distributed` under
+    /// `TORCH_DISTRIBUTED_DEBUG=DETAIL` (the `debug = "detail"` setting). A mismatch is
+    /// an [`Error::Collective`] on every rank, naming the ranks and their collectives,
+    /// where it would otherwise hang or abort. Each collective costs an extra
+    /// all-gather and barrier.
+    ///
+    /// Errors: as [`new`](Self::new).
+    pub fn checked(
+        store: &Store,
+        rank: usize,
+        world_size: usize,
+        backend: Backend,
+        device: Device,
+        timeout: Duration,
+    ) -> Result<ProcessGroup> {
+        Self::join(store, rank, world_size, backend, device, timeout, true)
+    }
+
+    fn join(
+        store: &Store,
+        rank: usize,
+        world_size: usize,
+        backend: Backend,
+        device: Device,
+        timeout: Duration,
+        checks: bool,
+    ) -> Result<ProcessGroup> {
         if rank >= world_size {
             return Err(Error::Usage(format!(
                 "rank {rank} is not below the world size {world_size}"
@@ -174,6 +207,7 @@ impl ProcessGroup {
                 cuda_device,
                 interfaces.as_ptr(),
                 address.as_ptr(),
+                checks as i32,
             )
         };
         let raw = ffi::check_ptr(raw).map_err(|text| {
@@ -343,11 +377,13 @@ impl ProcessGroup {
             if text.is_timeout() {
                 self.timed_out(op, n, text)
             } else {
+                let message = text.message();
                 Error::Collective {
                     op,
-                    message: match self.peer_lost(&text) {
-                        Some(cause) => format!("{cause}\n{}", text.message()),
-                        None => text.message(),
+                    message: match (mismatch::describe(&message), self.peer_lost(&text)) {
+                        (Some(mismatch), _) => mismatch,
+                        (None, Some(cause)) => format!("{cause}\n{message}"),
+                        (None, None) => message,
                     },
                 }
             }

@@ -32,7 +32,7 @@ mod ask;
 mod file;
 mod values;
 
-pub use values::{Backend, Implementation, MixedPrecision, MixedPrecisionMode};
+pub use values::{Backend, DebugLevel, Implementation, MixedPrecision, MixedPrecisionMode};
 
 pub use file::{config_named_by_env, default_path, default_path_from, CONFIG_ENV};
 
@@ -108,6 +108,16 @@ impl Value for MixedPrecisionMode {
         text.to_ascii_lowercase()
             .parse()
             .map_err(|_| "use no, bf16, fp16 or auto".into())
+    }
+}
+
+impl Value for DebugLevel {
+    fn parse(text: &str) -> std::result::Result<Self, String> {
+        match text.to_ascii_lowercase().as_str() {
+            "off" => Ok(DebugLevel::Off),
+            "detail" => Ok(DebugLevel::Detail),
+            _ => Err("use off or detail".into()),
+        }
     }
 }
 
@@ -375,6 +385,12 @@ settings! {
         attribute: true, flag: Some("deadlock-check"), alias: None,
         var: "TCH_DISTRIBUTED_DEADLOCK_CHECK", file: true, value_name: "SECONDS",
         values: "a positive number of seconds", default: "5",
+    }
+    /// Checks of every collective across the ranks before it runs (kind, shapes, dtypes), as TORCH_DISTRIBUTED_DEBUG=DETAIL: a mismatch is an error naming the ranks and tensors instead of a hang; each collective costs an extra all-gather and barrier.
+    debug: DebugLevel [any] {
+        attribute: false, flag: Some("debug"), alias: None,
+        var: "TCH_DISTRIBUTED_DEBUG", file: true, value_name: "LEVEL",
+        values: "off or detail", default: "off",
     }
     /// Mixed precision of the forward pass (autocast), with loss scaling for fp16.
     mixed_precision: MixedPrecisionMode [any] {

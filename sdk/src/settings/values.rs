@@ -41,6 +41,29 @@ impl fmt::Display for Backend {
     }
 }
 
+/// How much the process group checks, as `TORCH_DISTRIBUTED_DEBUG`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DebugLevel {
+    /// No checks beyond the SDK's own (the default).
+    #[default]
+    Off,
+    /// Every collective compared across the ranks before it runs (its kind, and its
+    /// tensors' shapes and dtypes), by c10d's `ProcessGroupWrapper`, as
+    /// `TORCH_DISTRIBUTED_DEBUG=DETAIL`: a mismatch is an error naming the ranks and the
+    /// tensors, instead of a hang or Gloo's abort. Each collective costs an extra
+    /// all-gather and a barrier over Gloo.
+    Detail,
+}
+
+impl fmt::Display for DebugLevel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DebugLevel::Off => "off",
+            DebugLevel::Detail => "detail",
+        })
+    }
+}
+
 /// The precision of the forward pass, as Accelerate's `mixed_precision`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MixedPrecision {
