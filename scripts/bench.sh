@@ -13,6 +13,9 @@
 #   scripts/bench.sh activation            activation checkpointing against the plain model: memory, step time
 #   scripts/bench.sh collective-checks    what debug = "detail" costs an all-reduce (1 KiB to 4 MiB,
 #                                          2 ranks over Gloo): the sweep with and without the checks
+#   scripts/bench.sh comm-hook             DDP's gradient compression (comm_hook none, fp16, bf16): the
+#                                          bytes a synchronized step sends (loopback's counter) and
+#                                          its time, mlp workload on 2 ranks over Gloo
 #   scripts/bench.sh multi-node [STEPS]    shakespeare's tokens/s, 1 host × 2 ranks against 2 hosts ×
 #                                          1 rank (network namespaces; root and `ip`)
 #
@@ -69,6 +72,34 @@ print("| bytes | all-reduce | with debug = \"detail\" | added |")
 print("|---|---|---|---|")
 for size, t in sorted(rows.items()):
     print(f"| {size} | {t[\"off\"]:.0f} us | {t[\"detail\"]:.0f} us | +{t[\"detail\"] - t[\"off\"]:.0f} us |")
+'
+    ;;
+  comm-hook)
+    cargo build --release --quiet -p tch-distributed --bin tchrun
+    cargo build --release --quiet -p tch-distributed-bench --bin ddp
+    # The bytes of a synchronized step: loopback's transmit counter over a run of 60
+    # synchronized steps minus one of 20 (what every run sends once, the rendezvous and
+    # the initial broadcast of the weights, cancels out). Other traffic on loopback
+    # counts too: run it on a quiet machine.
+    tx() { cat /sys/class/net/lo/statistics/tx_bytes; }
+    for hook in none fp16 bf16; do
+      for steps in 10 50; do
+        before=$(tx)
+        report=$("$TARGET/release/tchrun" --nproc-per-node 2 --comm-hook "$hook" \
+          "$TARGET/release/ddp" --workload mlp --warmup 10 --steps "$steps" "$@" | sed -n 's/^BENCH //p')
+        echo "$hook $steps $(( $(tx) - before )) $report"
+      done
+    done | python3 -c '
+import json, sys
+runs = {}
+for line in sys.stdin:
+    hook, steps, sent, report = line.split(" ", 3)
+    runs.setdefault(hook, {})[int(steps)] = (int(sent), json.loads(report))
+print("| comm_hook | bytes per synchronized step | of none | step (median) |")
+print("|---|---|---|---|")
+per = {h: (r[50][0] - r[10][0]) / 40 for h, r in runs.items()}
+for hook, r in runs.items():
+    print(f"| {hook} | {per[hook] / 1e6:.2f} MB | {per[hook] / per[\"none\"]:.2f} | {r[50][1][\"step_ms\"]:.1f} ms |")
 '
     ;;
   multi-node)

@@ -4,7 +4,7 @@ use proc_macro2::Span;
 use syn::parse::{Parse, ParseStream};
 use syn::{LitBool, LitFloat, LitInt, LitStr, Token};
 
-pub const VALID: &str = "backend, nproc_per_node, bucket_cap_mb, find_unused_parameters, static_graph, timeout, deadlock_check, mixed_precision, grad_accum, optimizer, zero, crate";
+pub const VALID: &str = "backend, nproc_per_node, bucket_cap_mb, find_unused_parameters, static_graph, comm_hook, timeout, deadlock_check, mixed_precision, grad_accum, optimizer, zero, crate";
 
 /// The options of `#[distributed(…)]`, validated.
 #[derive(Clone, Default)]
@@ -15,6 +15,9 @@ pub struct Options {
     pub bucket_cap_mb: Option<f64>,
     pub find_unused_parameters: Option<bool>,
     pub static_graph: Option<bool>,
+    /// The variant of `CommHook` (`None`, `Fp16`, `Bf16`), spanned at the user's
+    /// literal.
+    pub comm_hook: Option<syn::Ident>,
     pub timeout: Option<f64>,
     pub deadlock_check: Option<f64>,
     /// `Auto`, or the variant of `MixedPrecision` (`No`, `Bf16`, `Fp16`), spanned at
@@ -138,6 +141,16 @@ impl Parse for Options {
                 "static_graph" => {
                     let lit: LitBool = expect(input, "static_graph = true or … = false")?;
                     options.static_graph = Some(lit.value);
+                }
+                "comm_hook" => {
+                    options.comm_hook = Some(one_of(
+                        input,
+                        "comm_hook = \"bf16\"",
+                        &[("none", "None"), ("fp16", "Fp16"), ("bf16", "Bf16")],
+                        |value| {
+                            format!("unknown comm_hook {value:?}: use \"fp16\" or \"bf16\" (gradients all-reduced in half precision, as PyTorch's fp16_compress_hook and bf16_compress_hook) or \"none\"")
+                        },
+                    )?);
                 }
                 "timeout" => options.timeout = Some(seconds(input, "timeout", "600")?),
                 "deadlock_check" => {

@@ -389,6 +389,9 @@ pub fn expand(
     if let Some(s) = options.static_graph {
         give("static_graph", quote!(#s));
     }
+    if let Some(h) = &options.comm_hook {
+        give("comm_hook", quote!(#krate::__private::CommHook::#h));
+    }
     if let Some(t) = options.timeout {
         give("timeout", quote!(#t));
     }

@@ -37,6 +37,8 @@ struct tdc_work {
 
 struct tdc_reducer {
   std::shared_ptr<c10d::Reducer> reducer;
+  // The group its buckets are all-reduced over (a comm hook's state).
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
   // As DDP's constructor gives its Reducer one: the Reducer logs through it (when the
   // set of unused parameters changes under find_unused_parameters, it calls it
   // without checking that it is there). Destroyed first, as DDP's.
@@ -446,7 +448,7 @@ tdc_reducer* tdc_reducer_new(
         /*bucket_bytes_cap_list=*/std::vector<int64_t>{});
     auto logger = std::make_shared<c10d::Logger>(reducer);
     reducer->set_logger(logger);
-    return new tdc_reducer{std::move(reducer), std::move(logger)};
+    return new tdc_reducer{std::move(reducer), pg->pg, std::move(logger)};
   })
 }
 
@@ -455,6 +457,48 @@ void tdc_reducer_free(tdc_reducer* reducer) {
     delete reducer;
   } catch (...) {
   }
+}
+
+namespace {
+// bf16 gradient compression, as PyTorch's bf16_compress_hook (and c10d's built-in
+// FP16CompressCommHook in bf16): the bucket cast to bfloat16 and divided by the world
+// size, all-reduced (sum), and copied back into the bucket.
+class Bf16CompressCommHook
+    : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessGroup>> {
+ public:
+  explicit Bf16CompressCommHook(const c10::intrusive_ptr<c10d::ProcessGroup>& state)
+      : c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessGroup>>(state) {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    auto compressed = bucket.getBufferRef().to(at::kBFloat16);
+    compressed.div_(state_->getSize());
+    std::vector<at::Tensor> tensors = {compressed};
+    auto reduced = state_->allreduce(tensors)->getFuture();
+    auto buffer = bucket.getBufferRef();
+    auto decompress = [buffer](c10::ivalue::Future& future) {
+      buffer.copy_(future.value().toTensorVector()[0]);
+      return c10::IValue(buffer);
+    };
+    return reduced->then(decompress, reduced->elementType());
+  }
+};
+} // namespace
+
+int tdc_reducer_register_comm_hook(tdc_reducer* reducer, int kind) {
+  TDC_PROTECT(1, {
+    switch (kind) {
+      case 1:
+        reducer->reducer->register_builtin_comm_hook(c10d::BuiltinCommHookType::FP16_COMPRESS);
+        break;
+      case 2:
+        reducer->reducer->register_comm_hook(
+            std::make_unique<Bf16CompressCommHook>(reducer->pg));
+        break;
+      default:
+        throw std::invalid_argument("unknown comm hook " + std::to_string(kind));
+    }
+    return 0;
+  })
 }
 
 int tdc_reducer_prepare_for_forward(tdc_reducer* reducer) {

@@ -118,6 +118,9 @@ int tdc_reducer_prepare_for_forward(tdc_reducer* reducer);
 // records which variables get gradients; delay_all_reduce, called once it has ended,
 // all-reduces every bucket and finishes it, as PyTorch's _delayed_all_reduce.
 int tdc_reducer_set_static_graph(tdc_reducer* reducer);
+// Registers gradient compression on the Reducer: 1 c10d's built-in FP16_COMPRESS hook,
+// 2 the same in bfloat16 (PyTorch's bf16_compress_hook).
+int tdc_reducer_register_comm_hook(tdc_reducer* reducer, int kind);
 int tdc_reducer_delay_all_reduce(tdc_reducer* reducer);
 // *rebuilt is set to 1 when the buckets were rebuilt by this call.
 int tdc_reducer_rebuild_buckets(tdc_reducer* reducer, int* rebuilt);

@@ -11,6 +11,7 @@ use tch::Tensor;
 use crate::error::{ranks_text, Error, Result, TorchText};
 use crate::ffi;
 use crate::process_group::ProcessGroup;
+pub use crate::settings::CommHook;
 
 const MIB: f64 = 1024.0 * 1024.0;
 
@@ -47,6 +48,10 @@ pub struct DdpOptions {
     /// variables the loss leaves out, which it may, without `find_unused_parameters`
     /// (default false).
     pub static_graph: bool,
+    /// Gradient compression for the all-reduce, as PyTorch's `register_comm_hook`
+    /// with `fp16_compress_hook` or `bf16_compress_hook` (default none): see
+    /// [`CommHook`].
+    pub comm_hook: CommHook,
 }
 
 impl Default for DdpOptions {
@@ -57,6 +62,7 @@ impl Default for DdpOptions {
             find_unused_parameters: false,
             broadcast_buffers: true,
             static_graph: false,
+            comm_hook: CommHook::None,
         }
     }
 }
@@ -263,6 +269,15 @@ impl DistributedDataParallel {
             let reducer = Reducer(ffi::check_ptr(raw).map_err(Error::Torch)?);
             if options.static_graph {
                 ffi::check(unsafe { ffi::tdc_reducer_set_static_graph(reducer.0) })
+                    .map_err(Error::Torch)?;
+            }
+            let hook = match options.comm_hook {
+                CommHook::None => 0,
+                CommHook::Fp16 => 1,
+                CommHook::Bf16 => 2,
+            };
+            if hook != 0 {
+                ffi::check(unsafe { ffi::tdc_reducer_register_comm_hook(reducer.0, hook) })
                     .map_err(Error::Torch)?;
             }
             Some(reducer)

@@ -170,6 +170,7 @@ extern "C" {
     pub fn tdc_reducer_free(r: *mut Reducer);
     pub fn tdc_reducer_prepare_for_forward(r: *mut Reducer) -> c_int;
     pub fn tdc_reducer_set_static_graph(r: *mut Reducer) -> c_int;
+    pub fn tdc_reducer_register_comm_hook(r: *mut Reducer, kind: c_int) -> c_int;
     pub fn tdc_reducer_delay_all_reduce(r: *mut Reducer) -> c_int;
     pub fn tdc_reducer_rebuild_buckets(r: *mut Reducer, rebuilt: *mut c_int) -> c_int;
     pub fn tdc_reducer_prepare_for_backward(

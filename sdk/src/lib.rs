@@ -57,7 +57,7 @@ pub use data::{
     DistributedSampler, Gatherable, LoaderPosition, LrScaling, Sharded, Splittable, TensorDataset,
     TextDataset,
 };
-pub use ddp::{DdpOptions, DdpStats, DistributedDataParallel, NoSync};
+pub use ddp::{CommHook, DdpOptions, DdpStats, DistributedDataParallel, NoSync};
 pub use env::LaunchEnv;
 pub use error::{Error, Result};
 pub use init::{current, init, init_with, Context, InitOptions, DEFAULT_TIMEOUT};

@@ -15,7 +15,10 @@ parameters to DIR/torch-{sgd,adam,adamw,rmsprop}-{step}.safetensors.
 
 With a second argument `zero`, each optimizer is wrapped in
 torch.distributed.optim.ZeroRedundancyOptimizer (ZeRO stage 1) and the files are
-DIR/torch-zero-{kind}-{step}.safetensors.
+DIR/torch-zero-{kind}-{step}.safetensors. With `fp16` or `bf16`, DDP compresses the
+gradients with PyTorch's fp16_compress_hook or bf16_compress_hook
+(torch.distributed.algorithms.ddp_comm_hooks.default_hooks) and the files are
+DIR/torch-{fp16,bf16}-{kind}-{step}.safetensors.
 
 The two ranks are forked from this process (one import of torch) and meet through a
 FileStore in DIR (no port to pick).
@@ -79,9 +82,10 @@ def optimizer(kind, params, zero):
     return cls(params, **kwargs)
 
 
-def run(rank, out, zero):
+def run(rank, out, mode):
     torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(out, "torch-store-zero" if zero else "torch-store"), WORLD_SIZE)
+    zero = mode == "zero"
+    store = dist.FileStore(os.path.join(out, f"torch-store-{mode or 'ddp'}"), WORLD_SIZE)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE)
     data = load_file(os.path.join(out, "data.safetensors"))
     xs, ys = data["x"], data["y"]
@@ -90,6 +94,11 @@ def run(rank, out, zero):
         model = Mlp()
         model.load_state_dict(load_file(os.path.join(out, "init.safetensors")))
         ddp = DistributedDataParallel(model)
+        if mode in ("fp16", "bf16"):
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+            ddp.register_comm_hook(None, hook[mode])
         opt = optimizer(kind, ddp.parameters(), zero)
         step = 0
         for _epoch in range(EPOCHS):
@@ -101,7 +110,7 @@ def run(rank, out, zero):
                 step += 1
                 if step in SAVED_STEPS and rank == 0:
                     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-                    prefix = "torch-zero" if zero else "torch"
+                    prefix = f"torch-{mode}" if mode else "torch"
                     save_file(params, os.path.join(out, f"{prefix}-{kind}-{step}.safetensors"))
         assert step == 100, step
     dist.barrier()
@@ -109,5 +118,6 @@ def run(rank, out, zero):
 
 
 if __name__ == "__main__":
-    zero = sys.argv[2:] == ["zero"]
-    mp.start_processes(run, args=(sys.argv[1], zero), nprocs=WORLD_SIZE, start_method="fork")
+    mode = sys.argv[2] if len(sys.argv) > 2 else ""
+    assert mode in ("", "zero", "fp16", "bf16"), mode
+    mp.start_processes(run, args=(sys.argv[1], mode), nprocs=WORLD_SIZE, start_method="fork")

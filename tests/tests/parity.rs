@@ -204,6 +204,73 @@ fn zero_stage_1_matches_ddp_and_pytorchs_zero_redundancy_optimizer() {
     );
 }
 
+/// Gradient compression against PyTorch's hooks: the same 2-rank job with
+/// `comm_hook = "fp16"` and `"bf16"` on our side (c10d's built-in `FP16_COMPRESS` hook,
+/// and the shim's bf16 hook) and `fp16_compress_hook` / `bf16_compress_hook` (the
+/// Python functions of `torch.distributed.algorithms.ddp_comm_hooks.default_hooks`) on
+/// theirs. Both cast each bucket, divide it by 2, all-reduce it over Gloo and copy it
+/// back, so the parameters are the same bits; and they differ from the uncompressed
+/// run's by the compression's rounding.
+#[test]
+fn fp16_and_bf16_gradient_compression_match_pytorchs_comm_hooks() {
+    let dir = scratch_dir("parity-hooks");
+    let d = dir.to_str().unwrap();
+    tch_distributed_tests::write_mlp_fixture(&dir, 20240607, 64);
+    for (hook, prefix) in [
+        ("none", "rust"),
+        ("fp16", "rust-fp16"),
+        ("bf16", "rust-bf16"),
+    ] {
+        let mut cmd = Command::new(tch_distributed_tests::tchrun());
+        cmd.args([
+            "--nproc-per-node",
+            "2",
+            "--comm-hook",
+            hook,
+            WORKER,
+            d,
+            prefix,
+        ]);
+        run_with(cmd, &dir, Duration::from_secs(120), |_, _| {}).assert_success();
+    }
+    let Some(python) =
+        tch_distributed_tests::python_or_skip("comparison with PyTorch's comm hooks")
+    else {
+        return;
+    };
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("parity/torch_ddp.py");
+    for hook in ["fp16", "bf16"] {
+        let mut cmd = Command::new(&python);
+        cmd.arg(&script).arg(d).arg(hook);
+        run_with(cmd, &dir, Duration::from_secs(180), |_, _| {}).assert_success();
+    }
+    let mut report =
+        String::from("gradient compression (2 ranks, gloo), max |a - b| of the parameters:\n");
+    let mut failures = Vec::new();
+    for hook in ["fp16", "bf16"] {
+        for kind in ["sgd", "adam"] {
+            for step in [1, 10, 100] {
+                let file = |side: &str| dir.join(format!("{side}-{kind}-{step}.safetensors"));
+                let ours = file(&format!("rust-{hook}"));
+                let torch = compare(&file(&format!("torch-{hook}")), &ours);
+                let uncompressed = compare(&file("rust"), &ours);
+                report += &format!(
+                    "  {hook} {kind:4} step {step:3}: against PyTorch's hook {:.3e}, against no hook {:.3e}\n",
+                    torch.max_abs, uncompressed.max_abs
+                );
+                if torch.differing != 0 {
+                    failures.push(format!("{hook} {kind} step {step}: not PyTorch's bits"));
+                }
+                if step == 100 && uncompressed.differing == 0 {
+                    failures.push(format!("{hook} {kind}: the same as without compression"));
+                }
+            }
+        }
+    }
+    std::io::stderr().write_all(report.as_bytes()).unwrap();
+    assert!(failures.is_empty(), "{failures:?}\n{report}");
+}
+
 /// The BatchNorm case: a small convnet (conv → batch norm → relu, twice, then a linear
 /// layer) trained in train mode with SGD and momentum for 10 steps, against
 /// `DistributedDataParallel(broadcast_buffers=True)`. The batch norms' running

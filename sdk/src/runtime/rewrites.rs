@@ -71,14 +71,16 @@ pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Opti
     Ok(opt)
 }
 
-/// DDP's defaults with the run's `bucket_cap_mb`: as PyTorch's DDP, a `bucket_cap_mb`
-/// given explicitly also caps the first bucket.
+/// DDP's defaults with the run's `bucket_cap_mb` and `comm_hook`: as PyTorch's DDP, a
+/// `bucket_cap_mb` given explicitly also caps the first bucket.
 fn bucket_options(ctx: &init::Context) -> DdpOptions {
     let defaults = DdpOptions::default();
-    let cap = ctx.settings().bucket_cap_mb;
+    let settings = ctx.settings();
+    let cap = settings.bucket_cap_mb;
     DdpOptions {
         bucket_cap_mb: cap.unwrap_or(defaults.bucket_cap_mb),
         first_bucket_cap_mb: cap.unwrap_or(defaults.first_bucket_cap_mb),
+        comm_hook: settings.comm_hook.unwrap_or_default(),
         ..defaults
     }
 }

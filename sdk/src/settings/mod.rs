@@ -32,7 +32,9 @@ mod ask;
 mod file;
 mod values;
 
-pub use values::{Backend, DebugLevel, Implementation, MixedPrecision, MixedPrecisionMode};
+pub use values::{
+    Backend, CommHook, DebugLevel, Implementation, MixedPrecision, MixedPrecisionMode,
+};
 
 pub use file::{config_named_by_env, default_path, default_path_from, CONFIG_ENV};
 
@@ -108,6 +110,17 @@ impl Value for MixedPrecisionMode {
         text.to_ascii_lowercase()
             .parse()
             .map_err(|_| "use no, bf16, fp16 or auto".into())
+    }
+}
+
+impl Value for CommHook {
+    fn parse(text: &str) -> std::result::Result<Self, String> {
+        match text.to_ascii_lowercase().as_str() {
+            "none" => Ok(CommHook::None),
+            "fp16" => Ok(CommHook::Fp16),
+            "bf16" => Ok(CommHook::Bf16),
+            _ => Err("use none, fp16 or bf16".into()),
+        }
     }
 }
 
@@ -429,6 +442,12 @@ settings! {
         attribute: true, flag: Some("find-unused-parameters"), alias: None,
         var: "TCH_DISTRIBUTED_FIND_UNUSED_PARAMETERS", file: true, value_name: "BOOL",
         values: "true or false", default: "false",
+    }
+    /// DDP's gradient compression: each bucket all-reduced in fp16 or bf16 (half the bytes), as PyTorch's fp16_compress_hook and bf16_compress_hook.
+    comm_hook: CommHook [any] {
+        attribute: true, flag: Some("comm-hook"), alias: None,
+        var: "TCH_DISTRIBUTED_COMM_HOOK", file: true, value_name: "HOOK",
+        values: "none, fp16 or bf16", default: "none",
     }
     /// The Reducer's static-graph mode, as DDP's static_graph=True: the variables that get gradients are the same every step.
     static_graph: bool [any] {

@@ -41,6 +41,32 @@ impl fmt::Display for Backend {
     }
 }
 
+/// How DDP compresses gradients for their all-reduce: a communication hook on the
+/// Reducer, as PyTorch's `DistributedDataParallel.register_comm_hook`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CommHook {
+    /// float32 all-reduce, as without a hook (the default).
+    #[default]
+    None,
+    /// Each bucket cast to float16 and divided by the world size, all-reduced, and
+    /// cast back: c10d's built-in `FP16_COMPRESS` hook, PyTorch's `fp16_compress_hook`.
+    /// Half the bytes; gradients beyond float16's range (65504) overflow.
+    Fp16,
+    /// The same in bfloat16, as PyTorch's `bf16_compress_hook`: half the bytes,
+    /// float32's range, 8 bits of mantissa.
+    Bf16,
+}
+
+impl fmt::Display for CommHook {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CommHook::None => "none",
+            CommHook::Fp16 => "fp16",
+            CommHook::Bf16 => "bf16",
+        })
+    }
+}
+
 /// How much the process group checks, as `TORCH_DISTRIBUTED_DEBUG`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum DebugLevel {
