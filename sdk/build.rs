@@ -54,6 +54,41 @@ fn cxx11_abi() -> String {
     "1".to_string()
 }
 
+/// With `LIBTORCH_USE_PYTORCH`, stops the build when the Python on `PATH` now has
+/// another torch than the one torch-sys built against (a new virtualenv activated over
+/// an existing build): torch-sys does not look again, so the binary would silently keep
+/// the old libtorch. Reruns when `VIRTUAL_ENV` changes (activating another
+/// virtualenv).
+fn check_same_libtorch(built: &Path) {
+    if env_var("LIBTORCH_USE_PYTORCH").is_none() {
+        return;
+    }
+    env_var("VIRTUAL_ENV");
+    let Ok(out) = Command::new(python())
+        .args([
+            "-c",
+            "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'lib'))",
+        ])
+        .output()
+    else {
+        return;
+    };
+    let now = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => true,
+    };
+    if out.status.success() && !same(&now, built) {
+        fail(&format!(
+            "this build links the libtorch in {}, but the Python on PATH now has the one in \
+             {}: torch-sys does not look again by itself. Run `cargo clean -p torch-sys` \
+             (then build again) to use the new one, or put the old virtualenv back on PATH",
+            built.display(),
+            now.display()
+        ));
+    }
+}
+
 /// Include directories holding `cuda_runtime.h`, `crt/host_config.h` and `nccl.h`.
 /// `TCH_DISTRIBUTED_CUDA_INCLUDE` (colon-separated) wins; otherwise the pip packages
 /// next to torch (`nvidia/cu13/include`, `nvidia/nccl/include`) and `$CUDA_HOME/include`.
@@ -169,6 +204,7 @@ fn main() {
         .expect("libtorch lib dir has a parent")
         .to_path_buf();
     let include = torch_root.join("include");
+    check_same_libtorch(&lib_dir);
     let version = libtorch_version(&include);
     println!(
         "cargo:rustc-cfg=tdc_libtorch=\"{}.{}\"",

@@ -123,6 +123,7 @@ fn in_a_world_of_one_ddp_keeps_its_options_and_counts_its_backward_passes() {
         find_unused_parameters: true,
         broadcast_buffers: false,
         static_graph: false,
+        comm_hook: tch_distributed::CommHook::Bf16,
     };
     let ddp = DistributedDataParallel::new(&vs, ctx.process_group(), options.clone()).unwrap();
     assert_eq!(ddp.options(), &options);

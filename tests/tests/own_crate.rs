@@ -151,6 +151,25 @@ fn a_user_crate_on_this_tch_adds_the_sdk_and_trains_on_two_ranks() {
     assert_eq!(rank0.len(), 4, "l1 and l2, weight and bias");
     let diff = compare::named(&rank0, &rank1);
     assert!(diff.is_exact(), "rank 0 and rank 1 differ: {diff:?}");
+
+    // The chapter's section 7: tchrun, built inside the crate (reusing its build of the
+    // SDK), launches the same program, whose model ends as the self-launched run's.
+    let mut tchrun = cargo_build(&krate);
+    tchrun.args(["-p", "tch-distributed", "--bin", "tchrun"]);
+    run_with(tchrun, &dir, Duration::from_secs(600), |_, _| {}).assert_success();
+    let launched = dir.join("launched.safetensors");
+    let mut run = Command::new(krate.join("target/debug/tchrun"));
+    without_launcher(&mut run)
+        .args(["--nproc-per-node", "2"])
+        .arg(krate.join("target/debug/my-trainer"))
+        .arg(&launched)
+        .env_remove("LD_LIBRARY_PATH");
+    let ran = run_with(run, &dir, Duration::from_secs(180), |_, _| {});
+    ran.assert_success();
+    let mut saved = Tensor::read_safetensors(&launched).unwrap();
+    saved.sort_by(|a, b| a.0.cmp(&b.0));
+    let diff = compare::named(&saved, &rank0);
+    assert!(diff.is_exact(), "under tchrun the model differs: {diff:?}");
 }
 
 /// A crate that asks for the other tch than the libtorch it builds with pairs with

@@ -517,3 +517,27 @@ fn find_batch_size_halves_to_the_size_that_fits_on_every_rank() {
         run.stdout
     );
 }
+
+/// The mean loss over every rank's batches: rank 0's own on one process, and another
+/// number than rank 0's on two ranks, whose batches differ.
+#[test]
+fn the_mean_loss_over_every_ranks_batches() {
+    let dir = scratch_dir("mean-loss");
+    let listing = env!("CARGO_BIN_EXE_mean_loss");
+    let means = |stdout: &str| -> Vec<(String, String)> {
+        stdout
+            .lines()
+            .filter_map(|l| l.split_once("rank 0's mean loss "))
+            .map(|(_, rest)| {
+                let (own, every) = rest.split_once(", every rank's ").unwrap();
+                (own.to_string(), every.trim().to_string())
+            })
+            .collect()
+    };
+    let one = means(&run_ok(command(listing), &dir).stdout);
+    assert_eq!(one.len(), 3);
+    assert!(one.iter().all(|(own, every)| own == every), "{one:?}");
+    let two = means(&tchrun_listing(&dir, 2, listing, &[]).stdout);
+    assert_eq!(two.len(), 3, "rank 0 prints");
+    assert!(two.iter().all(|(own, every)| own != every), "{two:?}");
+}

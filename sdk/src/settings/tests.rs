@@ -72,6 +72,8 @@ fn every_value_written_back_reads_the_same() {
                 "BOOL" => "true",
                 "SECONDS" | "MIB" => "2.5",
                 "IMPL" => "foreach",
+                "LEVEL" => "detail",
+                "HOOK" => "bf16",
                 _ => "1",
             };
             row.set(&mut all, sample).unwrap();
