@@ -68,10 +68,11 @@ for line in sys.stdin:
     debug, report = line.split(" ", 1)
     r = json.loads(report)
     rows.setdefault(r["bytes"], {})[debug] = r["seconds"] * 1e6
-print("| bytes | all-reduce | with debug = \"detail\" | added |")
+print("| bytes | all-reduce | with debug = detail | added |")
 print("|---|---|---|---|")
 for size, t in sorted(rows.items()):
-    print(f"| {size} | {t[\"off\"]:.0f} us | {t[\"detail\"]:.0f} us | +{t[\"detail\"] - t[\"off\"]:.0f} us |")
+    off, detail = t["off"], t["detail"]
+    print(f"| {size} | {off:.0f} us | {detail:.0f} us | +{detail - off:.0f} us |")
 '
     ;;
   comm-hook)
@@ -95,11 +96,12 @@ runs = {}
 for line in sys.stdin:
     hook, steps, sent, report = line.split(" ", 3)
     runs.setdefault(hook, {})[int(steps)] = (int(sent), json.loads(report))
-print("| comm_hook | bytes per synchronized step | of none | step (median) |")
+print("| comm_hook | bytes per synchronized step | of none | step |")
 print("|---|---|---|---|")
 per = {h: (r[50][0] - r[10][0]) / 40 for h, r in runs.items()}
 for hook, r in runs.items():
-    print(f"| {hook} | {per[hook] / 1e6:.2f} MB | {per[hook] / per[\"none\"]:.2f} | {r[50][1][\"step_ms\"]:.1f} ms |")
+    sent, ratio, step = per[hook] / 1e6, per[hook] / per["none"], r[50][1]["step_ms"]
+    print(f"| {hook} | {sent:.2f} MB | {ratio:.2f} | {step:.1f} ms |")
 '
     ;;
   multi-node)
