@@ -59,7 +59,8 @@ if [ "$TCH" = 0.26 ] && [ $# -eq 0 ]; then
   # it builds (every test, example and listing, against tch 0.26's API), and the tests
   # that go through libtorch run: the unit tests (the shim: store, job token, autocast,
   # kernels), the collectives, DDP's Reducer and its error text, the optimizers'
-  # kernels, mixed precision, checkpoints' formats, the sealed store, comparisons with
+  # kernels, mixed precision, checkpoints' formats, the sealed store, c10d's collective
+  # checks (ProcessGroupWrapper), comparisons with
   # PyTorch 2.13, a user's own crate on tch 0.26 and the main job. The rest (the macro's
   # rules, launching, settings, sharded loops) is the same code on either version, and
   # runs on tch 0.24. Any ARGS run the given tests instead.
@@ -68,7 +69,8 @@ if [ "$TCH" = 0.26 ] && [ $# -eq 0 ]; then
   cargo test -p tch-distributed-tests \
     --test collectives --test ddp --test parity --test optimizer_parity \
     --test optimizer_state --test amp --test grad_scaler --test checkpoint \
-    --test error_hints --test security --test zero --test own_crate --test shakespeare
+    --test error_hints --test security --test zero --test own_crate --test shakespeare \
+    --test collective_checks
   cargo test -p tch-distributed-corpus --test char_rnn
 else
   cargo test --workspace "$@"
