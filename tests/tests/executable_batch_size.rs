@@ -70,6 +70,8 @@ fn one_rank_out_of_memory_halves_the_batch_on_every_rank() {
     assert!(!stderr.contains("can't allocate memory"), "{stderr}");
 }
 
+/// Rank 2 fails with an error of its own while ranks 0 and 1 run out of memory (an
+/// error value on one, a real allocator refusal on the other): nobody retries alone.
 #[test]
 fn another_error_on_one_rank_stops_every_rank() {
     let (records, _) = three_ranks("fail");

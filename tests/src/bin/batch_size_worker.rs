@@ -9,7 +9,9 @@
 //!   collectives; the other ranks fit;
 //! - `fit START`: nothing runs out, starting at START (the reference: one process at
 //!   `3 * 16`);
-//! - `fail`: rank 2 fails with an error of its own (at the first batch size, 64).
+//! - `fail`: at the first batch size (64), rank 2 fails with an error of its own while
+//!   rank 0 returns an out-of-memory error and rank 1 really runs out (a panic): no
+//!   rank retries, ranks 0 and 1 get the error that names rank 2.
 //!
 //! Each rank writes `OUT_DIR/rank{r}.json`: the batch sizes tried, and the weights after
 //! the attempt that fitted, or the error.
@@ -52,8 +54,14 @@ fn main() -> anyhow::Result<()> {
                 // Petabytes: the CPU allocator refuses.
                 let _ = Tensor::empty([b as i64 * (1 << 46)], (Kind::Float, Device::Cpu));
             }
-            if mode == "fail" && rank == 2 {
-                anyhow::bail!("rank 2's own failure");
+            if mode == "fail" {
+                match rank {
+                    0 => anyhow::bail!("CUDA out of memory. Tried to allocate 1.00 GiB (injected)"),
+                    1 => {
+                        let _ = Tensor::empty([1 << 50], (Kind::Float, Device::Cpu));
+                    }
+                    _ => anyhow::bail!("rank 2's own failure"),
+                }
             }
             let mut weights = Vec::<f32>::try_from(linear.ws.view([-1]))?;
             weights.extend(Vec::<f32>::try_from(linear.bs.as_ref().unwrap())?);
