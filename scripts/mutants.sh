@@ -7,8 +7,8 @@
 #
 #   scripts/mutants.sh                 every file below
 #   scripts/mutants.sh ddp optim       some of them (by the names below; optim is its
-#                                      four files' entries, rendezvous the store's,
-#                                      job token's, network's and join's)
+#                                      four files' entries, shard its four, rendezvous
+#                                      the store's, job token's, network's and join's)
 #   scripts/mutants.sh --list [NAMES]  list the mutants only (no builds)
 #   scripts/mutants.sh NAMES -- ARGS   ARGS go to cargo-mutants (e.g. --shard 1/4)
 #
@@ -65,8 +65,13 @@ FILE[join]=sdk/src/rendezvous/join.rs;     TESTS[join]="rendezvous_counts"
 FILE[agreement]=sdk/src/runtime/agreement.rs; TESTS[agreement]="different_paths adapting"
 # The collectives' records: a timeout's diagnosis and the deadlock check.
 FILE[collective_record]=sdk/src/process_group/collective_record.rs; TESTS[collective_record]="different_paths stalled_ranks"
-# ZeRO stages 2 and 3: the shards, their gathers, reduce-scatters, hooks and units.
-FILE[shard]=sdk/src/shard/engine.rs;        TESTS[shard]="sharding activation"
+# ZeRO stages 2 and 3, file by file (`shard` names all four): the engine (the shards,
+# their gathers, reduce-scatters and steps), the units around their passes, the shim's
+# hooks; and the dim-0 layout, which ZeRO-1 cuts its shards by too.
+FILE[shard_engine]=sdk/src/shard/engine.rs; TESTS[shard_engine]="sharding activation"
+FILE[shard_unit]=sdk/src/shard/unit.rs;     TESTS[shard_unit]="sharding activation"
+FILE[shard_hooks]=sdk/src/shard/hooks.rs;   TESTS[shard_hooks]="sharding activation"
+FILE[shard_layout]=sdk/src/shard/layout.rs; TESTS[shard_layout]="sharding zero"
 # Activation checkpointing: the block's recompute through the shim's node, against the
 # plain model under DDP, accumulation, autocast and ZeRO-3 units.
 FILE[activation]=sdk/src/checkpoint/activation.rs; TESTS[activation]="activation"
@@ -80,11 +85,12 @@ FILE[error]=sdk/src/error.rs;              TESTS[error]="error_hints"
 # What the attribute's rewritten calls run: the optimizer `.build` makes, the steps of
 # optimizers the function did not build and the DDP averaging them, save/load.
 FILE[rewrites]=sdk/src/runtime/rewrites.rs; TESTS[rewrites]="outside_optimizer adapting accumulation amp error_hints settings"
-ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record shard activation split batch_retry)
+ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record shard_engine shard_unit shard_hooks shard_layout activation split batch_retry)
 # A NAME that stands for several.
 declare -A GROUP
 GROUP[optim]="optim_mod optim_kernels optim_state optim_zero optim_scaler"
 GROUP[rendezvous]="store job_token network join"
+GROUP[shard]="shard_engine shard_unit shard_hooks shard_layout"
 # NAME -> tests of those targets to skip for it (they exercise none of its paths and
 # take long): the preemption-signal runs, which only deliver signals and check a
 # checkpoint that the other checkpoint tests check too.

@@ -98,7 +98,7 @@ where
         let mine = match &attempt {
             Ok(Ok(_)) => FITTED,
             Ok(Err(e)) if is_out_of_memory(&format!("{e:#}")) => OUT_OF_MEMORY_CODE,
-            Err(payload) if panic_text(payload).is_some_and(is_out_of_memory) => OUT_OF_MEMORY_CODE,
+            Err(p) if panic_text(&**p).is_some_and(is_out_of_memory) => OUT_OF_MEMORY_CODE,
             _ => FAILED,
         };
         let codes = every_rank(mine)?;
@@ -190,7 +190,7 @@ fn is_out_of_memory(text: &str) -> bool {
 }
 
 /// A panic's message, when it is text (`panic!` with a literal or a format).
-fn panic_text(payload: &Box<dyn std::any::Any + Send>) -> Option<&str> {
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> Option<&str> {
     payload
         .downcast_ref::<String>()
         .map(String::as_str)
@@ -204,7 +204,7 @@ fn out_of_memory_text<R, E: Display>(
 ) -> String {
     match attempt {
         Ok(Err(e)) => format!("{e:#}"),
-        Err(payload) => panic_text(&payload).unwrap_or_default().to_string(),
+        Err(payload) => panic_text(&*payload).unwrap_or_default().to_string(),
         Ok(Ok(_)) => String::new(),
     }
 }
@@ -217,12 +217,8 @@ fn quiet_out_of_memory_panics() {
     INSTALL.call_once(|| {
         let previous = panic::take_hook();
         panic::set_hook(Box::new(move |info| {
-            let text = info
-                .payload()
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| info.payload().downcast_ref::<&str>().copied());
-            let caught = IN_ATTEMPT.with(Cell::get) && text.is_some_and(is_out_of_memory);
+            let caught = IN_ATTEMPT.with(Cell::get)
+                && panic_text(info.payload()).is_some_and(is_out_of_memory);
             if !caught {
                 previous(info);
             }
@@ -270,7 +266,7 @@ mod tests {
             let _: std::result::Result<(), Error> =
                 find_executable_batch_size(8, |_| panic!("not memory"));
         });
-        assert_eq!(panic_text(&panicked.unwrap_err()), Some("not memory"));
+        assert_eq!(panic_text(&*panicked.unwrap_err()), Some("not memory"));
     }
 
     #[test]
