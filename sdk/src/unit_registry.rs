@@ -20,6 +20,7 @@ pub(crate) trait ShardedParameters: Send + Sync {
 
 /// A unit as the program declared it: its variables' path, and the sharded optimizer
 /// (and the unit in it) it belongs to once one is built over them.
+#[derive(Debug)]
 pub(crate) struct Slot {
     /// The variables' names start with this (`"layers.3."`); empty for the whole store.
     pub prefix: String,

@@ -620,14 +620,16 @@ impl Inner {
         self.gather(u)?;
         let next = {
             let mut order = self.forward_order.lock().expect("forward order lock");
-            if forward && !order.contains(&u) {
-                order.push(u);
-            }
-            let at = order.iter().position(|&v| v == u);
-            match (at, forward) {
-                (Some(at), true) => order.get(at + 1).copied(),
-                (Some(at), false) => at.checked_sub(1).map(|before| order[before]),
-                (None, _) => None,
+            match order.iter().position(|&v| v == u) {
+                Some(at) if forward => order.get(at + 1).copied(),
+                Some(at) => at.checked_sub(1).map(|before| order[before]),
+                // A unit's first forward pass gives it its place, last: none follows yet.
+                None => {
+                    if forward {
+                        order.push(u);
+                    }
+                    None
+                }
             }
         };
         match next {

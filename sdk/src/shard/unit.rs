@@ -19,6 +19,7 @@ use crate::unit_registry::Slot;
 /// before the unit's own backward). The gradients of a unit are reduce-scattered once
 /// all of them are ready, in one collective per unit. Under stage 2 the unit only
 /// groups that reduce-scatter; with no sharding (or one rank) it changes nothing.
+#[derive(Debug)]
 pub struct FullyShard<M> {
     module: M,
     slot: Arc<Slot>,
@@ -84,14 +85,5 @@ impl<M: ModuleT> FullyShard<M> {
     /// than the trait.)
     pub fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
         self.around(|| self.module.forward_t(xs, train))
-    }
-}
-
-impl<M: std::fmt::Debug> std::fmt::Debug for FullyShard<M> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FullyShard")
-            .field("prefix", &self.slot.prefix)
-            .field("module", &self.module)
-            .finish()
     }
 }

@@ -2,18 +2,21 @@
 //! layers do not divide evenly by 2, 3 or 4 ranks (l1: 6 → 13, tanh, l2: 13 → 7,
 //! tanh, l3: 7 → 3), 10 steps on 24 samples, each rank on its own share of them (rows
 //! `[r·24/N, (r+1)·24/N)`), so that the averaged gradient is the whole batch's.
-//! Run with `TCH_DISTRIBUTED_ZERO=2|3` to shard it; with `UNITS=1`, l2 and l3 are
-//! units of their own (`fully_shard`) and l1 is the root's; with `CLIP=x` the steps
-//! clip the gradients' global norm to x; with `CKPT=path` it resumes from the newest
-//! checkpoint there, saves one after step `SAVE_AT`, and with `STOP_AT` = `SAVE_AT`
-//! stops there; with `EXPORT=1` (and `CKPT`) it writes the loaded state whole, as
-//! `torch.optim`'s `state_dict` (DIR/OUT.optimizer.safetensors), and the model
-//! (DIR/OUT), and stops; with `INIT_OUT=1` rank 0 writes the data and the initial
+//! Run with `TCH_DISTRIBUTED_ZERO=2|3` to shard it; with `UNITS=1`, l2 and l3 are units
+//! of their own (`fully_shard`) and l1 is the root's (l2 runs through the unit's
+//! `forward_t`, a `ModuleT`'s pass, the others through `Module::forward`); with
+//! `CLIP=x` the steps clip the gradients' global norm to x; with `CKPT=path` it resumes
+//! from the newest checkpoint there, saves one after step `SAVE_AT`, and with `STOP_AT`
+//! = `SAVE_AT` stops there; with `EXPORT=1` (and `CKPT`) it writes the loaded state
+//! whole, as `torch.optim`'s `state_dict` (DIR/OUT.optimizer.safetensors), and the
+//! model (DIR/OUT), and stops; with `INIT_OUT=1` rank 0 writes the data and the initial
 //! parameters to DIR/OUT.init.safetensors; with `UNUSED=1`, variables that get no
-//! gradient on some steps or ranks join: l4 (13 → 7, a unit with `UNITS`) adds to
-//! l2's output on odd steps only (with `UNUSED=rank0`, on rank 0 only), `l3.skip` (3, in
-//! l3's unit) on rank 0 only, and `never` (5) is never used
-//! (run DDP with `TCH_DISTRIBUTED_FIND_UNUSED_PARAMETERS=true` for the reference).
+//! gradient on some steps or ranks join: l4 (13 → 7, a unit with `UNITS`) adds to l2's
+//! output on odd steps only (with `UNUSED=rank0`, on rank 0 only), `l3.skip` (3, in
+//! l3's unit) on rank 0 only, and `never` (5) is never used (run DDP with
+//! `TCH_DISTRIBUTED_FIND_UNUSED_PARAMETERS=true` for the reference); with
+//! `CHECKPOINT=1`, l3 is an activation-checkpointed block (`checkpointed`), recomputed
+//! in the backward pass.
 //!
 //! With `TCHD_TEST_DEVICE=cuda` it trains on the rank's CUDA device.
 //!
@@ -55,6 +58,10 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
     };
     let units = env("UNITS").is_some();
     let (l2, l3) = (unit(l2, &root, "l2", units), unit(l3, &root, "l3", units));
+    let l3: Box<dyn Module> = match env("CHECKPOINT") {
+        Some(_) => Box::new(tch_distributed::checkpointed(l3)),
+        None => Box::new(l3),
+    };
     let l4 = unused.then(|| {
         let l4 = nn::linear(&root / "l4", 13, 7, Default::default());
         let _never = root.randn("never", &[5], 0.0, 1.0);
@@ -87,7 +94,7 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
     }
     for step in start + 1..=10 {
         let first = l1.forward(&x).tanh();
-        let mut second = l2.forward(&first);
+        let mut second = l2.forward_t(&first, true);
         let l4_here = rank == 0 || env("UNUSED").as_deref() != Some("rank0");
         if let (Some(l4), 1, true) = (&l4, step % 2, l4_here) {
             second += l4.forward(&first);
