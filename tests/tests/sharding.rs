@@ -28,14 +28,19 @@ fn run(dir: &Path, ranks: usize, zero: u8, out: &str, env: &[(&str, &str)]) -> S
     run.stdout
 }
 
-/// Rank 0's `Optimizer::sharding_stats` of run OUT: all-gathers, prefetched ones,
-/// reduce-scatters, all-gathered bytes.
-fn stats(dir: &Path, out: &str) -> Vec<u64> {
-    std::fs::read_to_string(dir.join(format!("{out}.stats-0")))
+/// Rank RANK's `Optimizer::sharding_stats` of run OUT: all-gathers, prefetched ones,
+/// reduce-scatters, all-gathered bytes, reduce-scatters at the step.
+fn stats_of(dir: &Path, out: &str, rank: usize) -> Vec<u64> {
+    std::fs::read_to_string(dir.join(format!("{out}.stats-{rank}")))
         .unwrap()
         .split(' ')
         .map(|n| n.parse().unwrap())
         .collect()
+}
+
+/// Rank 0's [`stats_of`].
+fn stats(dir: &Path, out: &str) -> Vec<u64> {
+    stats_of(dir, out, 0)
 }
 
 #[test]
@@ -88,11 +93,14 @@ fn stages_2_and_3_train_as_ddp_with_and_without_units() {
                 (_, true) => [30, 0, 30],
                 _ => [10, 0, 10],
             };
+            let stats = stats(&dir, &out);
             assert_eq!(
-                stats(&dir, &out)[..3],
+                stats[..3],
                 expected,
                 "{out}: all-gathers, prefetched, reduce-scatters"
             );
+            // Every unit was complete in the backward pass, which reduce-scattered it.
+            assert_eq!(stats[4], 0, "{out}: reduce-scatters at the step");
         }
     }
 }
@@ -238,6 +246,18 @@ fn variables_without_gradients_train_as_ddp_with_find_unused_parameters() {
                 diff.max_abs < 1e-6,
                 "{name}, zero {zero}, units {units}: {diff:?}"
             );
+            // The reduce-scatters at the step, on ranks 0 and 1. Without a checkpointed
+            // block, every unit is complete in the backward pass. Behind one, `never`
+            // keeps the root's unit (last in the order) incomplete at every step; with
+            // units, l4 keeps every unit so on even steps, and on rank 1 `l3.skip`
+            // keeps l3, l2 and the root so at every step.
+            let expected = match (name, units) {
+                ("checkpointed", true) => [5 + 5 * 4, 5 * 3 + 5 * 4],
+                ("checkpointed", false) => [10, 10],
+                _ => [0, 0],
+            };
+            let at_step = [0, 1].map(|rank| stats_of(&dir, &out, rank)[4]);
+            assert_eq!(at_step, expected, "{name}, zero {zero}, units {units}");
         }
     }
     // Weight decay would move a variable the step did not skip: `never` kept its

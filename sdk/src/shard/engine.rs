@@ -33,6 +33,11 @@ pub struct ShardingStats {
     pub prefetched_all_gathers: u64,
     /// Reduce-scatters of a unit's gradients (one per unit and cycle).
     pub reduce_scatters: u64,
+    /// Those run at the step rather than in the backward pass, where they overlap the
+    /// compute: the backward pass left their unit, or one before it in the order the
+    /// reduce-scatters keep, incomplete (a variable that the loss's graph reaches got
+    /// no gradient, as behind a checkpointed block).
+    pub reduce_scatters_at_step: u64,
     /// Bytes this rank sent into its all-gathers: its shards, in the gathers' dtype
     /// (under mixed precision, bf16 or fp16 rather than the parameters' fp32).
     pub all_gather_bytes: u64,
@@ -106,6 +111,7 @@ struct Counts {
     all_gathers: AtomicU64,
     prefetched_all_gathers: AtomicU64,
     reduce_scatters: AtomicU64,
+    reduce_scatters_at_step: AtomicU64,
     all_gather_bytes: AtomicU64,
 }
 
@@ -289,6 +295,7 @@ impl Sharding {
             all_gathers: load(&c.all_gathers),
             prefetched_all_gathers: load(&c.prefetched_all_gathers),
             reduce_scatters: load(&c.reduce_scatters),
+            reduce_scatters_at_step: load(&c.reduce_scatters_at_step),
             all_gather_bytes: load(&c.all_gather_bytes),
         }
     }
@@ -386,6 +393,8 @@ impl Sharding {
             unit.ready.fill(false);
             if !unit.members.is_empty() {
                 self.inner.reduce(&mut unit)?;
+                let at_step = &self.inner.counts.reduce_scatters_at_step;
+                at_step.fetch_add(1, Ordering::Relaxed);
                 if unit.reshard {
                     self.inner.free_locked(&mut unit)?;
                 }

@@ -22,10 +22,9 @@
 //!
 //! Writes the parameters to DIR/OUT (rank 0), each rank's optimizer-state bytes to
 //! DIR/OUT.state-bytes-RANK, its sharded collectives (`Optimizer::sharding_stats`:
-//! all-gathers, prefetched ones, reduce-scatters, all-gathered bytes; zeros without
-//! sharding) to
-//! DIR/OUT.stats-RANK and the names of the variables that hold no memory after
-//! the steps to DIR/OUT.freed-RANK.
+//! all-gathers, prefetched ones, reduce-scatters, all-gathered bytes, reduce-scatters
+//! at the step; zeros without sharding) to DIR/OUT.stats-RANK and the names of the
+//! variables that hold no memory after the steps to DIR/OUT.freed-RANK.
 //!
 //! Usage: sharding_worker DIR OUT
 use tch::nn::{self, Module, OptimizerConfig};
@@ -135,11 +134,12 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
     std::fs::write(
         format!("{dir}/{out}.stats-{rank}"),
         format!(
-            "{} {} {} {}",
+            "{} {} {} {} {}",
             stats.all_gathers,
             stats.prefetched_all_gathers,
             stats.reduce_scatters,
-            stats.all_gather_bytes
+            stats.all_gather_bytes,
+            stats.reduce_scatters_at_step
         ),
     )?;
     std::fs::write(
