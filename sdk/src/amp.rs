@@ -15,11 +15,16 @@ impl MixedPrecisionMode {
     pub fn resolve(self, device: Device) -> Result<(MixedPrecision, String)> {
         match self {
             MixedPrecisionMode::Exactly(p)
-                if p != MixedPrecision::No
-                    && !device.is_cuda()
-                    && !onednn_runs_lower_precision() =>
+                if p != MixedPrecision::No && !device.is_cuda() && !onednn_runs(p) =>
             {
-                Ok((p, "asked for; oneDNN off: this CPU has no AVX-512".into()))
+                let missing = match p {
+                    MixedPrecision::Fp16 => "AVX512-FP16",
+                    _ => "AVX-512",
+                };
+                Ok((
+                    p,
+                    format!("asked for; oneDNN off: this CPU has no {missing}"),
+                ))
             }
             MixedPrecisionMode::Exactly(p) => Ok((p, "asked for".into())),
             MixedPrecisionMode::Auto => MixedPrecision::auto(device),
@@ -112,7 +117,7 @@ impl Autocast {
             MixedPrecision::Bf16 => 15,
         };
         let device_type = i32::from(device.is_cuda());
-        if device_type == 0 && !onednn_runs_lower_precision() {
+        if device_type == 0 && !onednn_runs(precision) {
             // Once per process: later entries find it done.
             static ONEDNN_OFF: std::sync::OnceLock<std::result::Result<(), String>> =
                 std::sync::OnceLock::new();
@@ -132,22 +137,39 @@ impl Autocast {
     }
 }
 
-/// Whether this CPU runs oneDNN's bf16 and fp16 kernels. oneDNN's LSTM (which
-/// libtorch's CPU autocast casts to the lower precision, `mkldnn_rnn_layer`) needs
-/// AVX-512: on an AVX2-only x86 CPU it fails with "could not create a primitive
-/// descriptor for the LSTM forward propagation primitive", in PyTorch too. Where it
-/// cannot, [`Autocast::enter`] turns oneDNN off for the process on its first CPU entry
-/// (as `torch.backends.mkldnn.enabled = False`): the LSTM then runs libtorch's own
-/// kernels in float32, and the matmuls and convolutions autocast as usual.
-pub(crate) fn onednn_runs_lower_precision() -> bool {
+/// Whether this CPU runs oneDNN's kernels in `precision` (bf16 or fp16). oneDNN's
+/// LSTM (which libtorch's CPU autocast casts to the lower precision,
+/// `mkldnn_rnn_layer`) needs AVX-512 for bf16, and AVX512-FP16 (Intel Sapphire Rapids
+/// and later) for fp16: elsewhere it fails with "could not create a primitive
+/// descriptor for the LSTM forward propagation primitive", in PyTorch too (measured:
+/// fp16 on an AMD EPYC with AVX-512 and bf16 but no AVX512-FP16). Where it cannot,
+/// [`Autocast::enter`] turns oneDNN off for the process on its first CPU entry (as
+/// `torch.backends.mkldnn.enabled = False`): the LSTM then runs libtorch's own kernels
+/// in float32, and the matmuls and convolutions autocast as usual.
+pub(crate) fn onednn_runs(precision: MixedPrecision) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx512bw")
+        match precision {
+            // Not `is_x86_feature_detected!("avx512fp16")`: stable from Rust 1.89 only.
+            MixedPrecision::Fp16 => cpu_flag("avx512_fp16"),
+            _ => std::arch::is_x86_feature_detected!("avx512bw"),
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
+        let _ = precision;
         true
     }
+}
+
+/// Whether `/proc/cpuinfo`'s flags name `flag` (false where it cannot be read).
+#[cfg(target_arch = "x86_64")]
+fn cpu_flag(flag: &str) -> bool {
+    std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|info| {
+        info.lines()
+            .filter(|l| l.starts_with("flags"))
+            .any(|l| l.split_whitespace().any(|f| f == flag))
+    })
 }
 
 impl Drop for Autocast {
