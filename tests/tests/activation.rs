@@ -17,8 +17,16 @@ type Layer = Box<dyn Fn(&Tensor) -> Tensor>;
 
 const WORKER: &str = env!("CARGO_BIN_EXE_activation_worker");
 
-/// libtorch's CPU generator is the process's: the tests that draw from it take turns.
+/// libtorch's CPU generator is the process's: the tests that draw from it (a layer's
+/// initialization, `randn`) or set it (a checkpoint's recompute puts the first run's
+/// state back, then the one it found) take turns. Without them, a recompute in another
+/// test rewound the numbers a bit-for-bit test drew (a flaky failure, seen once).
 static GENERATOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// This test's turn with the CPU generator.
+fn generator_turn() -> std::sync::MutexGuard<'static, ()> {
+    GENERATOR.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// Three blocks (Linear(8, 8), tanh, dropout 0.3) and a head on 5 rows of data; two
 /// forward and backward passes (the gradients add up). Returns every parameter's
@@ -68,7 +76,7 @@ fn gradients(checkpointed: bool, precision: MixedPrecision) -> (Vec<(String, Ten
 }
 
 fn assert_bit_identical(precision: MixedPrecision) {
-    let _turn = GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = generator_turn();
     let (plain, plain_losses) = gradients(false, precision);
     let (ours, our_losses) = gradients(true, precision);
     assert_eq!(plain_losses, our_losses, "{precision:?}: the losses");
@@ -101,6 +109,7 @@ fn gradients_under_autocast_are_the_plain_model_s_bit_for_bit() {
 /// returns more than 64 tensors too. Under `no_grad` the block just runs.
 #[test]
 fn a_block_that_returns_its_input_is_an_error() {
+    let _turn = generator_turn();
     let x = Tensor::ones([3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
     let err =
         tch_distributed::f_checkpoint_many(|xs| vec![xs[0].narrow(0, 0, 2)], &[x.shallow_clone()])
@@ -121,6 +130,7 @@ fn a_block_that_returns_its_input_is_an_error() {
 /// it.
 #[test]
 fn several_inputs_and_outputs_get_their_gradients() {
+    let _turn = generator_turn();
     let a = Tensor::from_slice(&[1.0f32, 2.0]).set_requires_grad(true);
     let b = Tensor::from_slice(&[3.0f32, 4.0]).set_requires_grad(true);
     let ys = tch_distributed::checkpoint_many(
@@ -169,6 +179,7 @@ fn on_2_ranks_under_the_attribute_training_is_the_plain_model_s() {
 /// module's values and, through the recompute, its gradients; `inner` is the module.
 #[test]
 fn a_checkpointed_module_is_the_module() {
+    let _turn = generator_turn();
     let vs = nn::VarStore::new(Device::Cpu);
     let layer = nn::linear(vs.root() / "l", 4, 3, Default::default());
     let x = Tensor::ones([2, 4], (Kind::Float, Device::Cpu)).set_requires_grad(true);
