@@ -45,7 +45,9 @@ FILE[optim_scaler]=sdk/src/optim/scaler.rs;    TESTS[optim_scaler]="grad_scaler 
 FILE[settings]=sdk/src/settings/mod.rs;    TESTS[settings]="run_config settings tracker shakespeare error_hints"
 # Replacing a file whole (checkpoints, the run configuration, the tracker's config).
 FILE[files]=sdk/src/files.rs;              TESTS[files]="checkpoint run_config tracker"
-FILE[amp]=sdk/src/amp.rs;                  TESTS[amp]="amp accumulation grad_scaler"
+# Autocast and the loss scaler; the main job's LSTM under fp16 and bf16 (shakespeare)
+# is what fails where oneDNN's lower precision is not turned off on a CPU that lacks it.
+FILE[amp]=sdk/src/amp.rs;                  TESTS[amp]="amp accumulation grad_scaler shakespeare"
 FILE[sampler]=sdk/src/data/sampler.rs;     TESTS[sampler]="sampler data_loading shuffles"
 FILE[loader]=sdk/src/data/loader.rs;       TESTS[loader]="data_loading accumulation checkpoint loader_epochs progress"
 FILE[state]=sdk/src/checkpoint/state.rs;   TESTS[state]="checkpoint grad_scaler preemption zero shakespeare loader_epochs"

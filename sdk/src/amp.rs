@@ -14,19 +14,12 @@ impl MixedPrecisionMode {
     /// Errors with [`Error::Torch`] when `Auto` cannot read the device's properties.
     pub fn resolve(self, device: Device) -> Result<(MixedPrecision, String)> {
         match self {
-            MixedPrecisionMode::Exactly(p)
-                if p != MixedPrecision::No && !device.is_cuda() && !onednn_runs(p) =>
-            {
-                let missing = match p {
-                    MixedPrecision::Fp16 => "AVX512-FP16",
-                    _ => "AVX-512",
-                };
-                Ok((
-                    p,
-                    format!("asked for; oneDNN off: this CPU has no {missing}"),
-                ))
-            }
-            MixedPrecisionMode::Exactly(p) => Ok((p, "asked for".into())),
+            MixedPrecisionMode::Exactly(p) => match onednn_lacks(p) {
+                Some(isa) if p != MixedPrecision::No && !device.is_cuda() => {
+                    Ok((p, format!("asked for; oneDNN off: this CPU has no {isa}")))
+                }
+                _ => Ok((p, "asked for".into())),
+            },
             MixedPrecisionMode::Auto => MixedPrecision::auto(device),
         }
     }
@@ -117,7 +110,7 @@ impl Autocast {
             MixedPrecision::Bf16 => 15,
         };
         let device_type = i32::from(device.is_cuda());
-        if device_type == 0 && !onednn_runs(precision) {
+        if device_type == 0 && onednn_lacks(precision).is_some() {
             // Once per process: later entries find it done.
             static ONEDNN_OFF: std::sync::OnceLock<std::result::Result<(), String>> =
                 std::sync::OnceLock::new();
@@ -137,7 +130,8 @@ impl Autocast {
     }
 }
 
-/// Whether this CPU runs oneDNN's kernels in `precision` (bf16 or fp16). oneDNN's
+/// The instruction set that oneDNN's kernels in `precision` (bf16 or fp16) need and
+/// this CPU lacks, if it lacks one (read once a process). oneDNN's
 /// LSTM (which libtorch's CPU autocast casts to the lower precision,
 /// `mkldnn_rnn_layer`) needs AVX-512 for bf16, and AVX512-FP16 (Intel Sapphire Rapids
 /// and later) for fp16: elsewhere it fails with "could not create a primitive
@@ -146,19 +140,24 @@ impl Autocast {
 /// [`Autocast::enter`] turns oneDNN off for the process on its first CPU entry (as
 /// `torch.backends.mkldnn.enabled = False`): the LSTM then runs libtorch's own kernels
 /// in float32, and the matmuls and convolutions autocast as usual.
-pub(crate) fn onednn_runs(precision: MixedPrecision) -> bool {
+pub(crate) fn onednn_lacks(precision: MixedPrecision) -> Option<&'static str> {
     #[cfg(target_arch = "x86_64")]
     {
-        match precision {
-            // Not `is_x86_feature_detected!("avx512fp16")`: stable from Rust 1.89 only.
-            MixedPrecision::Fp16 => cpu_flag("avx512_fp16"),
-            _ => std::arch::is_x86_feature_detected!("avx512bw"),
-        }
+        // Not `is_x86_feature_detected!("avx512fp16")`: stable from Rust 1.89 only.
+        static AVX512_FP16: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let (isa, present) = match precision {
+            MixedPrecision::Fp16 => (
+                "AVX512-FP16",
+                *AVX512_FP16.get_or_init(|| cpu_flag("avx512_fp16")),
+            ),
+            _ => ("AVX-512", std::arch::is_x86_feature_detected!("avx512bw")),
+        };
+        (!present).then_some(isa)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = precision;
-        true
+        None
     }
 }
 
@@ -406,6 +405,22 @@ impl GradScaler {
 mod tests {
     use super::*;
     use tch::nn::{self, Module};
+
+    /// The banner's reason names the instruction set that turns oneDNN off, on the CPU
+    /// only and for a lower precision only.
+    #[test]
+    fn the_reason_says_when_onednn_is_off() {
+        let why = |p, device| MixedPrecisionMode::Exactly(p).resolve(device).unwrap().1;
+        for p in [MixedPrecision::Bf16, MixedPrecision::Fp16] {
+            let expected = match onednn_lacks(p) {
+                Some(isa) => format!("asked for; oneDNN off: this CPU has no {isa}"),
+                None => "asked for".into(),
+            };
+            assert_eq!(why(p, Device::Cpu), expected, "{p:?}");
+            assert_eq!(why(p, Device::Cuda(0)), "asked for", "{p:?}");
+        }
+        assert_eq!(why(MixedPrecision::No, Device::Cpu), "asked for");
+    }
 
     #[test]
     fn bf16_autocast_on_the_cpu_casts_the_matmul_not_the_parameters() {
