@@ -140,6 +140,7 @@ struct CheckpointBackward : public Node {
   Block block;
   variable_list inputs;
   State state;
+  bool released = false;
 
   CheckpointBackward(Block b, variable_list xs, State s)
       : block(std::move(b)), inputs(std::move(xs)), state(std::move(s)) {}
@@ -150,10 +151,11 @@ struct CheckpointBackward : public Node {
 
   void release_variables() override {
     inputs.clear();
+    released = true;
   }
 
   variable_list apply(variable_list&& grads) override {
-    if (inputs.empty() && num_outputs() > 0) {
+    if (released) {
       throw std::runtime_error(
           "a checkpointed block was differentiated twice: its inputs were released "
           "after the first backward pass (retain_graph is not supported)");
@@ -186,9 +188,10 @@ struct CheckpointBackward : public Node {
     // Accumulates into the block's parameters (their hooks fire once, here) and into
     // the detached inputs, whose gradients go on from this node.
     torch::autograd::backward(roots, seeds);
-    variable_list result;
-    for (const auto& d : detached) {
-      result.push_back(d.requires_grad() ? d.grad() : at::Tensor());
+    // One gradient per edge: the inputs', then none for the anchor, if any.
+    variable_list result(num_outputs());
+    for (size_t i = 0; i < detached.size(); i++) {
+      if (detached[i].requires_grad()) result[i] = detached[i].grad();
     }
     return result;
   }
@@ -196,18 +199,7 @@ struct CheckpointBackward : public Node {
 // Runs `block` on `xs` as tdc_checkpoint says; writes the outputs' handles to
 // `outputs` and returns their count. A usage error is a std::invalid_argument.
 int run_checkpoint(const Block& block, variable_list xs, tdc_tensor* outputs) {
-  bool any = false;
-  for (const auto& x : xs) any |= x.requires_grad();
-  // A block on the data (no input requires a gradient) is still differentiated
-  // for its parameters: its first floating-point input gets a gradient of its own.
-  for (auto& x : xs) {
-    if (any || !torch::autograd::GradMode::is_enabled()) break;
-    if (x.defined() && x.is_floating_point()) {
-      x = x.detach().requires_grad_(true);
-      any = true;
-    }
-  }
-  bool record = torch::autograd::GradMode::is_enabled() && any;
+  bool record = torch::autograd::GradMode::is_enabled();
   State state;
   if (record) state = State::capture(xs);
   variable_list ys;
@@ -225,8 +217,19 @@ int run_checkpoint(const Block& block, variable_list xs, tdc_tensor* outputs) {
         }
       }
     }
+    auto edges = torch::autograd::collect_next_edges(xs);
+    // A block whose inputs require no gradient (the data, token ids) is differentiated
+    // still, for its parameters: the node gets an edge to a leaf of its own (an
+    // anchor, whose gradient is none), so that its outputs require a gradient and the
+    // backward pass runs it.
+    bool any = false;
+    for (const auto& x : xs) any |= x.requires_grad();
+    if (!any) {
+      auto anchor = at::zeros({}, at::kFloat).requires_grad_(true);
+      edges.push_back(torch::autograd::impl::gradient_edge(anchor));
+    }
     auto node = make_node<CheckpointBackward>(block, xs, std::move(state));
-    node->set_next_edges(torch::autograd::collect_next_edges(xs));
+    node->set_next_edges(std::move(edges));
     for (auto& y : ys) {
       if (y.defined() && torch::autograd::isDifferentiableType(y.scalar_type())) {
         torch::autograd::set_history(y, node);

@@ -175,6 +175,56 @@ fn on_2_ranks_under_the_attribute_training_is_the_plain_model_s() {
     }
 }
 
+/// A block whose inputs cannot require a gradient (token ids into an embedding, or no
+/// input at all) is differentiated for its parameters still: their gradients are the
+/// plain block's, bit for bit.
+#[test]
+fn a_block_on_token_ids_gets_its_parameters_gradients() {
+    let _turn = generator_turn();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let embedding =
+        tch_distributed::checkpointed(nn::embedding(vs.root() / "e", 10, 4, Default::default()));
+    let scale = vs.root().var("scale", &[4], nn::Init::Const(0.5));
+    let ids = Tensor::from_slice(&[1i64, 7, 7, 3]);
+    let grads = |checkpointed: bool| {
+        let hidden = match checkpointed {
+            true => embedding.forward(&ids),
+            false => embedding.inner().forward(&ids),
+        };
+        let weighted = match checkpointed {
+            true => {
+                let scale = scale.shallow_clone();
+                tch_distributed::checkpoint_many(move |_| vec![scale.exp()], &[]).remove(0)
+            }
+            false => scale.exp(),
+        };
+        (hidden.tanh() * weighted)
+            .square()
+            .sum(Kind::Float)
+            .backward();
+        let mut named: Vec<(String, Tensor)> = vs
+            .variables()
+            .into_iter()
+            .map(|(name, mut t)| {
+                let grad = t.grad().copy();
+                t.zero_grad();
+                (name, grad)
+            })
+            .collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        named
+    };
+    let (plain, ours) = (grads(false), grads(true));
+    assert_eq!(plain.len(), 2);
+    for ((name, a), (_, b)) in plain.iter().zip(&ours) {
+        assert!(
+            a.abs().sum(Kind::Float).double_value(&[]) > 0.0,
+            "{name}: no gradient"
+        );
+        assert!(a.equal(b), "{name}: {a} vs {b}");
+    }
+}
+
 /// `checkpointed(module)` is the module to the program: `Module::forward` gives the
 /// module's values and, through the recompute, its gradients; `inner` is the module.
 #[test]

@@ -97,10 +97,10 @@ pub fn f_checkpoint_many(
 /// - The recompute draws the same random numbers (dropout) as the first run: the CPU
 ///   generator's state, and that of each CUDA device of the inputs, are set back for
 ///   it, as PyTorch's `preserve_rng_state`; autocast's state is the first run's too.
-/// - When no input requires a gradient (the block takes the data), the first
-///   floating-point input is given one, so that the block is differentiated still (its
-///   gradient is dropped); PyTorch's reentrant checkpoint gives its parameters none.
-/// - Under `tch::no_grad`, or when nothing can require a gradient, it runs the block.
+/// - A block none of whose inputs requires a gradient (the first block, on the data or
+///   on token ids) is differentiated still, for its parameters, as under
+///   `use_reentrant=False`; PyTorch's reentrant checkpoint gives its parameters none.
+/// - Under `tch::no_grad` it runs the block.
 ///
 /// The block must compute from its inputs: one that returns an input (or a view of
 /// it) is an error. The graph cannot be differentiated twice (`retain_graph`).
