@@ -1,8 +1,8 @@
-// Activation checkpointing: a block's forward pass runs without autograd, so none of
-// its activations are kept; an autograd node stands for the whole block and, in the
-// backward pass, runs the block again (a callback into Rust) with autograd on and
-// differentiates it, as torch.utils.checkpoint. The random generators' states and
-// autocast's are those of the first run, so dropout draws the same numbers.
+// Activation checkpointing: none of a block's activations outlive its forward pass;
+// an autograd node stands for the whole block and, in the backward pass, runs the
+// block again (a callback into Rust) with autograd on and differentiates it, as
+// torch.utils.checkpoint. The random generators' states and autocast's are those of
+// the first run, so dropout draws the same numbers.
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <ATen/ATen.h>
+#include <ATen/SequenceNumber.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/Context.h>
 #include <ATen/core/Generator.h>
@@ -19,6 +20,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -196,47 +198,105 @@ struct CheckpointBackward : public Node {
     return result;
   }
 };
+// Whether the graph the first run recorded (its nodes numbered from `first` on) leads
+// from an output in `ys` to an input in `xs` that requires a gradient. The walk stops
+// at the nodes recorded before the block ran.
+bool reaches_an_input(const variable_list& ys, const variable_list& xs, uint64_t first) {
+  std::vector<std::pair<const Node*, uint32_t>> targets;
+  for (const auto& x : xs) {
+    if (!x.defined() || !x.requires_grad()) continue;
+    auto edge = torch::autograd::impl::gradient_edge(x);
+    targets.emplace_back(edge.function.get(), edge.input_nr);
+  }
+  std::unordered_set<const Node*> seen;
+  std::vector<const Node*> stack;
+  for (const auto& y : ys) {
+    if (y.defined() && y.grad_fn()) stack.push_back(y.grad_fn().get());
+  }
+  while (!stack.empty()) {
+    const Node* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second) continue;
+    for (const auto& edge : node->next_edges()) {
+      const Node* next = edge.function.get();
+      if (next == nullptr) continue;
+      for (const auto& [target, nr] : targets) {
+        if (next == target && edge.input_nr == nr) return true;
+      }
+      if (next->sequence_nr() >= first && next->sequence_nr() != UINT64_MAX) {
+        stack.push_back(next);
+      }
+    }
+  }
+  return false;
+}
+
+// The outputs `ys` of the first run, without its graph, and with the node that runs
+// the block again in the backward pass as their history.
+variable_list attach(
+    const Block& block, const variable_list& xs, const variable_list& ys, uint64_t first,
+    State state) {
+  bool any = false;
+  for (const auto& x : xs) any |= x.defined() && x.requires_grad();
+  for (const auto& y : ys) {
+    for (const auto& x : xs) {
+      if (y.defined() && x.defined() && y.is_alias_of(x)) {
+        throw std::invalid_argument(
+            "the checkpointed block returned its input (or a view of it): it has "
+            "nothing to recompute. Call the block directly");
+      }
+    }
+  }
+  if (any && !reaches_an_input(ys, xs, first)) {
+    throw std::invalid_argument(
+        "the checkpointed block's outputs do not depend on its inputs that require a "
+        "gradient (it ignores them, or uses them through operations without a "
+        "gradient, such as argmax): those inputs would get no gradient. Pass the block "
+        "the tensors it computes from, or detach the inputs it does not differentiate");
+  }
+  auto edges = torch::autograd::collect_next_edges(xs);
+  // A block whose inputs require no gradient (the data, token ids) is differentiated
+  // still, for its parameters: the node gets an edge to a leaf of its own (an
+  // anchor, whose gradient is none), so that the backward pass runs it.
+  if (!any) {
+    auto anchor = at::zeros({}, at::kFloat).requires_grad_(true);
+    edges.push_back(torch::autograd::impl::gradient_edge(anchor));
+  }
+  auto node = make_node<CheckpointBackward>(block, xs, std::move(state));
+  node->set_next_edges(std::move(edges));
+  variable_list result;
+  for (const auto& y : ys) {
+    // Detached, the output lets go of the first run's graph and its activations.
+    auto out = y.defined() ? y.detach() : y;
+    if (out.defined() && torch::autograd::isDifferentiableType(out.scalar_type())) {
+      torch::autograd::set_history(out, node);
+    } else {
+      node->add_input_metadata(Node::undefined_input());
+    }
+    result.push_back(out);
+  }
+  return result;
+}
+
 // Runs `block` on `xs` as tdc_checkpoint says; writes the outputs' handles to
 // `outputs` and returns their count. A usage error is a std::invalid_argument.
+//
+// The first run records autograd's graph, as the forward pass of PyTorch's
+// non-reentrant checkpoint does, but only to learn what the outputs depend on: it is
+// dropped, with the block's activations, before this returns. Outputs that require no
+// gradient (a frozen block on the data) are the block's own, with no node, as
+// PyTorch's: nothing runs again for them.
 int run_checkpoint(const Block& block, variable_list xs, tdc_tensor* outputs) {
-  bool record = torch::autograd::GradMode::is_enabled();
-  State state;
-  if (record) state = State::capture(xs);
   variable_list ys;
-  {
-    at::NoGradGuard no_grad;
+  if (!torch::autograd::GradMode::is_enabled()) {
     ys = block.run(xs);
-  }
-  if (record) {
-    for (const auto& y : ys) {
-      for (const auto& x : xs) {
-        if (y.defined() && x.defined() && y.is_alias_of(x)) {
-          throw std::invalid_argument(
-              "the checkpointed block returned its input (or a view of it): it has "
-              "nothing to recompute. Call the block directly");
-        }
-      }
-    }
-    auto edges = torch::autograd::collect_next_edges(xs);
-    // A block whose inputs require no gradient (the data, token ids) is differentiated
-    // still, for its parameters: the node gets an edge to a leaf of its own (an
-    // anchor, whose gradient is none), so that its outputs require a gradient and the
-    // backward pass runs it.
-    bool any = false;
-    for (const auto& x : xs) any |= x.requires_grad();
-    if (!any) {
-      auto anchor = at::zeros({}, at::kFloat).requires_grad_(true);
-      edges.push_back(torch::autograd::impl::gradient_edge(anchor));
-    }
-    auto node = make_node<CheckpointBackward>(block, xs, std::move(state));
-    node->set_next_edges(std::move(edges));
-    for (auto& y : ys) {
-      if (y.defined() && torch::autograd::isDifferentiableType(y.scalar_type())) {
-        torch::autograd::set_history(y, node);
-      } else {
-        node->add_input_metadata(Node::undefined_input());
-      }
-    }
+  } else {
+    State state = State::capture(xs);
+    uint64_t first = at::sequence_number::peek();
+    ys = block.run(xs);
+    bool trainable = false;
+    for (const auto& y : ys) trainable |= y.defined() && y.requires_grad();
+    if (trainable) ys = attach(block, xs, ys, first, std::move(state));
   }
   for (size_t i = 0; i < ys.size(); i++) outputs[i] = new at::Tensor(ys[i]);
   return static_cast<int>(ys.size());

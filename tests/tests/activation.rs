@@ -126,6 +126,55 @@ fn a_block_that_returns_its_input_is_an_error() {
     assert_eq!(Vec::<f32>::try_from(&y).unwrap(), [3.0, 3.0, 3.0]);
 }
 
+/// A frozen block on the data (outputs that depend on nothing trainable) is the
+/// block's own run, without a node, as under PyTorch's non-reentrant checkpoint:
+/// nothing runs again for it, and the layer after it trains as in the plain model.
+/// A block whose outputs ignore its inputs that require a gradient is an error at
+/// the call.
+#[test]
+fn a_frozen_block_runs_once_and_one_that_ignores_its_input_is_an_error() {
+    let _turn = generator_turn();
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let frozen = nn::linear(vs.root() / "frozen", 3, 2, Default::default());
+    vs.freeze();
+    let head = nn::linear(vs.root() / "head", 2, 1, Default::default());
+    let x = Tensor::ones([4, 3], (Kind::Float, Device::Cpu));
+    let plain = frozen.forward(&x).relu();
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = runs.clone();
+    let ours = tch_distributed::checkpoint(
+        move |x| {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            frozen.forward(x).relu()
+        },
+        &x,
+    );
+    assert!(!ours.requires_grad() && ours.equal(&plain));
+    let mut grads = Vec::new();
+    for hidden in [plain, ours] {
+        head.forward(&hidden).sum(Kind::Float).backward();
+        grads.push(head.ws.grad().copy());
+        let _ = head.ws.grad().zero_();
+    }
+    assert!(grads[0].equal(&grads[1]));
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+    let w = head.ws.shallow_clone();
+    let err = tch_distributed::f_checkpoint_many(
+        move |xs| vec![w.exp(), xs[0].argmax(1, false)],
+        &[Tensor::ones([2, 2], (Kind::Float, Device::Cpu)).set_requires_grad(true)],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.starts_with(
+            "activation checkpointing: the checkpointed block's outputs do not depend on its \
+             inputs that require a gradient"
+        ),
+        "{err}"
+    );
+}
+
 /// Several inputs and outputs: each input gets the gradient of what the block made of
 /// it.
 #[test]

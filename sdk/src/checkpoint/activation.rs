@@ -1,5 +1,5 @@
-//! Activation checkpointing, as `torch.utils.checkpoint.checkpoint`: a block's forward
-//! pass keeps none of its activations, and the backward pass runs the block again to
+//! Activation checkpointing, as `torch.utils.checkpoint.checkpoint`: none of a block's
+//! activations outlive its forward pass, and the backward pass runs the block again to
 //! differentiate it. The autograd node is the shim's (`csrc/activation.cpp`); the
 //! block is a Rust closure it calls back.
 
@@ -53,8 +53,9 @@ unsafe extern "C" fn drop_block(ctx: *mut c_void) {
 }
 
 /// [`checkpoint_many`], returning its errors: [`Error::Usage`] for a block that
-/// returns its input (or a view of it) or more than 64 tensors, [`Error::Torch`] for
-/// a failure of the forward pass.
+/// returns its input (or a view of it), whose outputs do not depend on its inputs that
+/// require a gradient, or that returns more than 64 tensors; [`Error::Torch`] for a
+/// failure of the forward pass.
 pub fn f_checkpoint_many(
     block: impl Fn(&[Tensor]) -> Vec<Tensor> + Send + 'static,
     inputs: &[Tensor],
@@ -88,10 +89,16 @@ pub fn f_checkpoint_many(
 }
 
 /// Runs `block` on `inputs` without keeping its activations, as
-/// `torch.utils.checkpoint.checkpoint(block, *inputs)`: in the backward pass the
-/// block runs again, with autograd, and is differentiated. Returns the block's
-/// outputs (at most 64), the same values as `block(inputs)`.
+/// `torch.utils.checkpoint.checkpoint(block, *inputs, use_reentrant=False)`: in the
+/// backward pass the block runs again, with autograd, and is differentiated. Returns
+/// the block's outputs (at most 64), the same values as `block(inputs)`.
 ///
+/// - The first run records autograd's graph, as PyTorch's forward pass does, to learn
+///   what the outputs depend on; the graph, and the activations it holds, are
+///   dropped before this returns. The peak is one block's activations, as in the
+///   recompute.
+/// - Outputs that depend on nothing that requires a gradient (a frozen block on the
+///   data) are returned as the block made them: nothing runs again for them.
 /// - The parameters the block uses get their gradients once per backward pass, from
 ///   the recompute (so DDP's and the sharded optimizer's hooks fire once each).
 /// - The recompute draws the same random numbers (dropout) as the first run: the CPU
@@ -102,8 +109,11 @@ pub fn f_checkpoint_many(
 ///   `use_reentrant=False`; PyTorch's reentrant checkpoint gives its parameters none.
 /// - Under `tch::no_grad` it runs the block.
 ///
-/// The block must compute from its inputs: one that returns an input (or a view of
-/// it) is an error. The graph cannot be differentiated twice (`retain_graph`).
+/// The block must compute from its inputs. Errors at the call: a block that returns an
+/// input (or a view of it), and one with inputs that require a gradient none of which
+/// its outputs depend on (it ignores them, or uses them through operations without a
+/// gradient, such as `argmax`). The graph cannot be differentiated twice
+/// (`retain_graph`).
 ///
 /// Panics with `Error: …` where [`f_checkpoint_many`] returns an error (as tch's
 /// modules panic on a failed forward pass).
