@@ -47,8 +47,9 @@ mod unit_registry;
 
 pub use amp::{autocast, Autocast, GradScaler, MixedPrecision, MixedPrecisionMode};
 pub use checkpoint::{
-    checkpoint, checkpoint_many, checkpointed, f_checkpoint_many, load_var_store,
-    preempted_exit_code, save_var_store, Checkpointed, Checkpointer, Preemption, TrainState,
+    checkpoint, checkpoint_many, checkpointed, checkpointed_t, f_checkpoint_many, load_var_store,
+    preempted_exit_code, save_var_store, Checkpointed, CheckpointedT, Checkpointer, Preemption,
+    TrainState,
 };
 pub use compat::{LIBTORCH_VERSION, TCH_VERSION};
 pub use data::{

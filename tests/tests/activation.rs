@@ -224,6 +224,58 @@ fn on_2_ranks_under_the_attribute_training_is_the_plain_model_s() {
     }
 }
 
+/// min-gpt's shape of model: an `nn::seq_t()` of `func_t` blocks (layer norm, linear,
+/// GELU, dropout, a residual) after a token embedding, each block `checkpointed_t`.
+/// The gradients of two passes in train mode are the plain model's, bit for bit.
+#[test]
+fn checkpointed_t_blocks_in_a_seq_t_train_as_the_plain_blocks() {
+    let _turn = generator_turn();
+    let grads = |checkpointed: bool| {
+        tch::manual_seed(0);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let root = vs.root();
+        let embedding = nn::embedding(&root / "emb", 12, 8, Default::default());
+        let mut blocks = nn::seq_t();
+        for i in 0..3 {
+            let path = &root / i;
+            let norm = nn::layer_norm(&path / "ln", vec![8], Default::default());
+            let linear = nn::linear(&path / "lin", 8, 8, Default::default());
+            let block = nn::func_t(move |xs, train| {
+                xs + xs
+                    .apply(&norm)
+                    .apply(&linear)
+                    .gelu("none")
+                    .dropout(0.2, train)
+            });
+            blocks = match checkpointed {
+                true => blocks.add(tch_distributed::checkpointed_t(block)),
+                false => blocks.add(block),
+            };
+        }
+        for pass in 0..2 {
+            let ids = Tensor::from_slice(&[1i64, 4, 9, 4, 2, 10]).view([2, 3]) + pass;
+            let hidden = ids.apply(&embedding).apply_t(&blocks, true);
+            hidden.square().mean(Kind::Float).backward();
+        }
+        let mut named: Vec<(String, Tensor)> = vs
+            .variables()
+            .into_iter()
+            .map(|(name, t)| (name, t.grad().copy()))
+            .collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        named
+    };
+    let (plain, ours) = (grads(false), grads(true));
+    assert_eq!(plain.len(), 13);
+    for ((name, a), (_, b)) in plain.iter().zip(&ours) {
+        assert!(
+            a.abs().sum(Kind::Float).double_value(&[]) > 0.0,
+            "{name}: no gradient"
+        );
+        assert!(a.equal(b), "{name}: {a} vs {b}");
+    }
+}
+
 /// A block whose inputs cannot require a gradient (token ids into an embedding, or no
 /// input at all) is differentiated for its parameters still: their gradients are the
 /// plain block's, bit for bit.

@@ -139,59 +139,92 @@ pub fn checkpoint(block: impl Fn(&Tensor) -> Tensor + Send + 'static, input: &Te
 }
 
 /// A module whose forward pass is checkpointed ([`checkpoint`]): it implements tch's
-/// `Module` (and has `forward_t` for a `ModuleT`), so the program uses it as the
-/// module itself. Made by [`checkpointed`].
+/// `Module`, so the program uses it as the module itself (in an `nn::seq()` too). Made
+/// by [`checkpointed`]; [`CheckpointedT`] is the same for a `ModuleT`.
 pub struct Checkpointed<M> {
+    module: Arc<Mutex<M>>,
+}
+
+/// A module with a train mode (dropout, batch norm) whose forward pass is
+/// checkpointed ([`checkpoint`]): it implements tch's `ModuleT`, so the program uses it
+/// as the module itself (in an `nn::seq_t()` too); both runs of the block see the same
+/// `train`. Made by [`checkpointed_t`], as tch's `nn::func_t` is to `nn::func`.
+pub struct CheckpointedT<M> {
     module: Arc<Mutex<M>>,
 }
 
 /// `module` with its forward pass checkpointed, as wrapping a block's forward in
 /// `torch.utils.checkpoint.checkpoint`: its activations are recomputed in the backward
-/// pass rather than kept.
-pub fn checkpointed<M>(module: M) -> Checkpointed<M> {
+/// pass rather than kept. For a `ModuleT` (a block with dropout, a `func_t`), use
+/// [`checkpointed_t`].
+pub fn checkpointed<M: Module + 'static>(module: M) -> Checkpointed<M> {
     Checkpointed {
         module: Arc::new(Mutex::new(module)),
     }
 }
 
+/// [`checkpointed`] for a `ModuleT`: `module.forward_t(xs, train)` checkpointed.
+///
+/// ```no_run
+/// # use tch::nn::{self, ModuleT};
+/// # let vs = nn::VarStore::new(tch::Device::Cpu);
+/// let mut blocks = nn::seq_t();
+/// for i in 0..4 {
+///     let linear = nn::linear(vs.root() / i, 64, 64, Default::default());
+///     let block = nn::func_t(move |xs, train| xs.apply(&linear).gelu("none").dropout(0.1, train));
+///     blocks = blocks.add(tch_distributed::checkpointed_t(block));
+/// }
+/// ```
+pub fn checkpointed_t<M: ModuleT + 'static>(module: M) -> CheckpointedT<M> {
+    CheckpointedT {
+        module: Arc::new(Mutex::new(module)),
+    }
+}
+
+/// The module behind a lock shared with the blocks the backward pass has yet to run.
+fn lock<M>(module: &Mutex<M>) -> std::sync::MutexGuard<'_, M> {
+    module.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 impl<M> Checkpointed<M> {
     /// The module.
     pub fn inner(&self) -> std::sync::MutexGuard<'_, M> {
-        self.module.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.module)
+    }
+}
+
+impl<M> CheckpointedT<M> {
+    /// The module.
+    pub fn inner(&self) -> std::sync::MutexGuard<'_, M> {
+        lock(&self.module)
     }
 }
 
 impl<M: Module + 'static> Module for Checkpointed<M> {
     fn forward(&self, xs: &Tensor) -> Tensor {
         let module = self.module.clone();
-        checkpoint(
-            move |x| module.lock().unwrap_or_else(|e| e.into_inner()).forward(x),
-            xs,
-        )
+        checkpoint(move |x| lock(&module).forward(x), xs)
     }
 }
 
-impl<M: ModuleT + 'static> Checkpointed<M> {
-    /// The checkpointed forward pass of a module with a train mode (dropout, batch
-    /// norm): both runs see `train`. (tch gives every `Module` a `ModuleT`, so the
-    /// wrapper has this method rather than the trait.)
-    pub fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+impl<M: ModuleT + 'static> ModuleT for CheckpointedT<M> {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
         let module = self.module.clone();
-        checkpoint(
-            move |x| {
-                module
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .forward_t(x, train)
-            },
-            xs,
-        )
+        checkpoint(move |x| lock(&module).forward_t(x, train), xs)
     }
 }
 
 impl<M: std::fmt::Debug> std::fmt::Debug for Checkpointed<M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Checkpointed")
+            .field("module", &self.module)
+            .finish()
+    }
+}
+
+impl<M: std::fmt::Debug> std::fmt::Debug for CheckpointedT<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CheckpointedT")
             .field("module", &self.module)
             .finish()
     }

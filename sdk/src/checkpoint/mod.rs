@@ -13,7 +13,10 @@ mod activation;
 mod preemption;
 mod state;
 
-pub use activation::{checkpoint, checkpoint_many, checkpointed, f_checkpoint_many, Checkpointed};
+pub use activation::{
+    checkpoint, checkpoint_many, checkpointed, checkpointed_t, f_checkpoint_many, Checkpointed,
+    CheckpointedT,
+};
 pub use preemption::{preempted_exit_code, Preemption};
 pub use state::{Checkpointer, TrainState};
 

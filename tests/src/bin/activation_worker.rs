@@ -1,7 +1,7 @@
 //! Worker of `tests/tests/activation.rs`: an MLP of 4 blocks (Linear(16, 16), tanh,
 //! dropout 0.2) and a head (16 → 1), SGD with momentum, 6 steps under
 //! `#[distributed]`, each rank on its own batch of 8 rows. With `CHECKPOINT=1` each
-//! block is checkpointed (`tch_distributed::checkpointed`), the first on the data
+//! block is checkpointed (`tch_distributed::checkpointed_t`), the first on the data
 //! itself; with `UNITS=1` each block's linear layer is a unit of `fully_shard` (for
 //! `TCH_DISTRIBUTED_ZERO=3`). Rank 0 writes the parameters to DIR/OUT.
 //!
@@ -51,7 +51,7 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
             match checkpointed {
                 // ANCHOR: checkpointed
                 true => {
-                    let block = tch_distributed::checkpointed(block);
+                    let block = tch_distributed::checkpointed_t(block);
                     Box::new(move |x| block.forward_t(x, true))
                 }
                 // ANCHOR_END: checkpointed
