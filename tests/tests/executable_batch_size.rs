@@ -88,3 +88,21 @@ fn another_error_on_one_rank_stops_every_rank() {
         }
     }
 }
+
+/// A panic inside an attempt that is not out of memory (a bug of the program's) goes on
+/// as the panic it is, with its message: only out-of-memory panics are kept quiet.
+#[test]
+fn a_panic_of_another_kind_ends_the_process_with_its_message() {
+    let dir = scratch_dir("batch-size-panic");
+    let mut cmd = Command::new(WORKER);
+    without_launcher(&mut cmd).args(["panic", dir.to_str().unwrap()]);
+    let run = run_with(cmd, &dir, TIMEOUT, |_, _| {});
+    assert_eq!(run.status.code(), Some(101), "{}", run.stderr);
+    assert!(
+        run.stderr.contains("panicked at")
+            && run.stderr.contains("the program's own bug (injected)"),
+        "{}",
+        run.stderr
+    );
+    assert!(!dir.join("rank0.json").exists());
+}

@@ -9,6 +9,8 @@
 //!   collectives; the other ranks fit;
 //! - `fit START`: nothing runs out, starting at START (the reference: one process at
 //!   `3 * 16`);
+//! - `panic`: the attempt panics with a message that is not out of memory (a bug of
+//!   the program's): the panic goes on, with its message;
 //! - `fail`: at the first batch size (64), rank 2 fails with an error of its own while
 //!   rank 0 returns an out-of-memory error and rank 1 really runs out (a panic): no
 //!   rank retries, ranks 0 and 1 get the error that names rank 2.
@@ -53,6 +55,9 @@ fn main() -> anyhow::Result<()> {
             if mode == "oom" && rank == 1 && b > 16 {
                 // Petabytes: the CPU allocator refuses.
                 let _ = Tensor::empty([b as i64 * (1 << 46)], (Kind::Float, Device::Cpu));
+            }
+            if mode == "panic" {
+                panic!("the program's own bug (injected)");
             }
             if mode == "fail" {
                 match rank {
