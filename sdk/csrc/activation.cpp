@@ -123,15 +123,21 @@ struct State {
   }
 };
 
-// Sets `saved` for its lifetime, then puts back what was there.
+// Sets `saved` for its lifetime, then puts back what was there. It is an autocast
+// region of its own, as PyTorch's recompute enters `torch.autocast`: the casts of the
+// parameters that autocast caches in it are dropped when it ends, if no region
+// encloses it. Otherwise the next forward pass would read this step's casts after the
+// optimizer changed the parameters (the cache is keyed by tensor, not by value).
 struct Restore {
   State before;
   Restore(const State& saved, const variable_list& inputs)
       : before(State::capture(inputs)) {
     saved.set();
+    at::autocast::increment_nesting();
   }
   ~Restore() {
     try {
+      if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
       before.set();
     } catch (...) {
     }
