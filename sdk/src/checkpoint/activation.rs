@@ -141,6 +141,7 @@ pub fn checkpoint(block: impl Fn(&Tensor) -> Tensor + Send + 'static, input: &Te
 /// A module whose forward pass is checkpointed ([`checkpoint`]): it implements tch's
 /// `Module`, so the program uses it as the module itself (in an `nn::seq()` too). Made
 /// by [`checkpointed`]; [`CheckpointedT`] is the same for a `ModuleT`.
+#[derive(Debug)]
 pub struct Checkpointed<M> {
     module: Arc<Mutex<M>>,
 }
@@ -149,6 +150,7 @@ pub struct Checkpointed<M> {
 /// checkpointed ([`checkpoint`]): it implements tch's `ModuleT`, so the program uses it
 /// as the module itself (in an `nn::seq_t()` too); both runs of the block see the same
 /// `train`. Made by [`checkpointed_t`], as tch's `nn::func_t` is to `nn::func`.
+#[derive(Debug)]
 pub struct CheckpointedT<M> {
     module: Arc<Mutex<M>>,
 }
@@ -211,21 +213,5 @@ impl<M: ModuleT + 'static> ModuleT for CheckpointedT<M> {
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
         let module = self.module.clone();
         checkpoint(move |x| lock(&module).forward_t(x, train), xs)
-    }
-}
-
-impl<M: std::fmt::Debug> std::fmt::Debug for Checkpointed<M> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Checkpointed")
-            .field("module", &self.module)
-            .finish()
-    }
-}
-
-impl<M: std::fmt::Debug> std::fmt::Debug for CheckpointedT<M> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CheckpointedT")
-            .field("module", &self.module)
-            .finish()
     }
 }
