@@ -15,6 +15,9 @@ use tch_distributed_tests::{run_with, scratch_dir, tchrun};
 /// A block's forward pass, checkpointed or not.
 type Layer = Box<dyn Fn(&Tensor) -> Tensor>;
 
+#[path = "support/messages.rs"]
+mod messages;
+
 const WORKER: &str = env!("CARGO_BIN_EXE_activation_worker");
 
 /// libtorch's CPU generator is the process's: the tests that draw from it (a layer's
@@ -233,6 +236,38 @@ fn on_2_ranks_under_the_attribute_training_is_the_plain_model_s() {
         run(&dir, &ours, true, env);
         let diff = compare(&dir.join(&plain), &dir.join(&ours));
         assert_eq!(diff.max_abs, 0.0, "{name}: {diff:?}");
+    }
+}
+
+/// Under DDP's `find_unused_parameters`, whose search of the graph does not see behind
+/// a checkpointed block, the variables the recompute gives gradients to have been
+/// marked ready already: every rank stops with the SDK's error naming a variable and
+/// the fixes, not the Reducer's text.
+#[test]
+fn with_find_unused_parameters_the_error_says_what_to_do() {
+    let dir = scratch_dir("activation-find-unused");
+    let mut cmd = Command::new(tchrun());
+    cmd.args(["--nproc-per-node", "2", WORKER])
+        .args([dir.to_str().unwrap(), "out.safetensors"])
+        .env("CHECKPOINT", "1")
+        .env("TCH_DISTRIBUTED_FIND_UNUSED_PARAMETERS", "1");
+    let run = run_with(cmd, &dir, Duration::from_secs(120), |_, _| {});
+    assert!(!run.status.success(), "{}", run.stderr);
+    for rank in 0..2 {
+        let line = run
+            .stderr
+            .lines()
+            .find(|l| l.starts_with(&format!("Error: rank {rank}: ")))
+            .unwrap_or_else(|| panic!("rank {rank} printed no error: {}", run.stderr));
+        assert!(
+            line.contains("got a gradient twice in one backward pass")
+                && line.contains("Turn find_unused_parameters off")
+                && !line.contains("Expected to mark"),
+            "{line}"
+        );
+        if rank == 0 {
+            messages::assert_recorded("gradient-twice", line);
+        }
     }
 }
 
