@@ -648,41 +648,74 @@ fn zero_3_on_the_gpu_trains_as_ddp() {
 }
 
 /// Activation checkpointing on CUDA: three blocks (Linear(64, 64), tanh, dropout 0.3)
-/// on the GPU, checkpointed or not, from the same seed: the recompute draws dropout's
-/// numbers from the CUDA generator's state of the first run, so the gradients are the
-/// plain model's, bit for bit (the same kernels on the same shapes).
+/// on the GPU, checkpointed or not, from the same seed, two passes with a step of
+/// gradient descent between, in fp32 and under bf16 autocast: the recompute draws
+/// dropout's numbers from the CUDA generator's state of the first run, and the second
+/// pass reads the stepped weights (no cast of the recompute's is left in autocast's
+/// cache, which on CUDA is the autograd device thread's), so the losses and gradients
+/// are the plain model's, bit for bit (the same kernels on the same shapes).
 #[test]
 fn checkpointed_blocks_on_the_gpu_have_the_plain_gradients() {
     use tch::nn::{self, Module};
     use tch::{Device, Kind, Tensor};
+    use tch_distributed::MixedPrecision;
     require_gpu();
     let device = Device::Cuda(0);
-    let gradients = |checkpointed: bool| {
+    let gradients = |checkpointed: bool, precision: MixedPrecision| {
         tch::manual_seed(0);
         let vs = nn::VarStore::new(device);
-        let layers: Vec<nn::Linear> = (0..3)
-            .map(|i| nn::linear(vs.root() / format!("l{i}"), 64, 64, Default::default()))
+        type Layer = Box<dyn Fn(&Tensor) -> Tensor>;
+        let blocks: Vec<Layer> = (0..3)
+            .map(|i| -> Layer {
+                let layer = nn::linear(vs.root() / format!("l{i}"), 64, 64, Default::default());
+                let block = move |x: &Tensor| layer.forward(x).tanh().dropout(0.3, true);
+                match checkpointed {
+                    true => {
+                        let block = std::sync::Arc::new(std::sync::Mutex::new(block));
+                        Box::new(move |x| {
+                            let block = block.clone();
+                            tch_distributed::checkpoint(move |x| block.lock().unwrap()(x), x)
+                        })
+                    }
+                    false => Box::new(block),
+                }
+            })
             .collect();
-        let x = Tensor::randn([32, 64], (Kind::Float, device));
-        let hidden = layers.into_iter().fold(x, |h, layer| {
-            let block = move |x: &Tensor| layer.forward(x).tanh().dropout(0.3, true);
-            match checkpointed {
-                true => tch_distributed::checkpoint(block, &h),
-                false => block(&h),
-            }
-        });
-        hidden.square().mean(Kind::Float).backward();
+        let mut losses = Vec::new();
+        for pass in 0..2 {
+            let x = Tensor::randn([32, 64], (Kind::Float, device)) + pass as f64;
+            let loss = tch_distributed::autocast(device, precision, || {
+                let hidden = blocks.iter().fold(x, |h, block| block(&h));
+                hidden.square().mean(Kind::Float)
+            })
+            .unwrap();
+            losses.push(loss.double_value(&[]));
+            loss.backward();
+            tch::no_grad(|| {
+                for (_, mut t) in vs.variables() {
+                    let update = t.grad() * 0.5;
+                    let _ = t.g_sub_(&update);
+                }
+            });
+        }
         let mut grads: Vec<(String, Tensor)> = vs
             .variables()
             .into_iter()
             .map(|(name, t)| (name, t.grad().to_device(Device::Cpu)))
             .collect();
         grads.sort_by(|a, b| a.0.cmp(&b.0));
-        grads
+        (grads, losses)
     };
-    let (plain, ours) = (gradients(false), gradients(true));
-    for ((name, a), (_, b)) in plain.iter().zip(&ours) {
-        assert!(a.equal(b), "{name}: the checkpointed gradient differs");
+    for precision in [MixedPrecision::No, MixedPrecision::Bf16] {
+        let (plain, plain_losses) = gradients(false, precision);
+        let (ours, our_losses) = gradients(true, precision);
+        assert_eq!(plain_losses, our_losses, "{precision:?}: the losses");
+        for ((name, a), (_, b)) in plain.iter().zip(&ours) {
+            assert!(
+                a.equal(b),
+                "{precision:?}: {name}: the checkpointed gradient differs"
+            );
+        }
     }
 }
 
