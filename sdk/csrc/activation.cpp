@@ -4,6 +4,7 @@
 // torch.utils.checkpoint. The random generators' states and autocast's are those of
 // the first run, so dropout draws the same numbers.
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -123,26 +124,81 @@ struct State {
   }
 };
 
-// Sets `saved` for its lifetime, then puts back what was there. It is an autocast
-// region of its own, as PyTorch's recompute enters `torch.autocast`: the casts of the
-// parameters that autocast caches in it are dropped when it ends, if no region
-// encloses it. Otherwise the next forward pass would read this step's casts after the
-// optimizer changed the parameters (the cache is keyed by tensor, not by value).
+// Autocast's cache of casts off for its lifetime. A block's runs make their own
+// casts: a cast cached elsewhere (before the block, or by another block of the same
+// parameters) would put a node of another graph between the block and the parameter,
+// which the recompute, casting anew, would not reach; and a cast cached in the
+// recompute, after the region that clears the cache, would outlive the step and feed
+// the next forward pass the old weights (the cache is keyed by tensor, not value).
+struct NoCastCache {
+  bool before = at::autocast::is_autocast_cache_enabled();
+  NoCastCache() {
+    at::autocast::set_autocast_cache_enabled(false);
+  }
+  ~NoCastCache() {
+    at::autocast::set_autocast_cache_enabled(before);
+  }
+};
+
+// Sets `saved` for its lifetime, then puts back what was there.
 struct Restore {
   State before;
+  NoCastCache no_cache;
   Restore(const State& saved, const variable_list& inputs)
       : before(State::capture(inputs)) {
     saved.set();
-    at::autocast::increment_nesting();
   }
   ~Restore() {
     try {
-      if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
       before.set();
     } catch (...) {
     }
   }
 };
+
+// Whether `node` was recorded by the block's first run: numbered from `first` on
+// (an AccumulateGrad, a parameter's, has the largest number and is not).
+bool in_block(const Node* node, uint64_t first) {
+  return node->sequence_nr() >= first && node->sequence_nr() != UINT64_MAX;
+}
+
+bool same(const torch::autograd::Edge& a, const torch::autograd::Edge& b) {
+  return a.function.get() == b.function.get() && a.input_nr == b.input_nr;
+}
+
+// The edges by which the graph the first run recorded (its nodes numbered from `first`
+// on) leaves the block, each once: to its inputs (`inputs`, their edges), to the
+// parameters it used (their AccumulateGrad), to tensors it captured. The walk stops
+// there.
+torch::autograd::edge_list boundary(
+    const variable_list& ys, const torch::autograd::edge_list& inputs, uint64_t first) {
+  torch::autograd::edge_list out;
+  std::unordered_set<const Node*> seen;
+  std::vector<const Node*> stack;
+  auto visit = [&](const torch::autograd::Edge& edge) {
+    const Node* node = edge.function.get();
+    if (node == nullptr) return;
+    bool input = false;
+    for (const auto& e : inputs) input |= e.is_valid() && same(e, edge);
+    if (!input && in_block(node, first)) {
+      if (seen.insert(node).second) stack.push_back(node);
+      return;
+    }
+    for (const auto& e : out) {
+      if (same(e, edge)) return;
+    }
+    out.push_back(edge);
+  };
+  for (const auto& y : ys) {
+    if (y.defined() && y.requires_grad()) visit(torch::autograd::impl::gradient_edge(y));
+  }
+  while (!stack.empty()) {
+    const Node* node = stack.back();
+    stack.pop_back();
+    for (const auto& edge : node->next_edges()) visit(edge);
+  }
+  return out;
+}
 
 struct CheckpointBackward : public Node {
   Block block;
@@ -150,6 +206,10 @@ struct CheckpointBackward : public Node {
   State state;
   bool released = false;
 
+  // Its edges: one per input (none for an input without a gradient), then the others
+  // by which the block's graph left it in the first run (the parameters it used,
+  // tensors it captured), so that autograd, DDP's search of the graph, and the
+  // parameters' hooks see them as the block's.
   CheckpointBackward(Block b, variable_list xs, State s)
       : block(std::move(b)), inputs(std::move(xs)), state(std::move(s)) {}
 
@@ -160,6 +220,25 @@ struct CheckpointBackward : public Node {
   void release_variables() override {
     inputs.clear();
     released = true;
+  }
+
+  // The recompute's graph (its nodes numbered from `first` on) must leave the block
+  // by this node's edges: a gradient along another would be lost.
+  void check_same_edges(const variable_list& ys, const variable_list& xs, uint64_t first) {
+    auto own = torch::autograd::collect_next_edges(xs);
+    for (const auto& edge : boundary(ys, own, first)) {
+      bool known = false;
+      for (const auto& e : own) known |= e.is_valid() && same(e, edge);
+      for (size_t i = inputs.size(); i < num_outputs(); i++) known |= same(next_edge(i), edge);
+      if (!known) {
+        throw std::runtime_error(
+            "the checkpointed block's recompute used a tensor that requires a gradient "
+            "which its first run did not use, so that tensor's gradient would be lost: "
+            "a checkpointed block must compute the same way from the same inputs (its "
+            "random numbers are the first run's). Take what changes between calls out "
+            "of the block, or call it without checkpoint");
+      }
+    }
   }
 
   variable_list apply(variable_list&& grads) override {
@@ -175,15 +254,18 @@ struct CheckpointBackward : public Node {
       detached.push_back(d);
     }
     variable_list outputs;
+    uint64_t first = at::sequence_number::peek();
     {
       Restore restore(state, inputs);
       at::AutoGradMode grad_mode(true);
       outputs = block.run(detached);
     }
-    variable_list roots, seeds;
+    check_same_edges(outputs, detached, first);
+    torch::autograd::edge_list roots;
+    variable_list seeds;
     for (size_t i = 0; i < outputs.size() && i < grads.size(); i++) {
       if (outputs[i].requires_grad() && grads[i].defined()) {
-        roots.push_back(outputs[i]);
+        roots.push_back(torch::autograd::impl::gradient_edge(outputs[i]));
         seeds.push_back(grads[i]);
       }
     }
@@ -193,57 +275,34 @@ struct CheckpointBackward : public Node {
           "parameter that requires a gradient: there is nothing to differentiate. Call "
           "the block without checkpoint");
     }
-    // Accumulates into the block's parameters (their hooks fire once, here) and into
-    // the detached inputs, whose gradients go on from this node.
-    torch::autograd::backward(roots, seeds);
-    // One gradient per edge: the inputs', then none for the anchor, if any.
-    variable_list result(num_outputs());
+    // The gradients at this node's edges: the detached inputs' (which go on from
+    // here), and the edges the first run's graph left by, which the recompute's
+    // graph leaves by too. Nothing accumulates here: autograd delivers them along the
+    // edges, so a parameter's hooks fire once, with every use of it summed.
+    torch::autograd::edge_list wanted;
+    std::vector<size_t> slots;
     for (size_t i = 0; i < detached.size(); i++) {
-      if (detached[i].requires_grad()) result[i] = detached[i].grad();
+      if (!detached[i].requires_grad()) continue;
+      wanted.push_back(torch::autograd::impl::gradient_edge(detached[i]));
+      slots.push_back(i);
     }
+    for (size_t e = inputs.size(); e < num_outputs(); e++) {
+      wanted.push_back(next_edge(e));
+      slots.push_back(e);
+    }
+    auto got = torch::autograd::Engine::get_default_engine().execute(
+        roots, seeds, /*keep_graph=*/false, /*create_graph=*/false,
+        /*accumulate_grad=*/false, wanted);
+    variable_list result(num_outputs());
+    for (size_t j = 0; j < slots.size(); j++) result[slots[j]] = got[j];
     return result;
   }
 };
-// Whether the graph the first run recorded (its nodes numbered from `first` on) leads
-// from an output in `ys` to an input in `xs` that requires a gradient. The walk stops
-// at the nodes recorded before the block ran.
-bool reaches_an_input(const variable_list& ys, const variable_list& xs, uint64_t first) {
-  std::vector<std::pair<const Node*, uint32_t>> targets;
-  for (const auto& x : xs) {
-    if (!x.defined() || !x.requires_grad()) continue;
-    auto edge = torch::autograd::impl::gradient_edge(x);
-    targets.emplace_back(edge.function.get(), edge.input_nr);
-  }
-  std::unordered_set<const Node*> seen;
-  std::vector<const Node*> stack;
-  for (const auto& y : ys) {
-    if (y.defined() && y.grad_fn()) stack.push_back(y.grad_fn().get());
-  }
-  while (!stack.empty()) {
-    const Node* node = stack.back();
-    stack.pop_back();
-    if (!seen.insert(node).second) continue;
-    for (const auto& edge : node->next_edges()) {
-      const Node* next = edge.function.get();
-      if (next == nullptr) continue;
-      for (const auto& [target, nr] : targets) {
-        if (next == target && edge.input_nr == nr) return true;
-      }
-      if (next->sequence_nr() >= first && next->sequence_nr() != UINT64_MAX) {
-        stack.push_back(next);
-      }
-    }
-  }
-  return false;
-}
-
 // The outputs `ys` of the first run, without its graph, and with the node that runs
 // the block again in the backward pass as their history.
 variable_list attach(
     const Block& block, const variable_list& xs, const variable_list& ys, uint64_t first,
     State state) {
-  bool any = false;
-  for (const auto& x : xs) any |= x.defined() && x.requires_grad();
   for (const auto& y : ys) {
     for (const auto& x : xs) {
       if (y.defined() && x.defined() && y.is_alias_of(x)) {
@@ -253,20 +312,21 @@ variable_list attach(
       }
     }
   }
-  if (any && !reaches_an_input(ys, xs, first)) {
+  auto edges = torch::autograd::collect_next_edges(xs);
+  bool any = false, reached = false;
+  for (const auto& edge : boundary(ys, edges, first)) {
+    bool input = false;
+    for (size_t i = 0; i < xs.size(); i++) input |= edges[i].is_valid() && same(edges[i], edge);
+    reached |= input;
+    if (!input) edges.push_back(edge);
+  }
+  for (const auto& x : xs) any |= x.defined() && x.requires_grad();
+  if (any && !reached) {
     throw std::invalid_argument(
         "the checkpointed block's outputs do not depend on its inputs that require a "
         "gradient (it ignores them, or uses them through operations without a "
         "gradient, such as argmax): those inputs would get no gradient. Pass the block "
         "the tensors it computes from, or detach the inputs it does not differentiate");
-  }
-  auto edges = torch::autograd::collect_next_edges(xs);
-  // A block whose inputs require no gradient (the data, token ids) is differentiated
-  // still, for its parameters: the node gets an edge to a leaf of its own (an
-  // anchor, whose gradient is none), so that the backward pass runs it.
-  if (!any) {
-    auto anchor = at::zeros({}, at::kFloat).requires_grad_(true);
-    edges.push_back(torch::autograd::impl::gradient_edge(anchor));
   }
   auto node = make_node<CheckpointBackward>(block, xs, std::move(state));
   node->set_next_edges(std::move(edges));
@@ -299,7 +359,10 @@ int run_checkpoint(const Block& block, variable_list xs, tdc_tensor* outputs) {
   } else {
     State state = State::capture(xs);
     uint64_t first = at::sequence_number::peek();
-    ys = block.run(xs);
+    {
+      NoCastCache no_cache;
+      ys = block.run(xs);
+    }
     bool trainable = false;
     for (const auto& y : ys) trainable |= y.defined() && y.requires_grad();
     if (trainable) ys = attach(block, xs, ys, first, std::move(state));
@@ -308,10 +371,6 @@ int run_checkpoint(const Block& block, variable_list xs, tdc_tensor* outputs) {
   return static_cast<int>(ys.size());
 }
 } // namespace
-
-bool tdc::is_checkpoint_node(const Node* node) {
-  return dynamic_cast<const CheckpointBackward*>(node) != nullptr;
-}
 
 int tdc_checkpoint(
     tdc_block_fn fn, void* ctx, tdc_drop drop, tdc_tensor* inputs, int n,

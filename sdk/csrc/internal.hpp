@@ -12,10 +12,6 @@
 
 #include "shim.h"
 
-namespace torch::autograd {
-struct Node;
-}
-
 // The libtorch versions the shim is written for, in one place: 2.11 (tch 0.24) and
 // 2.13 (tch 0.26). Between them the c10d headers that the shim uses differ only in
 // what it does not call (2.13 adds `Reducer(…, batched_grad_copy = false)` last,
@@ -60,10 +56,6 @@ inline std::vector<at::Tensor> tensors(tdc_tensor* ts, int n) {
 inline std::shared_ptr<void> context(void* ctx, tdc_drop drop) {
   return std::shared_ptr<void>(ctx, [drop](void* p) { drop(p); });
 }
-
-// Whether `node` is a checkpointed block's (activation.cpp): its backward reaches
-// parameters that its edges do not show.
-bool is_checkpoint_node(const torch::autograd::Node* node);
 } // namespace tdc
 
 // The status of a usage error (std::invalid_argument) where a function tells it

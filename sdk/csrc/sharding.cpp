@@ -144,17 +144,15 @@ int tdc_grad_hooks_reachable(tdc_grad_hooks* hooks, tdc_tensor* roots, int n, in
         visit(torch::autograd::impl::try_get_grad_accumulator(root).get());
       }
     }
-    // A checkpointed block's node (activation.cpp) reaches the parameters its
-    // recompute uses, which its edges do not show: any of them may get a gradient.
-    bool opaque = false;
+    // A checkpointed block's node (activation.cpp) has edges to the parameters the
+    // block used, as any node to what it differentiates.
     while (!stack.empty()) {
       Node* node = stack.back();
       stack.pop_back();
-      opaque |= tdc::is_checkpoint_node(node);
       for (const auto& edge : node->next_edges()) visit(edge.function.get());
     }
     for (size_t i = 0; i < hooks->accumulators.size(); i++) {
-      out[i] = opaque || seen.count(hooks->accumulators[i].get()) ? 1 : 0;
+      out[i] = seen.count(hooks->accumulators[i].get()) ? 1 : 0;
     }
     return 0;
   })

@@ -660,12 +660,6 @@ impl DistributedDataParallel {
                 };
             }
         }
-        if let Some(variable) = ready_twice(&self.names, &message) {
-            return Error::GradientTwice {
-                variable,
-                source: text,
-            };
-        }
         if message.contains("find_unused_parameters") {
             Error::Torch(format!(
                 "{message}\nhint: in tch-distributed this is DdpOptions::find_unused_parameters \
@@ -674,18 +668,6 @@ impl DistributedDataParallel {
         } else {
             Error::Torch(message)
         }
-    }
-}
-
-/// The variable that the Reducer's `message` says got its gradient twice ("Parameter
-/// at index 6 with name b3.bias has been marked as ready twice", or by its index into
-/// `names` alone); `None` for any other message.
-fn ready_twice(names: &[String], message: &str) -> Option<String> {
-    let (before, _) = message.split_once(" has been marked as ready twice")?;
-    let at = before.rsplit_once("Parameter at index ")?.1;
-    match at.split_once(" with name ") {
-        Some((_, name)) => Some(name.to_string()),
-        None => names.get(at.trim().parse::<usize>().ok()?).cloned(),
     }
 }
 
@@ -724,38 +706,6 @@ mod tests {
         ["a.weight", "b.weight", "c.bias"]
             .map(String::from)
             .to_vec()
-    }
-
-    #[test]
-    fn a_gradient_twice_names_the_variable_and_the_fixes_with_libtorchs_text_as_source() {
-        let raw = "Expected to mark a variable ready only once. This error is caused by one \
-            of the following reasons: ...\nParameter at index 2 with name c.bias has been \
-            marked as ready twice. This means that multiple autograd engine  hooks have fired \
-            for this particular parameter during this iteration.";
-        assert_eq!(ready_twice(&names(), raw), Some("c.bias".to_string()));
-        let by_index = raw
-            .replace(" with name c.bias", "")
-            .replace("index 2", "index 1");
-        assert_eq!(
-            ready_twice(&names(), &by_index),
-            Some("b.weight".to_string())
-        );
-        assert_eq!(ready_twice(&names(), REDUCER), None);
-        let e = Error::GradientTwice {
-            variable: "c.bias".into(),
-            source: TorchText::new(raw),
-        };
-        let shown = e.to_string();
-        assert!(
-            shown.starts_with("variable \"c.bias\" got a gradient twice in one backward pass"),
-            "{shown}"
-        );
-        for fix in ["Turn find_unused_parameters off", "zero = 2 or 3"] {
-            assert!(shown.contains(fix), "{fix} not in {shown}");
-        }
-        assert!(!shown.contains("Expected to mark"), "{shown}");
-        let source = std::error::Error::source(&e).unwrap().to_string();
-        assert!(source.contains("marked as ready twice"), "{source}");
     }
 
     #[test]

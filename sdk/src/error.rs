@@ -145,19 +145,6 @@ pub enum Error {
         source: TorchText,
     },
 
-    /// DDP's Reducer got `variable`'s gradient twice in one backward pass ("has been
-    /// marked as ready twice"), so it cannot average it: under `find_unused_parameters`,
-    /// what an activation-checkpointed block does (the Reducer's search of the graph
-    /// does not see behind the block, takes its variables for unused, and the
-    /// recompute then gives them gradients). libtorch's own message is the error's
-    /// [source](std::error::Error::source).
-    #[error("{}", gradient_twice(variable))]
-    GradientTwice {
-        variable: String,
-        #[source]
-        source: TorchText,
-    },
-
     /// [`find_executable_batch_size`](crate::find_executable_batch_size) ran out of
     /// memory even at a batch size of 1, on `ranks`; `message` is libtorch's text of
     /// this rank's error (empty when only other ranks ran out).
@@ -241,20 +228,6 @@ fn unused_parameters(variables: &[String]) -> String {
          DdpOptions::find_unused_parameters); if {they} should not train, freeze {them} \
          (set_requires_grad(false)) before the optimizer is built",
         names.join(", ")
-    )
-}
-
-/// [`Error::GradientTwice`]'s message: the cause and the fixes.
-fn gradient_twice(variable: &str) -> String {
-    format!(
-        "variable \"{variable}\" got a gradient twice in one backward pass, which DDP cannot \
-         average. Under find_unused_parameters, an activation-checkpointed block does this: \
-         DDP's search of the loss's graph does not see the variables behind the block, \
-         takes them for unused, and then the block's recompute gives them gradients. Turn \
-         find_unused_parameters off (a checkpointed block needs it no more than the block \
-         itself), or train with zero = 2 or 3, which needs no such setting. Otherwise, look \
-         for a variable used in two backward passes of one step (backward twice on one \
-         forward pass, or a variable shared between two models)"
     )
 }
 

@@ -99,11 +99,15 @@ pub fn f_checkpoint_many(
 ///   recompute.
 /// - Outputs that depend on nothing that requires a gradient (a frozen block on the
 ///   data) are returned as the block made them: nothing runs again for them.
-/// - The parameters the block uses get their gradients once per backward pass, from
-///   the recompute (so DDP's and the sharded optimizer's hooks fire once each).
+/// - The block's node in the graph has an edge to each of its inputs, each parameter
+///   it used and each tensor it captured (what the first run's graph reached). The
+///   recompute's gradients go along them: a parameter gets its gradient once per
+///   backward pass, all its uses summed, so DDP's hooks fire once, and DDP's
+///   `find_unused_parameters` search of the graph finds the block's parameters.
 /// - The recompute draws the same random numbers (dropout) as the first run: the CPU
 ///   generator's state, and that of each CUDA device of the inputs, are set back for
-///   it, as PyTorch's `preserve_rng_state`; autocast's state is the first run's too.
+///   it, as PyTorch's `preserve_rng_state`; autocast's state is the first run's too,
+///   with its cache of casts off in both runs.
 /// - A block none of whose inputs requires a gradient (the first block, on the data or
 ///   on token ids) is differentiated still, for its parameters, as under
 ///   `use_reentrant=False`; PyTorch's reentrant checkpoint gives its parameters none.
@@ -112,8 +116,9 @@ pub fn f_checkpoint_many(
 /// The block must compute from its inputs. Errors at the call: a block that returns an
 /// input (or a view of it), and one with inputs that require a gradient none of which
 /// its outputs depend on (it ignores them, or uses them through operations without a
-/// gradient, such as `argmax`). The graph cannot be differentiated twice
-/// (`retain_graph`).
+/// gradient, such as `argmax`). In the backward pass, a block whose recompute uses a
+/// tensor that requires a gradient and that its first run did not use fails it (its
+/// gradient would be lost). The graph cannot be differentiated twice (`retain_graph`).
 ///
 /// Panics with `Error: …` where [`f_checkpoint_many`] returns an error (as tch's
 /// modules panic on a failed forward pass).

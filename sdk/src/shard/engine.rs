@@ -35,8 +35,10 @@ pub struct ShardingStats {
     pub reduce_scatters: u64,
     /// Those run at the step rather than in the backward pass, where they overlap the
     /// compute: the backward pass left their unit, or one before it in the order the
-    /// reduce-scatters keep, incomplete (a variable that the loss's graph reaches got
-    /// no gradient, as behind a checkpointed block).
+    /// reduce-scatters keep, incomplete: no hook ran for a variable that the loss's
+    /// graph reaches (an autograd node that accumulates gradients itself rather than
+    /// along its edges). 0 whenever the graph shows its parameters, checkpointed blocks
+    /// included.
     pub reduce_scatters_at_step: u64,
     /// Bytes this rank sent into its all-gathers: its shards, in the gathers' dtype
     /// (under mixed precision, bf16 or fp16 rather than the parameters' fp32).
