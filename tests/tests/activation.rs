@@ -242,15 +242,17 @@ fn run(dir: &Path, out: &str, checkpointed: bool, env: &[(&str, &str)]) {
 /// On 2 ranks under `#[distributed]`, dropout in every block, the first block on the
 /// data: the parameters after 6 steps are the plain model's, bit for bit. Under DDP
 /// (its Reducer averages the gradients the recompute computes, which reach each
-/// parameter along the block's node's edges, once), with `find_unused_parameters`
+/// parameter along the block's node's edges, once: with one layer shared by the 4
+/// blocks too, its uses summed), with `find_unused_parameters`
 /// (whose search of the graph finds the parameters behind the node), under bf16 mixed
 /// precision, with accumulation (`no_sync` between micro-batches), and at ZeRO stage 3
 /// with every block a unit (gathered again for the recompute).
 #[test]
 fn on_2_ranks_under_the_attribute_training_is_the_plain_model_s() {
     let dir = scratch_dir("activation");
-    let cases: [(&str, &[(&str, &str)]); 5] = [
+    let cases: [(&str, &[(&str, &str)]); 6] = [
         ("ddp", &[]),
+        ("shared", &[("SHARED", "1")]),
         ("bf16", &[("TCH_DISTRIBUTED_MIXED_PRECISION", "bf16")]),
         (
             "find-unused",

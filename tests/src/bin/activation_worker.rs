@@ -3,7 +3,8 @@
 //! `#[distributed]`, each rank on its own batch of 8 rows. With `CHECKPOINT=1` each
 //! block is checkpointed (`tch_distributed::checkpointed_t`), the first on the data
 //! itself; with `UNITS=1` each block's linear layer is a unit of `fully_shard` (for
-//! `TCH_DISTRIBUTED_ZERO=3`). Rank 0 writes the parameters to DIR/OUT.
+//! `TCH_DISTRIBUTED_ZERO=3`); with `SHARED=1` the 4 blocks share one linear layer (as
+//! ALBERT's). Rank 0 writes the parameters to DIR/OUT.
 //!
 //! Usage: activation_worker DIR OUT
 use tch::nn::{self, Module, ModuleT, OptimizerConfig};
@@ -33,10 +34,20 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
     tch::manual_seed(0);
     let vs = nn::VarStore::new(Device::Cpu);
     let root = vs.root();
+    let shared = std::env::var("SHARED").is_ok().then(|| {
+        let linear = nn::linear(&root / "b0", 16, 16, Default::default());
+        move || nn::Linear {
+            ws: linear.ws.shallow_clone(),
+            bs: linear.bs.as_ref().map(Tensor::shallow_clone),
+        }
+    });
     let blocks: Vec<Block> = (0..4)
         .map(|i| {
             let path = &root / format!("b{i}");
-            let linear = nn::linear(&path, 16, 16, Default::default());
+            let linear = match &shared {
+                Some(same) => same(),
+                None => nn::linear(&path, 16, 16, Default::default()),
+            };
             let linear: Box<dyn Module> = match std::env::var("UNITS").is_ok() {
                 true => Box::new(tch_distributed::fully_shard(linear, &path)),
                 false => Box::new(linear),
