@@ -28,6 +28,33 @@ fn generator_turn() -> std::sync::MutexGuard<'static, ()> {
     GENERATOR.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Every variable's gradient, by name (sorted), and zeroes it.
+fn take_gradients(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
+    let mut named: Vec<(String, Tensor)> = vs
+        .variables()
+        .into_iter()
+        .map(|(name, mut t)| {
+            let grad = t.grad().copy();
+            t.zero_grad();
+            (name, grad)
+        })
+        .collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named
+}
+
+/// `ours` has `plain`'s `count` gradients, bit for bit, none of them zero.
+fn assert_same_gradients(plain: &[(String, Tensor)], ours: &[(String, Tensor)], count: usize) {
+    assert_eq!((plain.len(), ours.len()), (count, count));
+    for ((name, a), (_, b)) in plain.iter().zip(ours) {
+        assert!(
+            a.abs().sum(Kind::Float).double_value(&[]) > 0.0,
+            "{name}: no gradient"
+        );
+        assert!(a.equal(b), "{name}: {a} vs {b}");
+    }
+}
+
 /// Three blocks (Linear(8, 8), tanh, dropout 0.3) and a head on 5 rows of data; two
 /// forward and backward passes, with a step of plain gradient descent after each (the
 /// gradients add up). Returns every parameter's gradient, by name, and the loss of
@@ -74,13 +101,7 @@ fn gradients(checkpointed: bool, precision: MixedPrecision) -> (Vec<(String, Ten
             }
         });
     }
-    let mut grads: Vec<(String, Tensor)> = vs
-        .variables()
-        .into_iter()
-        .map(|(name, t)| (name, t.grad().copy()))
-        .collect();
-    grads.sort_by(|a, b| a.0.cmp(&b.0));
-    (grads, losses)
+    (take_gradients(&vs), losses)
 }
 
 fn assert_bit_identical(precision: MixedPrecision) {
@@ -88,14 +109,7 @@ fn assert_bit_identical(precision: MixedPrecision) {
     let (plain, plain_losses) = gradients(false, precision);
     let (ours, our_losses) = gradients(true, precision);
     assert_eq!(plain_losses, our_losses, "{precision:?}: the losses");
-    assert_eq!(plain.len(), 8);
-    for ((name, a), (_, b)) in plain.iter().zip(&ours) {
-        assert!(
-            a.abs().sum(Kind::Float).double_value(&[]) > 0.0,
-            "{name}: no gradient"
-        );
-        assert!(a.equal(b), "{precision:?}: {name}: {a} vs {b}");
-    }
+    assert_same_gradients(&plain, &ours, 8);
 }
 
 /// The recompute draws dropout's numbers from the generator's state of the first run
@@ -304,23 +318,9 @@ fn checkpointed_t_blocks_in_a_seq_t_train_as_the_plain_blocks() {
             let hidden = ids.apply(&embedding).apply_t(&blocks, true);
             hidden.square().mean(Kind::Float).backward();
         }
-        let mut named: Vec<(String, Tensor)> = vs
-            .variables()
-            .into_iter()
-            .map(|(name, t)| (name, t.grad().copy()))
-            .collect();
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        named
+        take_gradients(&vs)
     };
-    let (plain, ours) = (grads(false), grads(true));
-    assert_eq!(plain.len(), 13);
-    for ((name, a), (_, b)) in plain.iter().zip(&ours) {
-        assert!(
-            a.abs().sum(Kind::Float).double_value(&[]) > 0.0,
-            "{name}: no gradient"
-        );
-        assert!(a.equal(b), "{name}: {a} vs {b}");
-    }
+    assert_same_gradients(&grads(false), &grads(true), 13);
 }
 
 /// A block whose inputs cannot require a gradient (token ids into an embedding, or no
@@ -350,27 +350,9 @@ fn a_block_on_token_ids_gets_its_parameters_gradients() {
             .square()
             .sum(Kind::Float)
             .backward();
-        let mut named: Vec<(String, Tensor)> = vs
-            .variables()
-            .into_iter()
-            .map(|(name, mut t)| {
-                let grad = t.grad().copy();
-                t.zero_grad();
-                (name, grad)
-            })
-            .collect();
-        named.sort_by(|a, b| a.0.cmp(&b.0));
-        named
+        take_gradients(&vs)
     };
-    let (plain, ours) = (grads(false), grads(true));
-    assert_eq!(plain.len(), 2);
-    for ((name, a), (_, b)) in plain.iter().zip(&ours) {
-        assert!(
-            a.abs().sum(Kind::Float).double_value(&[]) > 0.0,
-            "{name}: no gradient"
-        );
-        assert!(a.equal(b), "{name}: {a} vs {b}");
-    }
+    assert_same_gradients(&grads(false), &grads(true), 2);
 }
 
 /// `checkpointed(module)` is the module to the program: `Module::forward` gives the
