@@ -78,6 +78,9 @@ fn main() -> anyhow::Result<()> {
             reference.train_step(&x, &y);
         }
     }
-    eprintln!("reference sum {:.9}", reference.parameter_sum());
+    // One write, as the ranks' lines: `eprintln!` writes its pieces one by one, and
+    // another rank's line landed between them (a flaky parse of this line).
+    let line = format!("reference sum {:.9}\n", reference.parameter_sum());
+    std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes())?;
     Ok(())
 }
