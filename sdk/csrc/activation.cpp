@@ -166,10 +166,10 @@ bool same(const torch::autograd::Edge& a, const torch::autograd::Edge& b) {
   return a.function.get() == b.function.get() && a.input_nr == b.input_nr;
 }
 
-// The edges by which the graph the first run recorded (its nodes numbered from `first`
-// on) leaves the block, each once: to its inputs (`inputs`, their edges), to the
-// parameters it used (their AccumulateGrad), to tensors it captured. The walk stops
-// there.
+// The edges by which the graph a run of the block recorded (its nodes numbered from
+// `first` on) leaves the block, each once: to its inputs, to the parameters it used
+// (their AccumulateGrad), to tensors it captured. The walk stops there, and at the
+// edges in `inputs`.
 torch::autograd::edge_list boundary(
     const variable_list& ys, const torch::autograd::edge_list& inputs, uint64_t first) {
   torch::autograd::edge_list out;
@@ -224,12 +224,14 @@ struct CheckpointBackward : public Node {
 
   // The recompute's graph (its nodes numbered from `first` on) must leave the block
   // by this node's edges: a gradient along another would be lost.
+  // The walk stops at those edges too: on CUDA the recompute runs on autograd's device
+  // thread, whose numbers are not the forward pass's.
   void check_same_edges(const variable_list& ys, const variable_list& xs, uint64_t first) {
-    auto own = torch::autograd::collect_next_edges(xs);
-    for (const auto& edge : boundary(ys, own, first)) {
+    auto known_edges = torch::autograd::collect_next_edges(xs);
+    for (size_t i = inputs.size(); i < num_outputs(); i++) known_edges.push_back(next_edge(i));
+    for (const auto& edge : boundary(ys, known_edges, first)) {
       bool known = false;
-      for (const auto& e : own) known |= e.is_valid() && same(e, edge);
-      for (size_t i = inputs.size(); i < num_outputs(); i++) known |= same(next_edge(i), edge);
+      for (const auto& e : known_edges) known |= e.is_valid() && same(e, edge);
       if (!known) {
         throw std::runtime_error(
             "the checkpointed block's recompute used a tensor that requires a gradient "
