@@ -3,7 +3,8 @@
 //! given and the gathered results of each case.
 //!
 //! - `strings`: 10 strings, each mapped to `(item, its length)` (JSON through Gloo);
-//! - `padded`: the same with padding; each item runs one all-reduce in the closure, as a
+//! - `padded`: the same with padding, given as a slice (`&[T]`, the others a `&Vec`);
+//!   each item runs one all-reduce in the closure, as a
 //!   forward pass through a ZeRO-3 model would, so a rank given fewer items would hang;
 //! - `tensor`: 10 rows through a `Linear(4, 3)` (the same seed on every rank), gathered
 //!   as one `[10, 3]` tensor;
@@ -36,7 +37,7 @@ fn main() -> anyhow::Result<()> {
 
     let mut given_padded = Vec::new();
     let padded: Vec<(String, usize)> =
-        tch_distributed::split_between_processes_padded(&items, |mine| {
+        tch_distributed::split_between_processes_padded(items.as_slice(), |mine| {
             given_padded = mine.clone();
             mine.into_iter()
                 .map(|s| {
