@@ -71,5 +71,14 @@ fn three_ranks_gather_what_one_process_computes_in_order() {
              row on dim 0), so that the gather can put them back in order",
             "rank {rank}"
         );
+        // Rows of another shape on rank 1: every rank names it.
+        let wrong_layout = got["wrong_layout"].as_str().unwrap();
+        assert!(
+            wrong_layout.starts_with(
+                "split_between_processes: rank 1 returned tensors of another dtype or \
+                 shape past dim 0 than rank 0"
+            ),
+            "rank {rank}: {wrong_layout}"
+        );
     }
 }

@@ -9,7 +9,9 @@
 //! - `tensor`: 10 rows through a `Linear(4, 3)` (the same seed on every rank), gathered
 //!   as one `[10, 3]` tensor;
 //! - `wrong_count`: rank 1's closure returns one result too few: every rank must get
-//!   the same error.
+//!   the same error;
+//! - `wrong_layout`: rank 1's rows have 2 columns, the others' 3: every rank must get
+//!   the error naming rank 1.
 
 use serde_json::json;
 use tch::nn::{self, Module};
@@ -57,6 +59,20 @@ fn main() -> anyhow::Result<()> {
         tch_distributed::split_between_processes(&inputs, |rows| linear.forward(&rows))
     })?;
 
+    let wrong_layout = tch::no_grad(|| {
+        tch_distributed::split_between_processes(&inputs, |rows| {
+            let out = linear.forward(&rows);
+            match rank {
+                1 => out.narrow(1, 0, 2),
+                _ => out,
+            }
+        })
+    });
+    let wrong_layout = match wrong_layout {
+        Ok(t) => format!("no error: {t:?}"),
+        Err(e) => e.to_string(),
+    };
+
     let wrong = tch_distributed::split_between_processes(&items, |mine| {
         let keep = if rank == 1 {
             mine.len() - 1
@@ -78,6 +94,7 @@ fn main() -> anyhow::Result<()> {
         "tensor": Vec::<f32>::try_from(outputs.view([-1]))?,
         "tensor_shape": outputs.size(),
         "wrong_count": wrong_count,
+        "wrong_layout": wrong_layout,
     });
     std::fs::write(format!("{out}/rank{rank}.json"), record.to_string())?;
     Ok(())
