@@ -162,8 +162,14 @@ bool in_block(const Node* node, uint64_t first) {
   return node->sequence_nr() >= first && node->sequence_nr() != UINT64_MAX;
 }
 
-bool same(const torch::autograd::Edge& a, const torch::autograd::Edge& b) {
-  return a.function.get() == b.function.get() && a.input_nr == b.input_nr;
+// Whether `edge` is one of `edges` (the same node and input).
+bool among(const torch::autograd::edge_list& edges, const torch::autograd::Edge& edge) {
+  for (const auto& e : edges) {
+    if (e.is_valid() && e.function.get() == edge.function.get() && e.input_nr == edge.input_nr) {
+      return true;
+    }
+  }
+  return false;
 }
 
 // The edges by which the graph a run of the block recorded (its nodes numbered from
@@ -178,16 +184,11 @@ torch::autograd::edge_list boundary(
   auto visit = [&](const torch::autograd::Edge& edge) {
     const Node* node = edge.function.get();
     if (node == nullptr) return;
-    bool input = false;
-    for (const auto& e : inputs) input |= e.is_valid() && same(e, edge);
-    if (!input && in_block(node, first)) {
+    if (!among(inputs, edge) && in_block(node, first)) {
       if (seen.insert(node).second) stack.push_back(node);
-      return;
+    } else if (!among(out, edge)) {
+      out.push_back(edge);
     }
-    for (const auto& e : out) {
-      if (same(e, edge)) return;
-    }
-    out.push_back(edge);
   };
   for (const auto& y : ys) {
     if (y.defined() && y.requires_grad()) visit(torch::autograd::impl::gradient_edge(y));
@@ -230,9 +231,7 @@ struct CheckpointBackward : public Node {
     auto known_edges = torch::autograd::collect_next_edges(xs);
     for (size_t i = inputs.size(); i < num_outputs(); i++) known_edges.push_back(next_edge(i));
     for (const auto& edge : boundary(ys, known_edges, first)) {
-      bool known = false;
-      for (const auto& e : known_edges) known |= e.is_valid() && same(e, edge);
-      if (!known) {
+      if (!among(known_edges, edge)) {
         throw std::runtime_error(
             "the checkpointed block's recompute used a tensor that requires a gradient "
             "which its first run did not use, so that tensor's gradient would be lost: "
@@ -314,15 +313,17 @@ variable_list attach(
       }
     }
   }
-  auto edges = torch::autograd::collect_next_edges(xs);
-  bool any = false, reached = false;
-  for (const auto& edge : boundary(ys, edges, first)) {
-    bool input = false;
-    for (size_t i = 0; i < xs.size(); i++) input |= edges[i].is_valid() && same(edges[i], edge);
+  // One edge per input (valid for those that require a gradient), then the others.
+  const auto inputs = torch::autograd::collect_next_edges(xs);
+  auto edges = inputs;
+  bool reached = false;
+  for (const auto& edge : boundary(ys, inputs, first)) {
+    bool input = among(inputs, edge);
     reached |= input;
     if (!input) edges.push_back(edge);
   }
-  for (const auto& x : xs) any |= x.defined() && x.requires_grad();
+  bool any = false;
+  for (const auto& e : inputs) any |= e.is_valid();
   if (any && !reached) {
     throw std::invalid_argument(
         "the checkpointed block's outputs do not depend on its inputs that require a "

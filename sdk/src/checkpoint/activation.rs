@@ -77,7 +77,8 @@ pub fn f_checkpoint_many(
             &mut n,
         )
     };
-    // 2: the shim's usage error (a block that returns its input, or too many outputs).
+    // 2: the shim's usage error (a block that returns its input, or ignores the inputs
+    // that require a gradient, or too many outputs).
     ffi::check(status).map_err(|e| match status {
         2 => Error::Usage(format!("activation checkpointing: {e}")),
         _ => Error::Torch(format!("a checkpointed block's forward pass: {e}")),
