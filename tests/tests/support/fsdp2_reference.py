@@ -10,7 +10,6 @@
 #   INIT: safetensors with x, y and the initial l1/l2/l3 weights and biases;
 #   OUT: the final parameters (full tensors), written by rank 0.
 import os
-import socket
 import sys
 
 import torch
@@ -32,10 +31,9 @@ class Net(torch.nn.Module):
         return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x)))))
 
 
-def worker(rank, world, port, init, out, bf16):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(rank, world, store, init, out, bf16):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     data = load_file(init)
     net = Net()
     with torch.no_grad():
@@ -66,7 +64,9 @@ def worker(rank, world, port, init, out, bf16):
 if __name__ == "__main__":
     init, out, world = sys.argv[1], sys.argv[2], int(sys.argv[3])
     bf16 = sys.argv[4:] == ["bf16"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(world, port, init, out, bf16), nprocs=world)
+    # The ranks meet in a file (c10d's FileStore) beside OUT, not on a TCP port that
+    # another test could take between choosing it and binding it.
+    store = os.path.abspath(out) + ".store"
+    if os.path.exists(store):
+        os.remove(store)
+    mp.spawn(worker, args=(world, store, init, out, bf16), nprocs=world)
