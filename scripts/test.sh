@@ -25,10 +25,13 @@ case "${1:-}" in
   --all-tch)
     shift
     "$0" --tch 0.24 "$@"
-    # CI builds from a clean clone and never reuses the first leg's build: the disk
-    # holds one build at a time (the compiler cache stays).
+    # CI builds from a clean clone and never reuses the first leg's build or torch: the
+    # disk holds one build and one torch (~5 GB each) at a time, not ~17 GB at the
+    # second leg's peak (the compiler cache stays). `.ci/run` builds the GPU packages,
+    # which need `.venv`, before this.
     if [ "${CI:-}" = true ]; then
       find "$(dirname "$0")/../target" -mindepth 1 -maxdepth 1 ! -name ccache -exec rm -rf {} +
+      rm -rf "$(dirname "$0")/../.venv"
     fi
     exec "$0" --tch 0.26 "$@"
     ;;
