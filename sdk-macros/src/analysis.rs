@@ -180,10 +180,12 @@ fn group_locals(block: &syn::Block, params: &[syn::Ident]) -> Vec<syn::Ident> {
     }
 }
 
-/// Finds the method calls named in `names`, or `.build(a, b)` calls.
+/// Finds the method calls named in `names` (with `args` arguments, if given).
 struct Finds<'a> {
     names: &'a [&'a str],
     args: Option<usize>,
+    /// Whether calls inside closures count.
+    closures: bool,
     found: bool,
 }
 
@@ -194,16 +196,35 @@ impl<'ast> Visit<'ast> for Finds<'_> {
         }
         visit::visit_expr_method_call(self, m);
     }
-    fn visit_expr_closure(&mut self, _: &'ast syn::ExprClosure) {}
+    fn visit_expr_closure(&mut self, c: &'ast syn::ExprClosure) {
+        if self.closures {
+            visit::visit_expr_closure(self, c);
+        }
+    }
     fn visit_item(&mut self, _: &'ast syn::Item) {}
 }
 
 /// Whether `expr` calls one of the methods `names` (with `args` arguments, if
-/// given), outside closures and items.
+/// given), outside closures and items: what the value itself is made of.
 pub fn calls(expr: &Expr, names: &[&str], args: Option<usize>) -> bool {
     let mut f = Finds {
         names,
         args,
+        closures: false,
+        found: false,
+    };
+    f.visit_expr(expr);
+    f.found
+}
+
+/// Whether evaluating `expr` may call one of the methods `names`: outside items, and
+/// inside closures too, which the evaluation may call (`blocks.iter().fold(x, |h, b|
+/// b.forward(&h))`).
+pub fn may_call(expr: &Expr, names: &[&str]) -> bool {
+    let mut f = Finds {
+        names,
+        args: None,
+        closures: true,
         found: false,
     };
     f.visit_expr(expr);

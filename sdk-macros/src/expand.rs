@@ -6,7 +6,7 @@ use syn::spanned::Spanned;
 use syn::visit_mut::{self, VisitMut};
 use syn::{parse_quote, parse_quote_spanned, Expr, ItemFn};
 
-use crate::analysis::{calls, receiver_ident, Analysis};
+use crate::analysis::{may_call, receiver_ident, Analysis};
 use crate::attr::Options;
 use crate::rules::{ADAPTORS, FORWARD_METHODS, RESULT_METHODS, UNEVEN_ADAPTORS};
 
@@ -286,7 +286,7 @@ impl VisitMut for Rewrite {
         // setting (attribute, `tchrun --mixed-precision`, the variable, the file), and
         // the guard does nothing when it is `no`.
         if let Some(init) = &mut local.init {
-            if calls(&init.expr, FORWARD_METHODS, None) {
+            if may_call(&init.expr, FORWARD_METHODS) {
                 let k = &self.krate;
                 let value = &init.expr;
                 *init.expr = parse_quote!({
