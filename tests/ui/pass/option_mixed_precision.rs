@@ -22,7 +22,8 @@ fn train() -> anyhow::Result<()> {
     let by_hand = squared_error(&net, &xs)?;
     assert_eq!(by_hand.kind(), Kind::Float, "the loss in float32, the forward in bf16");
     assert_eq!(net.ws.kind(), Kind::Float);
-    assert_eq!((&xs * 2.0).kind(), Kind::Float, "outside the forward `let`s: off");
+    let gram = xs.matmul(&xs.tr());
+    assert_eq!(gram.kind(), Kind::Float, "a `let` without a forward pass: off");
     Ok(())
 }
 // ANCHOR_END: train
