@@ -130,6 +130,19 @@ impl Autocast {
     }
 }
 
+impl init::Context {
+    /// Autocast in the run's [mixed precision](init::Context::mixed_precision) on this
+    /// rank's device while the guard lives, as Accelerate's `accelerator.autocast()`:
+    /// what `#[distributed]` puts around each `let` that runs a forward pass, for a
+    /// forward pass the attribute cannot see (inside a function of your own). With
+    /// precision `no` it does nothing.
+    ///
+    /// Errors with [`Error::Torch`] when libtorch rejects the setting.
+    pub fn autocast(&self) -> Result<Autocast> {
+        Autocast::enter(self.device(), self.mixed_precision())
+    }
+}
+
 /// The instruction set that oneDNN's kernels in `precision` (bf16 or fp16) need and
 /// this CPU lacks, if it lacks one (read once a process). oneDNN's
 /// LSTM (which libtorch's CPU autocast casts to the lower precision,

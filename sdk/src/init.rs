@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tch::Device;
 
-use crate::amp::{Autocast, MixedPrecision, MixedPrecisionMode};
+use crate::amp::{MixedPrecision, MixedPrecisionMode};
 use crate::ddp::DistributedDataParallel;
 use crate::devices;
 use crate::env::LaunchEnv;
@@ -431,17 +431,6 @@ impl Context {
     /// `accelerator.mixed_precision`.
     pub fn mixed_precision(&self) -> MixedPrecision {
         self.run.precision
-    }
-
-    /// Autocast in the run's [mixed precision](Context::mixed_precision) on this
-    /// rank's device while the guard lives, as Accelerate's `accelerator.autocast()`:
-    /// what `#[distributed]` puts around each `let` that runs a forward pass, for a
-    /// forward pass the attribute cannot see (inside a function of your own). With
-    /// precision `no` it does nothing.
-    ///
-    /// Errors with [`Error::Torch`] when libtorch rejects the setting.
-    pub fn autocast(&self) -> Result<Autocast> {
-        Autocast::enter(self.device, self.run.precision)
     }
 
     /// Global rank, in `0..world_size`.
