@@ -29,7 +29,7 @@ fi
 
 # NAME -> the file it mutates and the test targets (of the workspace) that cover
 # it. tchrun, which those tests start, is built once unmutated: it only launches.
-declare -A FILE TESTS
+declare -A FILE TESTS PACKAGE  # PACKAGE: the file's crate, if not tch-distributed
 FILE[ddp]=sdk/src/ddp.rs;                  TESTS[ddp]="ddp accumulation parity adapting error_hints stalled_ranks entry_errors outside_optimizer"
 # The optimizer, file by file (`optim` names all four): its step and accumulation
 # (mod.rs) under every test that trains through it; its kernels under the tests that
@@ -47,7 +47,7 @@ FILE[settings]=sdk/src/settings/mod.rs;    TESTS[settings]="run_config settings 
 FILE[files]=sdk/src/files.rs;              TESTS[files]="checkpoint run_config tracker"
 # Autocast and the loss scaler; the main job's LSTM under fp16 and bf16 (shakespeare)
 # is what fails where oneDNN's lower precision is not turned off on a CPU that lacks it.
-FILE[amp]=sdk/src/amp.rs;                  TESTS[amp]="amp accumulation grad_scaler shakespeare"
+FILE[amp]=sdk/src/amp.rs;                  TESTS[amp]="amp accumulation grad_scaler shakespeare ui"
 FILE[sampler]=sdk/src/data/sampler.rs;     TESTS[sampler]="sampler data_loading shuffles"
 FILE[loader]=sdk/src/data/loader.rs;       TESTS[loader]="data_loading accumulation checkpoint loader_epochs progress"
 FILE[state]=sdk/src/checkpoint/state.rs;   TESTS[state]="checkpoint grad_scaler preemption zero shakespeare loader_epochs"
@@ -87,7 +87,10 @@ FILE[error]=sdk/src/error.rs;              TESTS[error]="error_hints"
 # What the attribute's rewritten calls run: the optimizer `.build` makes, the steps of
 # optimizers the function did not build and the DDP averaging them, save/load.
 FILE[rewrites]=sdk/src/runtime/rewrites.rs; TESTS[rewrites]="outside_optimizer adapting accumulation amp error_hints settings"
-ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record shard_engine shard_unit shard_hooks shard_layout activation split batch_retry)
+# The attribute's reading of the function: which calls it finds (a forward pass for
+# autocast, inside closures too; the optimizers `.build` makes), under the ui cases.
+FILE[macro_analysis]=sdk-macros/src/analysis.rs; TESTS[macro_analysis]="ui"; PACKAGE[macro_analysis]=tch-distributed-macros
+ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record shard_engine shard_unit shard_hooks shard_layout activation split batch_retry macro_analysis)
 # A NAME that stands for several.
 declare -A GROUP
 GROUP[optim]="optim_mod optim_kernels optim_state optim_zero optim_scaler"
@@ -133,7 +136,7 @@ for name in "${names[@]}"; do
   # examples, the book's listings or the benchmarks: --cargo-arg reaches the build
   # (`cargo test --no-run`) as well as the test run, so each mutant's build links only
   # those.
-  args=(--dir "$TREE" --file "$file" --package tch-distributed
+  args=(--dir "$TREE" --file "$file" --package "${PACKAGE[$name]:-tch-distributed}"
     --test-package tch-distributed --test-package tch-distributed-tests
     --cargo-arg=--lib)
   for t in ${TESTS[$name]}; do

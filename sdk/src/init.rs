@@ -418,10 +418,10 @@ impl Context {
         &self.run.settings
     }
 
-    /// The mixed precision the run resolved on this rank's device (`auto` decided),
-    /// and why, for the banner.
-    pub(crate) fn precision(&self) -> (MixedPrecision, &str) {
-        (self.run.precision, &self.run.why)
+    /// Why the run resolved its [mixed precision](Context::mixed_precision), for the
+    /// banner (e.g. "auto: compute capability 9.0").
+    pub(crate) fn precision_why(&self) -> &str {
+        &self.run.why
     }
 
     /// The mixed precision of the forward passes, resolved on this rank's device

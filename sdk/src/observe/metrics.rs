@@ -91,7 +91,7 @@ impl Tracker {
             let settings = ctx.settings();
             config.insert(
                 "mixed_precision".into(),
-                json!(ctx.precision().0.to_string()),
+                json!(ctx.mixed_precision().to_string()),
             );
             // Every setting the run was given, as its variable would hold it.
             let given: Map<String, Value> = crate::settings::TABLE

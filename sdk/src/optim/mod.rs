@@ -279,7 +279,7 @@ impl Optimizer {
             params,
             &all,
             ctx.units(),
-            ctx.precision().0.kind(),
+            ctx.mixed_precision().kind(),
         )?);
         Ok(self)
     }

@@ -100,7 +100,7 @@ fn banner(ctx: &Context) -> String {
         .unwrap_or(DdpOptions::default().bucket_cap_mb);
     let mut line = format!("{}, bucket cap {bucket} MiB", ctx.banner());
     if settings.mixed_precision.is_some() {
-        let (precision, why) = ctx.precision();
+        let (precision, why) = (ctx.mixed_precision(), ctx.precision_why());
         let name = match precision {
             MixedPrecision::No => "no",
             MixedPrecision::Bf16 => "bf16",

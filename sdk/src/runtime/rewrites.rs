@@ -65,7 +65,7 @@ pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Opti
             .with_implementation(implementation)
             .unwrap_or_else(|e| fail("the attribute's optimizer", e));
     }
-    if ctx.precision().0 == MixedPrecision::Fp16 {
+    if ctx.mixed_precision() == MixedPrecision::Fp16 {
         opt = opt.grad_scaler(GradScaler::new());
     }
     Ok(opt)
