@@ -47,11 +47,40 @@ void call(tdc_callback callback, void* ctx, int index) {
 }
 } // namespace
 
-int tdc_storage_free(tdc_tensor t) {
+// A freed storage throws on any access to its data, with `message` (c10's own check:
+// `StorageImpl::release_data_and_set_meta_custom_data_ptr_error_msg_`, what PyTorch
+// uses for storages whose data is gone), so that a read of a resharded parameter is a
+// libtorch error that names it, never a null pointer a kernel dereferences. c10 has no
+// public way to lift that check again when the storage gets its memory back; the flag
+// and the method that refreshes the storage's cached "has a check" bit are private.
+// An explicit template instantiation may name private members (C++17
+// [temp.explicit]/14: "the usual access checking rules do not apply to names used to
+// specify explicit instantiations"): `Private` hands out pointers to exactly those two.
+namespace {
+template <typename Tag, typename Tag::type Member>
+struct Private {
+  friend typename Tag::type get(Tag) {
+    return Member;
+  }
+};
+struct ThrowOnAccess {
+  using type = bool c10::StorageImpl::*;
+  friend type get(ThrowOnAccess);
+};
+struct RefreshCheck {
+  using type = void (c10::StorageImpl::*)();
+  friend type get(RefreshCheck);
+};
+template struct Private<ThrowOnAccess, &c10::StorageImpl::throw_on_immutable_data_ptr_>;
+template struct Private<RefreshCheck, &c10::StorageImpl::refresh_has_data_ptr_check>;
+} // namespace
+
+int tdc_storage_free(tdc_tensor t, const char* message) {
   TDC_PROTECT(1, {
     auto* storage = tensor(t).storage().unsafeGetStorageImpl();
     storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
     storage->set_nbytes(0);
+    storage->release_data_and_set_meta_custom_data_ptr_error_msg_(std::string(message));
     return 0;
   })
 }
@@ -65,6 +94,9 @@ tdc_tensor tdc_storage_alias(tdc_tensor t) {
       storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
       storage->set_nbytes(nbytes);
     }
+    // The data is there again: reads are allowed (see `Private` above).
+    storage->*get(ThrowOnAccess{}) = false;
+    (storage->*get(RefreshCheck{}))();
     // A tensor of its own over the same storage: writing through it leaves the
     // parameter's version counter alone, so the tensors autograd saved from it in the
     // forward pass stay valid for the backward pass.
@@ -72,6 +104,10 @@ tdc_tensor tdc_storage_alias(tdc_tensor t) {
     alias.set_(param.storage(), param.storage_offset(), param.sizes(), param.strides());
     return new at::Tensor(std::move(alias));
   })
+}
+
+uintptr_t tdc_tensor_key(tdc_tensor t) {
+  return reinterpret_cast<uintptr_t>(tensor(t).unsafeGetTensorImpl());
 }
 
 int tdc_storage_bytes(tdc_tensor t, size_t* out) {

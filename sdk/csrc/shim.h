@@ -196,14 +196,19 @@ typedef int (*tdc_callback)(void* ctx, int index);
 // Releases a hook's context, when the last hook holding it is gone.
 typedef void (*tdc_drop)(void* ctx);
 typedef struct tdc_grad_hooks tdc_grad_hooks;
-// Frees the memory of `t`'s storage (its sizes stay: FSDP2's resharding).
-int tdc_storage_free(tdc_tensor t);
+// Frees the memory of `t`'s storage (its sizes stay: FSDP2's resharding); until it is
+// allocated again (tdc_storage_alias), any access to its data is a libtorch error whose
+// message is `message`.
+int tdc_storage_free(tdc_tensor t, const char* message);
 // Allocates `t`'s storage again if it was freed, and returns a new tensor over it
 // (same sizes) whose writes do not count as writes to `t` (autograd's saved tensors of
 // `t` stay valid); NULL on failure.
 tdc_tensor tdc_storage_alias(tdc_tensor t);
 // The bytes `t`'s storage holds now.
 int tdc_storage_bytes(tdc_tensor t, size_t* out);
+// The identity of the tensor behind `t` (its TensorImpl's address): equal for every
+// handle of one tensor (tch's shallow clones), whatever its storage holds.
+uintptr_t tdc_tensor_key(tdc_tensor t);
 // Sets `t`'s `.grad` to `grad` (NULL: none).
 int tdc_set_grad(tdc_tensor t, tdc_tensor grad);
 // Calls `callback(ctx, index)` each time `t`'s gradient is computed in a backward pass.

@@ -138,7 +138,7 @@ impl DistributedDataParallel {
         let named = vs.variables();
         let name_of: HashMap<usize, &String> = named
             .iter()
-            .map(|(n, t)| (t.data_ptr() as usize, n))
+            .map(|(n, t)| (crate::ffi::tensor_key(t), n))
             .collect();
         // Registration order, the order PyTorch's DDP sees `module.parameters()` in.
         let params: Vec<(String, Tensor)> = vs
@@ -146,7 +146,7 @@ impl DistributedDataParallel {
             .into_iter()
             .filter(|t| t.requires_grad())
             .map(|t| {
-                let name = name_of.get(&(t.data_ptr() as usize));
+                let name = name_of.get(&crate::ffi::tensor_key(&t));
                 (name.map_or("?", |s| s.as_str()).to_string(), t)
             })
             .collect();
@@ -156,7 +156,7 @@ impl DistributedDataParallel {
         let trainable: std::collections::HashSet<usize> = vs
             .trainable_variables()
             .iter()
-            .map(|t| t.data_ptr() as usize)
+            .map(|t| crate::ffi::tensor_key(t))
             .collect();
         Self::wrap(&named, &trainable, params, group, options)
     }
@@ -184,7 +184,7 @@ impl DistributedDataParallel {
             .collect();
         let trainable = variables
             .iter()
-            .map(|(_, t)| t.data_ptr() as usize)
+            .map(|(_, t)| crate::ffi::tensor_key(t))
             .collect();
         Self::wrap(&named, &trainable, params, group, options)
     }
@@ -226,11 +226,11 @@ impl DistributedDataParallel {
         all.sort_by(|a, b| a.0.cmp(b.0));
         let buffers: Vec<Tensor> = all
             .iter()
-            .filter(|(_, t)| !trainable.contains(&(t.data_ptr() as usize)))
+            .filter(|(_, t)| !trainable.contains(&crate::ffi::tensor_key(t)))
             .map(|(_, t)| t.shallow_clone())
             .collect();
         let description = describe(&all, |t| {
-            if !trainable.contains(&(t.data_ptr() as usize)) {
+            if !trainable.contains(&crate::ffi::tensor_key(t)) {
                 "buffer"
             } else if t.requires_grad() {
                 "trainable"

@@ -256,9 +256,10 @@ extern "C" {
     pub fn tdc_set_onednn_enabled(enabled: c_int) -> c_int;
     pub fn tdc_cuda_capability(device: c_int, major: *mut c_int, minor: *mut c_int) -> c_int;
 
-    pub fn tdc_storage_free(t: Tensor) -> c_int;
+    pub fn tdc_storage_free(t: Tensor, message: *const c_char) -> c_int;
     pub fn tdc_storage_alias(t: Tensor) -> Tensor;
     pub fn tdc_storage_bytes(t: Tensor, out: *mut usize) -> c_int;
+    pub fn tdc_tensor_key(t: Tensor) -> usize;
     pub fn tdc_set_grad(t: Tensor, grad: Tensor) -> c_int;
     pub fn tdc_hook_gradient(
         t: Tensor,
@@ -349,4 +350,15 @@ pub fn tensor(t: &tch::Tensor) -> Tensor {
 /// The raw pointers of several tensors, for array arguments.
 pub fn tensors(ts: &[tch::Tensor]) -> Vec<Tensor> {
     ts.iter().map(tensor).collect()
+}
+
+/// The identity of the tensor behind `t`: the same for every handle of one tensor
+/// (tch's `shallow_clone`s, a `VarStore`'s variable and the module's copy of it),
+/// whatever its storage holds (a resharded parameter's is empty). Tensors are told
+/// apart by this, never by their data's address, which a freed storage does not have
+/// and which empty tensors share.
+pub fn tensor_key(t: &tch::Tensor) -> usize {
+    // SAFETY: `tensor(t)` is the live `at::Tensor*` that `t` owns for this call, and
+    // `tdc_tensor_key` only reads its TensorImpl pointer (it cannot throw).
+    unsafe { tdc_tensor_key(tensor(t)) }
 }

@@ -10,6 +10,7 @@ use crate::files::{self, sync_dir, sync_file};
 use crate::init::Context;
 
 mod activation;
+pub(crate) mod model_file;
 mod preemption;
 mod state;
 
@@ -31,38 +32,103 @@ pub use state::{Checkpointer, TrainState};
 /// [`Error::Torch`] when libtorch fails to serialize; [`Error::Collective`] when a
 /// rank does not reach the barriers.
 pub fn save_var_store(ctx: &Context, vs: &VarStore, path: impl AsRef<Path>) -> Result<()> {
+    save_where(ctx, vs, path.as_ref(), &|_, _| true)
+}
+
+/// Saves the variables of `vs` that require a gradient (the trainable ones: a LoRA
+/// model's adapters, not its frozen base) to the safetensors file `path`, as PEFT's
+/// `save_pretrained` writes `adapter_model.safetensors`: in a job, rank 0 writes it
+/// atomically between barriers, as [`save_var_store`] does; the names are the store's
+/// (`layers.0.lora_a`), and `VarStore::load_partial` or PyTorch's
+/// `safetensors.torch.load_file` read it back. Sharded variables (ZeRO stage 3) are
+/// gathered one at a time. Outside a job, or in a job of one, it writes the file
+/// itself.
+///
+/// ```no_run
+/// # fn demo(vs: &tch::nn::VarStore) -> tch_distributed::Result<()> {
+/// tch_distributed::save_trainable(vs, "final_model/adapter_model.safetensors")?;
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// [`Error::InvalidInput`] when `path` does not end in `.safetensors`; [`Error::Io`]
+/// naming the path when it cannot be written; [`Error::Collective`] when a rank does
+/// not reach the barriers or a gather fails.
+pub fn save_trainable(vs: &VarStore, path: impl AsRef<Path>) -> Result<()> {
     let path = path.as_ref();
+    if !model_file::is_safetensors(path) {
+        return Err(Error::InvalidInput(format!(
+            "save_trainable writes a safetensors file, and {} does not end in .safetensors:              name it adapter_model.safetensors, say",
+            path.display()
+        )));
+    }
+    let trainable = |_: &str, t: &tch::Tensor| t.requires_grad();
+    match crate::init::current() {
+        Some(ctx) => save_where(&ctx, vs, path, &trainable),
+        None => files::replace(path, |tmp| {
+            model_file::write(None, vs, Some(tmp), &trainable)
+        }),
+    }
+}
+
+/// [`save_var_store`] of the variables `keep` keeps. A safetensors file is written one
+/// variable at a time (a sharded one gathered alone, on every rank); another format
+/// (libtorch's, written by tch all at once) has every sharded variable gathered for
+/// the write.
+fn save_where(
+    ctx: &Context,
+    vs: &VarStore,
+    path: &Path,
+    keep: &dyn Fn(&str, &tch::Tensor) -> bool,
+) -> Result<()> {
     ctx.barrier()?;
-    // Sharded parameters (ZeRO stage 3) are gathered for the write, on every rank.
-    let written = ctx
-        .units()
-        .with_full_parameters(false, || match ctx.is_main_process() {
+    let units = ctx.units();
+    let written = if model_file::is_safetensors(path) {
+        match ctx.is_main_process() {
+            true => {
+                let mut ran = false;
+                let written = files::replace(path, |tmp| {
+                    ran = true;
+                    model_file::write(Some(units), vs, Some(tmp), keep)
+                });
+                // The gathers run on every rank, even when the file could not be made.
+                match ran {
+                    true => written,
+                    false => model_file::write(Some(units), vs, None, keep).and(written),
+                }
+            }
+            false => model_file::write(Some(units), vs, None, keep),
+        }
+    } else {
+        units.with_full_parameters(false, || match ctx.is_main_process() {
             true => write_atomically(vs, path),
             false => Ok(()),
-        });
+        })
+    };
     // Every rank reaches the second barrier, even when rank 0 failed to write.
     ctx.barrier()?;
     written
 }
 
 /// Loads `path` into `vs` on every rank, after a barrier so that a file written by
-/// rank 0 just before is complete.
+/// rank 0 just before is complete. A safetensors file is read through a memory map,
+/// and a sharded variable (ZeRO stage 3) reads only this rank's rows of it: the model
+/// is never whole on a rank. Another format (libtorch's) is read whole, by tch.
 ///
-/// Errors: [`Error::Torch`] when the file is missing or does not match `vs`.
+/// # Errors
+/// [`Error::Torch`] or [`Error::Checkpoint`] when the file is missing or does not
+/// match `vs`.
 pub fn load_var_store(ctx: &Context, vs: &mut VarStore, path: impl AsRef<Path>) -> Result<()> {
+    let path = path.as_ref();
     ctx.barrier()?;
+    if model_file::is_safetensors(path) {
+        return model_file::load(ctx.units(), vs, path);
+    }
     // Sharded parameters take the loaded values into their shards.
     ctx.units().with_full_parameters(true, || {
-        vs.load(path.as_ref())
-            .map_err(|e| Error::Torch(format!("loading {}: {e}", path.as_ref().display())))
+        vs.load(path)
+            .map_err(|e| Error::Torch(format!("loading {}: {e}", path.display())))
     })
-}
-
-/// `vs.save(path)` (the format follows the extension), flushed to disk.
-fn save_synced(vs: &VarStore, path: &Path) -> Result<()> {
-    vs.save(path)
-        .map_err(|e| Error::Torch(format!("writing {}: {e}", path.display())))?;
-    sync_file(path)
 }
 
 /// Writes `vs` to `path` through [`files::replace`]: `path` is replaced only once the

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use tch::nn::VarStore;
 use tch::Tensor;
 
-use super::{io, save_synced, sync_dir, sync_file};
+use super::{io, model_file, sync_dir, sync_file};
 use crate::error::{checkpoint, checkpoint_from, Error, Result};
 use crate::init;
 use crate::log;
@@ -269,7 +269,18 @@ impl Checkpointer {
         Self::agree(made, rank, "preparing", &tmp)?;
 
         // Every rank writes its own files; rank 0 the replicated ones too.
+        let ctx = init::current();
         let mut write = || {
+            // The model first, on every rank: its sharded variables (ZeRO stage 3) are
+            // all-gathered one at a time, collectives that every rank runs whatever
+            // else fails here; rank 0 writes the file.
+            let model = tmp.join(MODEL);
+            let units = ctx.as_ref().map(|c| c.units());
+            let dest = (rank == 0).then_some(model.as_path());
+            model_file::write(units, vs, dest, &|_, _| true)?;
+            if rank == 0 {
+                sync_file(&model)?;
+            }
             let rng = generators(vs.device())
                 .into_iter()
                 .map(|(name, index)| Ok((name, rng_state(index)?)))
@@ -282,11 +293,9 @@ impl Checkpointer {
                 write_synced(&tmp.join(optimizer_shard(rank)), &opt.state()?)?;
             }
             if rank == 0 {
-                save_synced(vs, &tmp.join(MODEL))?;
                 if opt.zero_stage().is_none() {
                     write_synced(&tmp.join(OPTIMIZER), &opt.state()?)?;
                 }
-                let ctx = init::current();
                 let loops = match (&state.loops[..], &ctx) {
                     ([], Some(ctx)) => ctx.loops().now(),
                     (given, _) => given.to_vec(),
@@ -321,12 +330,7 @@ impl Checkpointer {
             }
             Ok(())
         };
-        // Parameters that ZeRO stage 3 freed are gathered for the model's file, on
-        // every rank.
-        let written = match init::current() {
-            Some(ctx) => ctx.units().with_full_parameters(false, write),
-            None => write(),
-        };
+        let written = write();
         Self::agree(written, rank, "writing", &tmp)?;
 
         // All files are durable: mark complete, move into place, prune.

@@ -280,6 +280,12 @@ impl Optimizer {
             &all,
             ctx.units(),
             ctx.mixed_precision().kind(),
+            // The run's bucket cap, DDP's `bucket_cap_mb`, caps the root's gradient
+            // buckets (DeepSpeed ZeRO-2's `reduce_bucket_size`).
+            (ctx.settings()
+                .bucket_cap_mb
+                .unwrap_or(crate::ddp::DdpOptions::default().bucket_cap_mb)
+                * (1 << 20) as f64) as usize,
         )?);
         Ok(self)
     }
@@ -451,12 +457,12 @@ impl Optimizer {
             if new > 0 && distributed {
                 let late: std::collections::HashSet<usize> = v.trainable_variables[before..]
                     .iter()
-                    .map(|var| var.tensor.data_ptr() as usize)
+                    .map(|var| crate::ffi::tensor_key(&var.tensor))
                     .collect();
                 let mut names: Vec<&str> = v
                     .named_variables
                     .iter()
-                    .filter(|(_, t)| late.contains(&(t.data_ptr() as usize)))
+                    .filter(|(_, t)| late.contains(&crate::ffi::tensor_key(t)))
                     .map(|(n, _)| n.as_str())
                     .collect();
                 names.sort_unstable();

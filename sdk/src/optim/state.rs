@@ -37,13 +37,13 @@ fn param_names(opt: &Optimizer) -> Vec<String> {
     let by_data: HashMap<usize, &String> = v
         .named_variables
         .iter()
-        .map(|(name, t)| (t.data_ptr() as usize, name))
+        .map(|(name, t)| (crate::ffi::tensor_key(t), name))
         .collect();
     opt.params
         .iter()
         .map(|p| {
             by_data
-                .get(&(p.data_ptr() as usize))
+                .get(&crate::ffi::tensor_key(p))
                 .map_or_else(String::new, |n| n.to_string())
         })
         .collect()

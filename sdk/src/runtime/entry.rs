@@ -183,6 +183,15 @@ impl Session {
             crate::log::warn(format_args!("{e}"));
         }
         if let Some(ctx) = init::current() {
+            // The model leaves whole (as FSDP2's `full_tensor()`): every variable that
+            // ZeRO stage 3 sharded is gathered for good, on every rank.
+            if let Err(e) = ctx.units().make_whole() {
+                crate::log::warn(format_args!(
+                    "gathering the sharded variables at the function's return failed on rank \
+                     {}: they stay sharded, and reading one is an error: {e}",
+                    ctx.rank()
+                ));
+            }
             if let Err(e) = ctx.barrier() {
                 crate::log::warn(format_args!(
                     "exit barrier failed on rank {}: {e}",

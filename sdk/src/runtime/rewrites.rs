@@ -253,7 +253,7 @@ fn several_ranks() -> Option<init::Context> {
 
 /// The key of an optimizer's DDP: its first variable's data.
 fn key(variables: &[Tensor]) -> usize {
-    variables.first().map_or(0, |v| v.data_ptr() as usize)
+    variables.first().map_or(0, |v| crate::ffi::tensor_key(v))
 }
 
 /// `variables`, named by their index for errors (`variable 3`).

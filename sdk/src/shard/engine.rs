@@ -1,21 +1,30 @@
 //! The sharded parameters of one optimizer: ZeRO stages 2 and 3 with FSDP2's
-//! semantics. Each unit's parameters are cut on dim 0 into exact `1/world_size`
-//! shards (see [`layout`](super::layout)); the optimizer steps the shards; gradients
-//! are reduce-scattered, one collective per unit, as soon as a unit's gradients are
-//! all accumulated (a hook on each parameter's gradient accumulator, as c10d's
-//! Reducer); parameters are all-gathered after the step (stage 2, and stage 3's root
-//! unit), or around each forward and backward pass of a unit (stage 3).
+//! semantics. The parameters are grouped in units ([`UnitParams`]: the `fully_shard`
+//! units, and the root for the rest), each cut on dim 0 into exact `1/world_size`
+//! shards (see [`layout`](super::layout)); the optimizer steps the shards. Gradients
+//! are reduce-scattered in buckets, as soon as a bucket's gradients are all accumulated
+//! (a hook on each parameter's gradient accumulator, as c10d's Reducer): one bucket per
+//! unit, and the root's gradients in buckets of at most the bucket cap, in the order
+//! the backward pass makes them (DeepSpeed ZeRO-2's `reduce_bucket_size`). Parameters
+//! are all-gathered after the step (stage 2, and stage 3's root), or around each
+//! forward and backward pass of a unit (stage 3).
+//!
+//! Frozen variables (`requires_grad` off when the optimizer is built) are never
+//! stepped and never reduce-scattered; at stage 3 those of a unit are sharded with it
+//! (they take memory too, as in FSDP2), elsewhere they stay whole.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 use super::hooks::{self, GradHooks, Hook};
 use super::layout::{layout, Piece};
+use super::params::UnitParams;
 use crate::error::{Error, Result};
-use crate::process_group::{Pending, ProcessGroup, ReduceOp};
+use crate::ffi::tensor_key;
+use crate::process_group::{ProcessGroup, ReduceOp};
 use crate::unit_registry::{ShardedParameters, Units};
 
 /// DDP's broadcast bucket: the parameters and buffers rank 0 sends at the start.
@@ -31,10 +40,11 @@ pub struct ShardingStats {
     pub all_gathers: u64,
     /// Those started ahead, during the compute of the unit before (FSDP's prefetch).
     pub prefetched_all_gathers: u64,
-    /// Reduce-scatters of a unit's gradients (one per unit and cycle).
+    /// Reduce-scatters of gradients: one per bucket and cycle (one bucket per unit;
+    /// the root's gradients in buckets of at most the bucket cap).
     pub reduce_scatters: u64,
     /// Those run at the step rather than in the backward pass, where they overlap the
-    /// compute: the backward pass left their unit, or one before it in the order the
+    /// compute: the backward pass left their bucket, or one before it in the order the
     /// reduce-scatters keep, incomplete: no hook ran for a variable that the loss's
     /// graph reaches (an autograd node that accumulates gradients itself rather than
     /// along its edges). 0 whenever the graph shows its parameters, checkpointed blocks
@@ -48,7 +58,7 @@ pub struct ShardingStats {
 /// The sharded parameters of one optimizer (see the module's documentation).
 pub(crate) struct Sharding {
     inner: Arc<Inner>,
-    /// The units' views (their chunks), in the optimizer's order: see `shards`.
+    /// What the optimizer steps, one per parameter in its order: see `shards`.
     shards: Vec<Tensor>,
     hooks: GradHooks,
 }
@@ -56,12 +66,28 @@ pub(crate) struct Sharding {
 pub(crate) struct Inner {
     group: ProcessGroup,
     stage: u8,
-    /// The optimizer's parameters (full), in its order.
+    /// The optimizer's parameters (whole), in its order.
     params: Vec<Tensor>,
-    /// Which unit holds each parameter, and where in it.
-    unit_of: Vec<(usize, usize)>,
+    /// Per parameter, its unit and its place among the unit's members; none for a
+    /// frozen variable that stays whole.
+    unit_of: Vec<Option<(usize, usize)>>,
+    /// Per parameter, its gradient bucket and its place in it; none for a frozen one.
+    bucket_of: Vec<Option<(usize, usize)>>,
+    /// The parameters whose gradients are hooked (the trainable ones), in the hooks'
+    /// order.
+    hooked: Vec<usize>,
+    /// The parameters that were frozen when the optimizer was built.
+    frozen: Vec<usize>,
     /// Unit 0 is the root: the parameters no declared unit claims.
-    units: Vec<Mutex<Unit>>,
+    units: Vec<Arc<UnitParams>>,
+    /// Per unit, whether it has frozen members: the gradients of its passes' inputs
+    /// then read their weights after the unit's own gradients are accumulated, so it
+    /// is resharded after those too.
+    frozen_members: Vec<bool>,
+    /// The gradient buckets, in the order they are reduce-scattered on every rank.
+    buckets: Vec<Mutex<Bucket>>,
+    /// Per unit, its bucket (a declared unit has at most one).
+    bucket_of_unit: Vec<Option<usize>>,
     /// Whether this backward pass reduce-scatters (not a micro-batch inside an
     /// accumulation cycle, which keeps its full gradients, as FSDP2's
     /// `set_requires_gradient_sync(False)`).
@@ -72,161 +98,237 @@ pub(crate) struct Inner {
     /// for the prefetch: the all-gather of the unit whose pass comes next starts
     /// before a unit's compute, as FSDP's forward and backward prefetch.
     forward_order: Mutex<Vec<usize>>,
-    /// [`ShardingStats`]' counters.
-    counts: Counts,
-    /// Under mixed precision, the dtype fp32 units are all-gathered in (bf16 or fp16,
-    /// as FSDP2's `MixedPrecisionPolicy(param_dtype=…)`): the forward and backward
-    /// passes compute with the parameters rounded to it, the optimizer steps the fp32
-    /// shards. `None`: the parameters' own dtype.
-    low: Option<tch::Kind>,
+    reduce_scatters: AtomicU64,
+    reduce_scatters_at_step: AtomicU64,
     /// The first failure inside a hook, which fails the backward pass.
     failure: Mutex<Option<Error>>,
     /// The hook that gathers a unit before its backward pass.
     gather_hook: Arc<Hook>,
 }
 
-// The tensors are handles: what writes through them (gather, free, reduce-scatter,
-// the step) runs under the unit's lock or on the optimizer's `&mut self`, and
-// libtorch's tensors may be used from several threads otherwise (as the Reducer's
-// hooks run on autograd's threads).
+// SAFETY: the tensors are handles to libtorch tensors, usable from any thread; what
+// writes through them (reduce-scatter, gather, free) runs under a bucket's or a unit's
+// lock or on the optimizer's `&mut self`, as the Reducer's hooks run on autograd's
+// threads.
 unsafe impl Sync for Inner {}
+// SAFETY: as for `Sync`.
 unsafe impl Send for Inner {}
 
 /// The reduce-scatters of a cycle run in one fixed order on every rank: the declared
-/// units from the last to the first (the order of a backward pass when they were
-/// declared in the forward's order), then the root, as the Reducer launches its
-/// buckets in order. A unit complete early (all its gradients accumulated) waits for
-/// those before it, so that a unit that is complete on one rank and not on another
-/// (a member without a gradient there) cannot pair one rank's collective with
-/// another unit's: the incomplete ones run at the step, in the same order.
+/// units' buckets from the last unit to the first (the order of a backward pass when
+/// they were declared in the forward's order), then the root's, from its last
+/// parameters to its first, as the Reducer launches its buckets in order. A bucket
+/// complete early (all its gradients accumulated) waits for those before it, so that
+/// a bucket that is complete on one rank and not on another (a member without a
+/// gradient there) cannot pair one rank's collective with another bucket's: the
+/// incomplete ones run at the step, in the same order.
 struct Order {
-    /// How many units of the order were reduce-scattered in this cycle (all of them
+    /// How many buckets of the order were reduce-scattered in this cycle (all of them
     /// once the gradients are finished, until the step is over).
     next: usize,
-    /// The units whose gradients were all accumulated in this cycle.
+    /// The buckets whose gradients were all accumulated in this cycle.
     complete: Vec<bool>,
 }
 
-/// [`ShardingStats`], counted as the collectives run.
-#[derive(Default)]
-struct Counts {
-    all_gathers: AtomicU64,
-    prefetched_all_gathers: AtomicU64,
-    reduce_scatters: AtomicU64,
-    reduce_scatters_at_step: AtomicU64,
-    all_gather_bytes: AtomicU64,
-}
-
-/// An all-gather started and not waited for.
-struct Gathering {
-    pending: Pending,
-    /// Its output, one chunk per rank (views of one buffer).
-    chunks: Vec<Tensor>,
-    /// Its input (the shard, or its low-precision copy), alive until it completes.
-    _input: Tensor,
-}
-
-struct Unit {
-    /// The unit's parameters (places in the optimizer) and their pieces.
+/// Trainable parameters whose gradients are reduce-scattered together.
+struct Bucket {
+    /// The unit of its members.
+    unit: usize,
+    /// Its parameters (places in the optimizer), their places in `grad`, and their
+    /// chunks of their unit's shard (what the optimizer steps).
     members: Vec<usize>,
     pieces: Vec<Piece>,
-    /// This rank's flat shard of the unit's parameters.
-    shard: Tensor,
-    /// This rank's flat shard of their gradients (`shard`'s length), then one flag
-    /// per member: after the reduce-scatter, above zero when some rank had a gradient
-    /// for that member in this cycle.
-    grad: Tensor,
-    /// Per member, its chunk of `shard` in the parameter's shape with `chunk_rows`
-    /// rows; its `.grad` is its chunk of `grad` (`grads`), or none in a cycle where no
-    /// rank had a gradient for it (the optimizer skips it, as DDP leaves such a
-    /// variable's gradient undefined). The optimizer steps these.
     views: Vec<Tensor>,
+    /// The elements of this rank's gradient chunks (`grad` holds them, then one flag
+    /// per member: after the reduce-scatter, above zero when some rank had a gradient
+    /// for that member in this cycle).
+    len: i64,
+    grad: Tensor,
+    /// Per member, its chunk of `grad` in the member's shape with `chunk_rows` rows;
+    /// the `.grad` of its view, or none in a cycle where no rank had a gradient for it
+    /// (the optimizer skips it, as DDP leaves such a variable's gradient undefined).
     grads: Vec<Tensor>,
     /// Per member, whether this backward pass accumulated its gradient.
     ready: Vec<bool>,
-    /// The full parameters hold the shards' values.
-    gathered: bool,
-    /// An all-gather of `shard` started ahead of the unit's pass (prefetched).
-    gathering: Option<Gathering>,
-    /// Freed after each forward and backward pass (stage 3, not the root).
-    reshard: bool,
+}
+
+/// How an optimizer's parameters fall into units.
+struct Claims {
+    /// Per unit (0: the root): its slot (none for the root), the members (places in
+    /// the optimizer), and its parameters when they were sharded before.
+    units: Vec<(Option<usize>, Vec<usize>, Option<Arc<UnitParams>>)>,
 }
 
 impl Sharding {
     /// Shards `params` (the optimizer's, with their names) over `group` at `stage`
-    /// (2 or 3), in the units declared in `registry` that claim some of them, and
-    /// registers itself there. Under mixed precision, `low` (bf16 or fp16) is the
-    /// dtype fp32 units are all-gathered and computed in. Every rank gets rank 0's values of `all` (the store's
-    /// variables and buffers, in an order every rank agrees on) first, as DDP's
-    /// construction does.
+    /// (2 or 3), in the units declared in `registry` that claim some of them (or
+    /// that were sharded already, as `fully_shard` does in a stage-3 job), and
+    /// registers the units there. Under mixed precision, `param_dtype` (bf16 or fp16)
+    /// is the dtype fp32 units are all-gathered and computed in. `bucket_bytes` caps
+    /// the root's gradient buckets. Every rank gets rank 0's values of `all` (the
+    /// store's variables and buffers, in an order every rank agrees on) first, as
+    /// DDP's construction does, but those sharded before (agreed then).
     ///
-    /// Errors: [`Error::Collective`] when the ranks' models differ or a collective
-    /// fails; [`Error::Usage`] for a parameter that is not a whole contiguous tensor or
-    /// a unit that mixes dtypes or devices.
+    /// # Errors
+    /// [`Error::Collective`] when the ranks' models differ or a collective fails;
+    /// [`Error::Usage`] for a parameter that is not a whole contiguous tensor or a
+    /// unit that mixes dtypes or devices.
     pub fn new(
         group: &ProcessGroup,
         stage: u8,
         params: Vec<(String, Tensor)>,
         all: &[Tensor],
         registry: &Units,
-        low: Option<tch::Kind>,
+        param_dtype: Option<Kind>,
+        bucket_bytes: usize,
     ) -> Result<Sharding> {
         let declared = registry.declared();
+        let (names, params): (Vec<String>, Vec<Tensor>) = params.into_iter().unzip();
+        let claims = claim(&declared, &names, &params, stage);
         group.verify_same_shapes(all)?;
-        group.broadcast_coalesced(all, BROADCAST_BYTES, 0)?;
-        if params.iter().any(|(_, p)| p.device() == tch::Device::Cpu) {
+        let presharded: std::collections::HashSet<usize> = claims
+            .units
+            .iter()
+            .filter(|(_, _, before)| before.is_some())
+            .flat_map(|(_, members, _)| members.iter().map(|&i| tensor_key(&params[i])))
+            .collect();
+        let agreed: Vec<Tensor> = all
+            .iter()
+            .filter(|t| !presharded.contains(&tensor_key(t)))
+            .map(Tensor::shallow_clone)
+            .collect();
+        group.broadcast_coalesced(&agreed, BROADCAST_BYTES, 0)?;
+        if params.iter().any(|p| p.device() == tch::Device::Cpu) {
             return_freed_memory();
         }
-        let (names, params): (Vec<String>, Vec<Tensor>) = params.into_iter().unzip();
-        for (name, p) in names.iter().zip(&params) {
-            let whole = hooks::storage_bytes(p)? == p.numel() * p.kind().elt_size_in_bytes();
-            if !p.is_contiguous() || !whole {
-                return Err(Error::Usage(format!(
-                    "variable `{name}` shares its memory with another tensor (a view or a slice \
-                     of a bigger one): ZeRO stages 2 and 3 shard whole, contiguous variables. \
-                     Create it on the VarStore as a variable of its own"
-                )));
-            }
+        if stage == 3 && claims.units.len() == 1 && group.rank() == 0 {
+            crate::log::warn(
+                "ZeRO stage 3 with no fully_shard unit: the parameters stay whole on every \
+                 rank (the optimizer state and the gradients are sharded, as at stage 2). \
+                 Wrap the model's blocks in tch_distributed::fully_shard(block, &path) to \
+                 shard the parameters too",
+            );
         }
-        // Each parameter goes to the declared unit with the longest prefix of its
-        // name (a nested unit claims its own), else to the root.
-        let claims: Vec<Option<usize>> = names
-            .iter()
-            .map(|name| {
-                declared
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, s)| name.starts_with(&s.prefix))
-                    .max_by_key(|(_, s)| s.prefix.len())
-                    .map(|(i, _)| i)
-            })
-            .collect();
-        let mut used: Vec<usize> = claims.iter().flatten().copied().collect();
-        used.sort_unstable();
-        used.dedup();
-        let mut unit_members: Vec<(Option<usize>, Vec<usize>)> = vec![(None, Vec::new())];
-        for &slot in &used {
-            unit_members.push((Some(slot), Vec::new()));
-        }
-        for (i, claim) in claims.iter().enumerate() {
-            let u = match claim {
-                None => 0,
-                Some(slot) => 1 + used.iter().position(|s| s == slot).expect("listed above"),
-            };
-            unit_members[u].1.push(i);
-        }
-        let (rank, world) = (group.rank(), group.world_size());
-        let mut unit_of = vec![(0, 0); params.len()];
+        let mut unit_of = vec![None; params.len()];
         let mut units = Vec::new();
-        for (u, (_, members)) in unit_members.iter().enumerate() {
-            for (j, &i) in members.iter().enumerate() {
-                unit_of[i] = (u, j);
-            }
+        let mut frozen_members = Vec::new();
+        for (u, (slot, members, before)) in claims.units.into_iter().enumerate() {
             let reshard = stage == 3 && u > 0;
-            units.push(Mutex::new(Unit::new(
-                members, &params, &names, rank, world, reshard,
-            )?));
+            let unit = match before {
+                Some(unit) => {
+                    // Sharded when it was declared: kept gathered from now on at stage 2.
+                    let mut state = unit.lock();
+                    if !reshard && state.reshard {
+                        state.reshard = false;
+                        unit.gather_locked(&mut state, false)?;
+                    }
+                    drop(state);
+                    unit
+                }
+                None => {
+                    let unit = Arc::new(UnitParams::new(
+                        group,
+                        members.iter().map(|&i| names[i].clone()).collect(),
+                        members.iter().map(|&i| params[i].shallow_clone()).collect(),
+                        param_dtype,
+                        reshard,
+                    )?);
+                    registry.add_sharded(unit.clone() as Arc<dyn ShardedParameters>);
+                    if let Some(slot) = slot {
+                        declared[slot].set_params(unit.clone());
+                    }
+                    unit
+                }
+            };
+            for (j, &i) in members.iter().enumerate() {
+                unit_of[i] = Some((u, j));
+            }
+            frozen_members.push(members.iter().any(|&i| !params[i].requires_grad()));
+            units.push((slot, unit));
         }
+        // The buckets, in the reduce-scatters' order: the declared units' from the
+        // last to the first, then the root's.
+        let trainable = |u: usize| -> Vec<usize> {
+            let mut members: Vec<(usize, usize)> = unit_of
+                .iter()
+                .enumerate()
+                .filter_map(|(i, place)| match place {
+                    Some((v, j)) if *v == u && params[i].requires_grad() => Some((*j, i)),
+                    _ => None,
+                })
+                .collect();
+            members.sort_unstable();
+            members.into_iter().map(|(_, i)| i).collect()
+        };
+        let mut groups: Vec<(usize, Vec<usize>)> = (1..units.len())
+            .rev()
+            .map(|u| (u, trainable(u)))
+            .filter(|(_, members)| !members.is_empty())
+            .collect();
+        let mut root: Vec<(usize, Vec<usize>)> = Vec::new();
+        let mut bytes = 0;
+        for i in trainable(0).into_iter().rev() {
+            let size = params[i].numel() * params[i].kind().elt_size_in_bytes();
+            match root.last_mut() {
+                Some((_, members)) if bytes + size <= bucket_bytes.max(1) => members.push(i),
+                _ => {
+                    root.push((0, vec![i]));
+                    bytes = 0;
+                }
+            }
+            bytes += size;
+        }
+        groups.extend(root);
+        let (rank, world) = (group.rank(), group.world_size());
+        let mut bucket_of = vec![None; params.len()];
+        let mut bucket_of_unit = vec![None; units.len()];
+        let mut buckets = Vec::new();
+        for (b, (u, members)) in groups.into_iter().enumerate() {
+            let unit = units[u].1.lock();
+            let shapes: Vec<Vec<i64>> = members.iter().map(|&i| params[i].size()).collect();
+            let (pieces, len) = layout(&shapes, world);
+            let grad = Tensor::zeros(
+                [len + members.len() as i64],
+                (unit.shard.kind(), unit.shard.device()),
+            );
+            let mut views = Vec::new();
+            let mut grads = Vec::new();
+            for (k, (&i, piece)) in members.iter().zip(&pieces).enumerate() {
+                bucket_of[i] = Some((b, k));
+                let (_, j) = unit_of[i].expect("in a unit");
+                let view = unit.views[j].shallow_clone();
+                let grad_view = grad
+                    .narrow(0, piece.offset, piece.chunk_len())
+                    .view(piece.chunk_shape().as_slice());
+                hooks::set_grad(&view, &grad_view)?;
+                views.push(view);
+                grads.push(grad_view);
+            }
+            bucket_of_unit[u] = Some(b);
+            buckets.push(Mutex::new(Bucket {
+                unit: u,
+                ready: vec![false; members.len()],
+                members,
+                pieces,
+                views,
+                len,
+                grad,
+                grads,
+            }));
+        }
+        // A unit without trainable members has no gradients to wait for.
+        for (u, (_, unit)) in units.iter().enumerate() {
+            unit.lock().grads_done = bucket_of_unit[u].is_none();
+        }
+        let _ = rank;
+        let hooked: Vec<usize> = (0..params.len())
+            .filter(|&i| params[i].requires_grad())
+            .collect();
+        let frozen: Vec<usize> = (0..params.len())
+            .filter(|&i| !params[i].requires_grad())
+            .collect();
+        let n_buckets = buckets.len();
+        let slots: Vec<Option<usize>> = units.iter().map(|(slot, _)| *slot).collect();
         let inner = Arc::new_cyclic(|me: &Weak<Inner>| {
             let me = me.clone();
             let gather_hook: Arc<Hook> = Arc::new(move |u| match me.upgrade() {
@@ -236,50 +338,49 @@ impl Sharding {
             Inner {
                 group: group.clone(),
                 stage,
-                params,
                 unit_of,
-                units,
+                bucket_of,
+                frozen,
+                units: units.into_iter().map(|(_, unit)| unit).collect(),
+                frozen_members,
+                buckets,
+                bucket_of_unit,
                 sync: AtomicBool::new(true),
-                forward_order: Mutex::new(Vec::new()),
-                counts: Default::default(),
-                low,
                 order: Mutex::new(Order {
                     next: 0,
-                    complete: vec![false; unit_members.len()],
+                    complete: vec![false; n_buckets],
                 }),
+                forward_order: Mutex::new(Vec::new()),
+                reduce_scatters: AtomicU64::new(0),
+                reduce_scatters_at_step: AtomicU64::new(0),
                 failure: Mutex::new(None),
                 gather_hook,
+                hooked,
+                params,
             }
         });
-        for (u, (slot, _)) in unit_members.iter().enumerate() {
+        for (u, slot) in slots.iter().enumerate() {
             if let Some(slot) = slot {
                 let engine: Arc<dyn std::any::Any + Send + Sync> = inner.clone();
                 declared[*slot].bind(Arc::downgrade(&engine), u);
             }
         }
-        let engine: Arc<dyn ShardedParameters> = inner.clone();
-        registry.add_engine(Arc::downgrade(&engine));
-        for u in 0..inner.units.len() {
-            let mut unit = inner.unit(u);
-            if unit.reshard {
-                inner.free_locked(&mut unit)?;
-            } else if low.is_some() {
-                // The units that stay gathered hold the rounded parameters from the
-                // start, as after each step.
-                unit.gathered = false;
-                inner.gather_locked(&mut unit, false)?;
-            }
-        }
         let weak = Arc::downgrade(&inner);
-        let ready: Arc<Hook> = Arc::new(move |i| match weak.upgrade() {
-            Some(inner) => inner.kept(inner.grad_ready(i)),
+        let ready: Arc<Hook> = Arc::new(move |h| match weak.upgrade() {
+            Some(inner) => inner.kept(inner.grad_ready(inner.hooked[h])),
             None => true,
         });
-        let hooks = GradHooks::new(&inner.params, &ready)?;
+        let hooked: Vec<Tensor> = inner
+            .hooked
+            .iter()
+            .map(|&i| inner.params[i].shallow_clone())
+            .collect();
+        let hooks = GradHooks::new(&hooked, &ready)?;
         let shards = (0..inner.params.len())
-            .map(|i| {
-                let (u, j) = inner.unit_of[i];
-                inner.unit(u).views[j].shallow_clone()
+            .map(|i| match inner.unit_of[i] {
+                Some((u, j)) => inner.units[u].lock().views[j].shallow_clone(),
+                // A frozen variable that stays whole: it never has a gradient.
+                None => inner.params[i].shallow_clone(),
             })
             .collect();
         Ok(Sharding {
@@ -291,15 +392,19 @@ impl Sharding {
 
     /// What the collectives did so far.
     pub fn stats(&self) -> ShardingStats {
-        let c = &self.inner.counts;
+        let inner = &self.inner;
         let load = |n: &AtomicU64| n.load(Ordering::Relaxed);
-        ShardingStats {
-            all_gathers: load(&c.all_gathers),
-            prefetched_all_gathers: load(&c.prefetched_all_gathers),
-            reduce_scatters: load(&c.reduce_scatters),
-            reduce_scatters_at_step: load(&c.reduce_scatters_at_step),
-            all_gather_bytes: load(&c.all_gather_bytes),
+        let mut stats = ShardingStats {
+            reduce_scatters: load(&inner.reduce_scatters),
+            reduce_scatters_at_step: load(&inner.reduce_scatters_at_step),
+            ..Default::default()
+        };
+        for unit in &inner.units {
+            stats.all_gathers += load(&unit.counts.all_gathers);
+            stats.prefetched_all_gathers += load(&unit.counts.prefetched_all_gathers);
+            stats.all_gather_bytes += load(&unit.counts.all_gather_bytes);
         }
+        stats
     }
 
     /// The ZeRO stage (2 or 3).
@@ -307,8 +412,8 @@ impl Sharding {
         self.inner.stage
     }
 
-    /// The shards the optimizer steps, one per parameter in its order, each with its
-    /// gradient's shard as `.grad`.
+    /// What the optimizer steps, one per parameter in its order: the shards, each with
+    /// its gradient's shard as `.grad`, and the frozen variables that stay whole.
     pub fn shards(&self) -> Vec<Tensor> {
         self.shards.iter().map(Tensor::shallow_clone).collect()
     }
@@ -318,22 +423,30 @@ impl Sharding {
         (self.inner.group.rank(), self.inner.group.world_size())
     }
 
+    /// Parameter `i`'s piece: its place in its unit, or (a frozen variable that stays
+    /// whole) its own dim-0 chunks.
+    fn piece(&self, i: usize) -> Piece {
+        let piece = match self.inner.unit_of[i] {
+            Some((u, j)) => self.inner.units[u].lock().pieces[j].clone(),
+            None => {
+                let shape = self.inner.params[i].size();
+                layout(&[shape], self.inner.group.world_size()).0.remove(0)
+            }
+        };
+        Piece { offset: 0, ..piece }
+    }
+
     /// Parameter `i`'s shaped chunk `t` (a state tensor of it) without its padding:
     /// this rank's rows only (none for a rank past the end).
     pub fn unpadded(&self, i: usize, t: &Tensor) -> Tensor {
-        let (u, j) = self.inner.unit_of[i];
-        let (_, rows) = self.inner.unit(u).pieces[j].rows_of(self.inner.group.rank());
+        let (_, rows) = self.piece(i).rows_of(self.inner.group.rank());
         t.narrow(0, 0, rows)
     }
 
     /// This rank's chunk of `full` (a tensor of parameter `i`'s shape), padded with
     /// zeros to the chunk's rows.
     pub fn chunk(&self, i: usize, full: &Tensor) -> Tensor {
-        let (u, j) = self.inner.unit_of[i];
-        let piece = Piece {
-            offset: 0,
-            ..self.inner.unit(u).pieces[j].clone()
-        };
+        let piece = self.piece(i);
         let rank = self.inner.group.rank();
         let chunk = full.new_zeros([piece.chunk_len()], (full.kind(), full.device()));
         if let Some(mine) = piece.rows_in_full(full, rank) {
@@ -351,27 +464,52 @@ impl Sharding {
     /// (the last micro-batch of an accumulation cycle) or keeps them (the others).
     /// The members outside `loss`'s autograd graph get no gradient in it: they count
     /// as ready from the start, as the Reducer marks unused parameters ready, so that
-    /// a unit is complete at the same point on every rank whichever of its members a
-    /// rank's loss leaves out (a unit none of whose members are in the graph is
+    /// a bucket is complete at the same point on every rank whichever of its members
+    /// a rank's loss leaves out (a bucket none of whose members are in the graph is
     /// complete now).
     ///
-    /// Errors: [`Error::Torch`] when the graph cannot be searched; [`Error::Collective`]
-    /// when a reduce-scatter this completes fails.
+    /// # Errors
+    /// [`Error::Usage`] when a variable frozen at the optimizer's build requires a
+    /// gradient now; [`Error::Torch`] when the graph cannot be searched;
+    /// [`Error::Collective`] when a reduce-scatter this completes fails.
     pub fn begin_backward(&self, loss: &Tensor, sync: bool) -> Result<()> {
         let inner = &self.inner;
+        if let Some(&i) = inner
+            .frozen
+            .iter()
+            .find(|&&i| inner.params[i].requires_grad())
+        {
+            let name = match inner.unit_of[i] {
+                Some((u, j)) => inner.units[u].lock().names[j].clone(),
+                None => format!("number {i}"),
+            };
+            return Err(Error::Usage(format!(
+                "variable `{name}` was frozen (requires_grad off) when its sharded optimizer \
+                 was built and requires a gradient now: ZeRO shards, reduce-scatters and \
+                 steps the variables that were trainable at the build, so it would train \
+                 apart on each rank. Set requires_grad before building the optimizer, or \
+                 build a new optimizer after unfreezing"
+            )));
+        }
         let reachable = self.hooks.reachable(std::slice::from_ref(loss))?;
+        let hook_of: HashMap<usize, usize> = inner
+            .hooked
+            .iter()
+            .enumerate()
+            .map(|(h, &i)| (i, h))
+            .collect();
         inner.sync.store(sync, Ordering::SeqCst);
-        for u in 0..inner.units.len() {
+        for b in 0..inner.buckets.len() {
             let complete = {
-                let mut guard = inner.unit(u);
-                let unit = &mut *guard;
-                for (ready, &i) in unit.ready.iter_mut().zip(&unit.members) {
-                    *ready = !reachable[i];
+                let mut guard = inner.bucket(b);
+                let bucket = &mut *guard;
+                for (ready, i) in bucket.ready.iter_mut().zip(&bucket.members) {
+                    *ready = !reachable[hook_of[i]];
                 }
-                !unit.members.is_empty() && !unit.ready.contains(&false)
+                !bucket.ready.contains(&false)
             };
             if complete {
-                inner.complete(u)?;
+                inner.complete(b)?;
             }
         }
         Ok(())
@@ -382,44 +520,55 @@ impl Sharding {
         self.inner.failure.lock().expect("failure lock").take()
     }
 
-    /// Before a step: the units whose gradients no hook reduce-scattered in this cycle
-    /// (some member got no gradient, or an earlier unit of the [`Order`] did not) are
-    /// reduce-scattered now, in that order on every rank, a missing gradient counting
-    /// as zero (as DDP's `find_unused_parameters`).
+    /// Before a step: the buckets whose gradients no hook reduce-scattered in this
+    /// cycle (some member got no gradient, or an earlier bucket of the [`Order`] did
+    /// not) are reduce-scattered now, in that order on every rank, a missing gradient
+    /// counting as zero (as DDP's `find_unused_parameters`); a stage-3 unit still
+    /// gathered after the backward pass is freed.
+    ///
+    /// # Errors
+    /// [`Error::Collective`] when a collective fails.
     pub fn finish_gradients(&self) -> Result<()> {
-        self.inner.settle()?;
-        let mut order = self.inner.order.lock().expect("order lock");
-        let n = self.inner.units.len();
-        for position in order.next..n {
-            let mut unit = self.inner.unit(n - 1 - position);
-            unit.ready.fill(false);
-            if !unit.members.is_empty() {
-                self.inner.reduce(&mut unit)?;
-                let at_step = &self.inner.counts.reduce_scatters_at_step;
-                at_step.fetch_add(1, Ordering::Relaxed);
-                if unit.reshard {
-                    self.inner.free_locked(&mut unit)?;
-                }
+        let inner = &self.inner;
+        for unit in &inner.units {
+            unit.settle()?;
+        }
+        let mut order = inner.order.lock().expect("order lock");
+        for b in order.next..inner.buckets.len() {
+            let mut bucket = inner.bucket(b);
+            bucket.ready.fill(false);
+            inner.reduce(&mut bucket)?;
+            inner
+                .reduce_scatters_at_step
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        order.next = inner.buckets.len();
+        for unit in &inner.units {
+            let mut state = unit.lock();
+            if state.reshard && state.gathered && !state.in_pass {
+                unit.free_locked(&mut state)?;
             }
         }
-        order.next = n;
         Ok(())
     }
 
     /// After a step: the next cycle reduce-scatters again, and the units that stay
     /// gathered (every unit at stage 2, the root at stage 3) all-gather the updated
     /// shards into their parameters.
+    ///
+    /// # Errors
+    /// [`Error::Collective`] when a gather fails.
     pub fn after_step(&self) -> Result<()> {
         {
             let mut order = self.inner.order.lock().expect("order lock");
             order.next = 0;
             order.complete.fill(false);
         }
-        for u in 0..self.inner.units.len() {
-            let mut unit = self.inner.unit(u);
-            if !unit.reshard {
-                unit.gathered = false;
-                self.inner.gather_locked(&mut unit, false)?;
+        for unit in &self.inner.units {
+            let mut state = unit.lock();
+            if !state.reshard {
+                state.gathered = false;
+                unit.gather_locked(&mut state, false)?;
             }
         }
         Ok(())
@@ -428,11 +577,14 @@ impl Sharding {
     /// The gradients' global L2 norm over the shards (one all-reduce of the sum of
     /// squares), as FSDP2's `clip_grad_norm_`, and scales them by `max / (norm +
     /// 1e-6)` when that is below 1 (tch's arithmetic). Returns the norm.
+    ///
+    /// # Errors
+    /// [`Error::Collective`] when the all-reduce fails.
     pub fn clip_grad_norm(&self, max: f64) -> Result<f64> {
-        let grads: Vec<Tensor> = (0..self.inner.units.len())
-            .map(|u| {
-                let unit = self.inner.unit(u);
-                unit.grad.narrow(0, 0, unit.shard.numel() as i64)
+        let grads: Vec<Tensor> = (0..self.inner.buckets.len())
+            .map(|b| {
+                let bucket = self.inner.bucket(b);
+                bucket.grad.narrow(0, 0, bucket.len)
             })
             .filter(|g| g.numel() > 0)
             .collect();
@@ -440,9 +592,9 @@ impl Sharding {
             return Ok(0.0);
         };
         let mut squares = tch::no_grad(|| {
-            let total = first.zeros_like().sum(tch::Kind::Double);
+            let total = first.zeros_like().sum(Kind::Double);
             grads.iter().fold(total, |acc, g| {
-                acc + g.to_kind(tch::Kind::Double).square().sum(tch::Kind::Double)
+                acc + g.to_kind(Kind::Double).square().sum(Kind::Double)
             })
         });
         self.inner.group.all_reduce(&mut squares, ReduceOp::Sum)?;
@@ -459,130 +611,78 @@ impl Sharding {
     }
 }
 
-/// Makes glibc give freed tensors' memory back to the system, so that what sharding
-/// frees leaves the resident set: a fixed mmap threshold of 64 KiB (glibc otherwise
-/// raises it up to 32 MiB as large blocks are freed, after which they are reused from
-/// its heap and stay resident). A threshold the user set (`MALLOC_MMAP_THRESHOLD_`)
-/// stays.
-fn return_freed_memory() {
-    if !crate::protocol::malloc_mmap_threshold_set() {
-        // SAFETY: mallopt only sets an allocator parameter.
-        unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 10) };
-    }
-}
-
-impl Unit {
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        members: &[usize],
-        params: &[Tensor],
-        names: &[String],
-        rank: usize,
-        world: usize,
-        reshard: bool,
-    ) -> Result<Unit> {
-        let shapes: Vec<Vec<i64>> = members.iter().map(|&i| params[i].size()).collect();
-        let (pieces, len) = layout(&shapes, world);
-        let options = match members.first() {
-            Some(&i) => (params[i].kind(), params[i].device()),
-            None => (tch::Kind::Float, tch::Device::Cpu),
-        };
-        for &i in members {
-            if (params[i].kind(), params[i].device()) != options {
-                return Err(Error::Usage(format!(
-                    "variable `{}` is {:?} on {:?}, and `{}` of the same fully sharded unit is \
-                     {:?} on {:?}: a unit's variables are gathered in one buffer. Give them one \
-                     dtype and device, or put them in different units (fully_shard)",
-                    names[i],
-                    params[i].kind(),
-                    params[i].device(),
-                    names[members[0]],
-                    options.0,
-                    options.1
-                )));
-            }
-        }
-        let shard = Tensor::zeros([len], options);
-        let grad = Tensor::zeros([len + members.len() as i64], options);
-        let (mut views, mut grads) = (Vec::new(), Vec::new());
-        tch::no_grad(|| -> Result<()> {
-            for piece in &pieces {
-                let view = shard.narrow(0, piece.offset, piece.chunk_len());
-                let view = view.view(piece.chunk_shape().as_slice());
-                let grad_view = grad
-                    .narrow(0, piece.offset, piece.chunk_len())
-                    .view(piece.chunk_shape().as_slice());
-                hooks::set_grad(&view, &grad_view)?;
-                views.push(view);
-                grads.push(grad_view);
-            }
-            Ok(())
-        })?;
-        let unit = Unit {
-            members: members.to_vec(),
-            pieces,
-            shard,
-            grad,
-            views,
-            grads,
-            ready: vec![false; members.len()],
-            gathered: true,
-            gathering: None,
-            reshard,
-        };
-        unit.cut(params, rank);
-        Ok(unit)
-    }
-
-    /// Copies this rank's rows of the unit's (gathered) parameters into its shard; the
-    /// padding stays zero.
-    fn cut(&self, params: &[Tensor], rank: usize) {
-        tch::no_grad(|| {
-            for (&i, piece) in self.members.iter().zip(&self.pieces) {
-                if let Some(mine) = piece.rows_in_full(&params[i], rank) {
-                    let mut shard = piece.rows_in_shard(&self.shard, rank).expect("rows");
-                    shard.copy_(&mine);
+/// Which optimizer parameters go to which unit: a unit sharded before (by
+/// `fully_shard` in a stage-3 job) keeps its members, if they are this optimizer's;
+/// every other parameter goes to the declared unit with the longest prefix of its name
+/// (a nested unit claims its own), else to the root (unit 0). At stage 2, frozen
+/// variables go to no unit (they stay whole, and nothing of theirs is sharded); at
+/// stage 3 a declared unit's frozen variables are sharded with it, and the root's stay
+/// whole.
+fn claim(
+    declared: &[Arc<crate::unit_registry::Slot>],
+    names: &[String],
+    params: &[Tensor],
+    stage: u8,
+) -> Claims {
+    let place: HashMap<usize, usize> = params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (tensor_key(p), i))
+        .collect();
+    let mut taken = vec![false; params.len()];
+    let mut units: Vec<(Option<usize>, Vec<usize>, Option<Arc<UnitParams>>)> =
+        vec![(None, Vec::new(), None)];
+    let mut open = Vec::new();
+    for (s, slot) in declared.iter().enumerate() {
+        let before = slot.params().and_then(|p| p.downcast::<UnitParams>().ok());
+        match before {
+            Some(unit) => {
+                let members: Option<Vec<usize>> = unit
+                    .lock()
+                    .params
+                    .iter()
+                    .map(|p| place.get(&tensor_key(p)).copied())
+                    .collect();
+                // A unit of another store's variables is another optimizer's.
+                if let Some(members) = members.filter(|m| !m.is_empty()) {
+                    for &i in &members {
+                        taken[i] = true;
+                    }
+                    units.push((Some(s), members, Some(unit)));
                 }
             }
-        });
+            None => open.push(s),
+        }
     }
-}
-
-impl ShardedParameters for Inner {
-    /// Every unit gathered exactly (in the parameters' own dtype, under mixed
-    /// precision too) around `f`, which reads (a save) or writes (a load) the
-    /// parameters; after a load the shards are cut from them. Then every unit is as
-    /// it was: freed, or gathered again (rounded, under mixed precision).
-    fn with_full_parameters(&self, loaded: bool, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        self.settle()?;
-        let rounded = self.low.is_some();
-        let mut before = Vec::new();
-        for u in 0..self.units.len() {
-            let mut unit = self.unit(u);
-            before.push(unit.gathered);
-            unit.gathered &= !rounded;
-            self.gather_locked(&mut unit, true)?;
+    let mut claimed: Vec<Vec<usize>> = vec![Vec::new(); open.len()];
+    for (i, name) in names.iter().enumerate() {
+        let trainable = params[i].requires_grad();
+        if taken[i] || (!trainable && stage < 3) {
+            continue;
         }
-        let r = f();
-        if loaded && r.is_ok() {
-            self.recut()?;
+        let unit = open
+            .iter()
+            .enumerate()
+            .filter(|(_, &s)| name.starts_with(&declared[s].prefix))
+            .max_by_key(|(_, &s)| declared[s].prefix.len())
+            .map(|(k, _)| k);
+        match unit {
+            Some(k) => claimed[k].push(i),
+            None if trainable => units[0].1.push(i),
+            None => {}
         }
-        for (u, gathered) in before.into_iter().enumerate() {
-            let mut unit = self.unit(u);
-            if !gathered {
-                self.free_locked(&mut unit)?;
-            } else if rounded {
-                unit.gathered = false;
-                self.gather_locked(&mut unit, false)?;
-            }
-        }
-        r
     }
+    for (k, members) in claimed.into_iter().enumerate() {
+        if !members.is_empty() {
+            units.push((Some(open[k]), members, None));
+        }
+    }
+    Claims { units }
 }
 
 impl Inner {
-    fn unit(&self, u: usize) -> MutexGuard<'_, Unit> {
-        self.units[u].lock().expect("unit lock")
+    fn bucket(&self, b: usize) -> MutexGuard<'_, Bucket> {
+        self.buckets[b].lock().expect("bucket lock")
     }
 
     /// Keeps a hook's failure for the caller of `backward`: whether it went well.
@@ -596,31 +696,42 @@ impl Inner {
         }
     }
 
-    /// Runs a unit's forward pass between its gather and, at stage 3, its reshard; the
-    /// output's gradient gathers it again before the unit's backward pass.
-    pub fn around_forward(&self, u: usize, forward: impl FnOnce() -> Tensor) -> Result<Tensor> {
+    /// Runs a unit's forward pass on `input` between its gather and, at stage 3, its
+    /// reshard; the output's gradient gathers it again before the unit's backward
+    /// pass. A unit with frozen members and an input that requires a gradient is
+    /// resharded after its backward pass only once the input's gradient is computed
+    /// (the frozen weights are read for it), as FSDP2's post-backward hook on the
+    /// inputs.
+    pub fn around_forward(
+        &self,
+        u: usize,
+        input: &Tensor,
+        forward: impl FnOnce(&Tensor) -> Tensor,
+    ) -> Result<Tensor> {
         self.gather_ahead(u, true)?;
-        let out = forward();
-        if self.unit(u).reshard {
+        let unit = &self.units[u];
+        let reshard = {
+            let mut state = unit.lock();
+            if self.bucket_of_unit[u].is_some() {
+                state.grads_done = false;
+            }
+            state.in_pass = true;
+            state.reshard
+        };
+        let watch = reshard && self.frozen_members[u] && input.requires_grad();
+        let input = match watch {
+            true => unit.watch_input(input)?,
+            false => input.shallow_clone(),
+        };
+        let out = forward(&input);
+        unit.lock().in_pass = false;
+        if reshard {
             if out.requires_grad() {
                 hooks::on_gradient(&out, &self.gather_hook, u)?;
             }
-            self.free(u)?;
+            unit.reshard()?;
         }
         Ok(out)
-    }
-
-    /// Cuts every unit's shard again from its gathered parameters (after a load).
-    pub fn recut(&self) -> Result<()> {
-        let rank = self.group.rank();
-        for u in 0..self.units.len() {
-            self.unit(u).cut(&self.params, rank);
-        }
-        Ok(())
-    }
-
-    fn gather(&self, u: usize) -> Result<()> {
-        self.gather_locked(&mut self.unit(u), false)
     }
 
     /// Gathers unit `u` for a forward (`forward`) or a backward pass, and starts the
@@ -628,7 +739,7 @@ impl Inner {
     /// unit's compute: the next unit of the forward order in a forward pass, the
     /// previous one in a backward pass (FSDP's prefetch, one unit ahead).
     fn gather_ahead(&self, u: usize, forward: bool) -> Result<()> {
-        self.gather(u)?;
+        self.units[u].gather()?;
         let next = {
             let mut order = self.forward_order.lock().expect("forward order lock");
             match order.iter().position(|&v| v == u) {
@@ -644,175 +755,72 @@ impl Inner {
             }
         };
         match next {
-            Some(next) => self.prefetch(next),
+            Some(next) => self.units[next].prefetch(),
             None => Ok(()),
         }
     }
 
-    /// Starts unit `u`'s all-gather if it is neither gathered nor being gathered.
-    fn prefetch(&self, u: usize) -> Result<()> {
-        let mut unit = self.unit(u);
-        if !unit.gathered && unit.gathering.is_none() && !unit.members.is_empty() {
-            unit.gathering = Some(self.start_gather(&unit, false)?);
-        }
-        Ok(())
-    }
-
-    /// Starts the all-gather of the unit's shards (one collective) into a buffer:
-    /// in the low precision under mixed precision, unless `exact`.
-    fn start_gather(&self, unit: &Unit, exact: bool) -> Result<Gathering> {
-        let world = self.group.world_size();
-        let len = unit.shard.numel() as i64;
-        let low = self
-            .low
-            .filter(|_| !exact && unit.shard.kind() == tch::Kind::Float);
-        let input = match low {
-            Some(kind) => unit.shard.to_kind(kind),
-            None => unit.shard.shallow_clone(),
-        };
-        let buffer = input.new_empty([world as i64 * len], (input.kind(), input.device()));
-        let chunks: Vec<Tensor> = (0..world)
-            .map(|r| buffer.narrow(0, r as i64 * len, len))
-            .collect();
-        let pending = self.group.all_gather_start(&chunks, &input)?;
-        let bytes = len as usize * input.kind().elt_size_in_bytes();
-        self.counts
-            .all_gather_bytes
-            .fetch_add(bytes as u64, Ordering::Relaxed);
-        Ok(Gathering {
-            pending,
-            chunks,
-            _input: input,
-        })
-    }
-
-    /// Waits for the prefetched all-gathers that no pass used (a unit the forward
-    /// order expected and this step skipped), before a step changes the shards they
-    /// read: what they gathered is dropped.
-    fn settle(&self) -> Result<()> {
-        for u in 0..self.units.len() {
-            let gathering = self.unit(u).gathering.take();
-            if let Some(gathering) = gathering {
-                gathering.pending.wait()?;
-            }
-        }
-        Ok(())
-    }
-
-    /// All-gathers the unit's shards (one collective, or the one prefetched) into its
-    /// parameters' memory; `exact`: in their own dtype under mixed precision too (no
-    /// prefetched gather is pending then).
-    fn gather_locked(&self, unit: &mut Unit, exact: bool) -> Result<()> {
-        if unit.gathered || unit.members.is_empty() {
-            return Ok(());
-        }
-        let Gathering {
-            pending, chunks, ..
-        } = match unit.gathering.take() {
-            Some(gathering) => {
-                self.counts
-                    .prefetched_all_gathers
-                    .fetch_add(1, Ordering::Relaxed);
-                gathering
-            }
-            None => self.start_gather(unit, exact)?,
-        };
-        pending.wait()?;
-        self.counts.all_gathers.fetch_add(1, Ordering::Relaxed);
-        tch::no_grad(|| -> Result<()> {
-            for (&i, piece) in unit.members.iter().zip(&unit.pieces) {
-                let full = hooks::storage_alias(&self.params[i])?;
-                for (r, chunk) in chunks.iter().enumerate() {
-                    if let Some(part) = piece.rows_in_shard(chunk, r) {
-                        piece.rows_in_full(&full, r).expect("rows").copy_(&part);
-                    }
-                }
-            }
-            Ok(())
-        })?;
-        unit.gathered = true;
-        Ok(())
-    }
-
-    fn free(&self, u: usize) -> Result<()> {
-        self.free_locked(&mut self.unit(u))
-    }
-
-    fn free_locked(&self, unit: &mut Unit) -> Result<()> {
-        for &i in &unit.members {
-            hooks::free_storage(&self.params[i])?;
-        }
-        unit.gathered = false;
-        Ok(())
-    }
-
-    /// Parameter `i`'s gradient was accumulated: once all of its unit's are, the unit
-    /// is [`complete`](Self::complete).
+    /// Parameter `i`'s gradient was accumulated: once all of its bucket's are, the
+    /// bucket is [`complete`](Self::complete).
     fn grad_ready(&self, i: usize) -> Result<()> {
-        let (u, j) = self.unit_of[i];
+        let (b, k) = self.bucket_of[i].expect("a trainable parameter");
         {
-            let mut unit = self.unit(u);
-            unit.ready[j] = true;
-            if unit.ready.contains(&false) {
+            let mut bucket = self.bucket(b);
+            bucket.ready[k] = true;
+            if bucket.ready.contains(&false) {
                 return Ok(());
             }
         }
-        self.complete(u)
+        self.complete(b)
     }
 
-    /// Unit `u`'s gradients of this backward pass are all accumulated: it frees its
-    /// parameters (stage 3) and, unless the cycle goes on, it reduce-scatters its
-    /// gradients, and so do the complete units after it in the [`Order`], up to the
-    /// first that is not.
-    fn complete(&self, u: usize) -> Result<()> {
-        {
-            let mut unit = self.unit(u);
-            unit.ready.fill(false);
-            if unit.reshard {
-                self.free_locked(&mut unit)?;
-            }
-        }
+    /// Bucket `b`'s gradients of this backward pass are all accumulated: a stage-3
+    /// unit's is resharded (when its inputs' gradients are done too) and, unless the
+    /// cycle goes on, the bucket is reduce-scattered, and so are the complete buckets
+    /// after it in the [`Order`], up to the first that is not.
+    fn complete(&self, b: usize) -> Result<()> {
+        let u = {
+            let mut bucket = self.bucket(b);
+            bucket.ready.fill(false);
+            bucket.unit
+        };
+        self.units[u].grads_done()?;
         if !self.sync.load(Ordering::SeqCst) {
             return Ok(());
         }
         let mut order = self.order.lock().expect("order lock");
-        order.complete[u] = true;
-        let n = self.units.len();
-        while order.next < n && order.complete[n - 1 - order.next] {
-            let mut unit = self.unit(n - 1 - order.next);
-            self.reduce(&mut unit)?;
+        order.complete[b] = true;
+        let n = self.buckets.len();
+        while order.next < n && order.complete[order.next] {
+            let mut bucket = self.bucket(order.next);
+            self.reduce(&mut bucket)?;
             order.next += 1;
         }
         Ok(())
     }
 
-    /// Reduce-scatters (averages) the unit's full gradients into its gradient shard
+    /// Reduce-scatters (averages) the bucket's full gradients into its gradient shard
     /// (one collective, which also tells every rank which members had a gradient on
-    /// some rank), then drops the full gradients. A member no rank had a gradient for
-    /// gets none on its shard for this step.
-    fn reduce(&self, unit: &mut Unit) -> Result<()> {
+    /// some rank); each full gradient is dropped once copied into the collective's
+    /// buffer. A member no rank had a gradient for gets none on its shard for this
+    /// step.
+    fn reduce(&self, bucket: &mut Bucket) -> Result<()> {
         let world = self.group.world_size();
-        let (len, stride) = (unit.shard.numel() as i64, unit.grad.numel() as i64);
+        let (len, stride) = (bucket.len, bucket.grad.numel() as i64);
         // Only the padding, and the pieces of members without a gradient, are zeroed:
         // the rest is written below.
-        let buffer = unit.grad.new_empty(
+        let buffer = bucket.grad.new_empty(
             [world as i64 * stride],
-            (unit.grad.kind(), unit.grad.device()),
+            (bucket.grad.kind(), bucket.grad.device()),
         );
         let chunks: Vec<Tensor> = (0..world)
             .map(|r| buffer.narrow(0, r as i64 * stride, stride))
             .collect();
-        tch::no_grad(|| {
-            let had: Vec<f32> = unit
+        tch::no_grad(|| -> Result<()> {
+            let had: Vec<f32> = bucket
                 .members
                 .iter()
-                .map(|&i| {
-                    if self.params[i].grad().defined() {
-                        1.0
-                    } else {
-                        0.0
-                    }
-                })
+                .map(|&i| f32::from(u8::from(self.params[i].grad().defined())))
                 .collect();
             // The flags, after every rank's chunk (one copy, broadcast over the ranks).
             let flags = Tensor::from_slice(&had).to_device(buffer.device());
@@ -820,7 +828,7 @@ impl Inner {
                 .view([world as i64, stride])
                 .narrow(1, len, stride - len)
                 .copy_(&flags);
-            for (&i, piece) in unit.members.iter().zip(&unit.pieces) {
+            for (&i, piece) in bucket.members.iter().zip(&bucket.pieces) {
                 let g = self.params[i].grad();
                 for (r, chunk) in chunks.iter().enumerate() {
                     let (_, rows) = piece.rows_of(r);
@@ -833,46 +841,56 @@ impl Inner {
                         piece.rows_in_shard(chunk, r).expect("rows").copy_(&src);
                     }
                 }
+                drop(g);
+                hooks::clear_grad(&self.params[i])?;
             }
-        });
+            Ok(())
+        })?;
         self.group
-            .reduce_scatter_into(&unit.grad, &chunks, ReduceOp::Avg)?;
-        self.counts.reduce_scatters.fetch_add(1, Ordering::Relaxed);
+            .reduce_scatter_into(&bucket.grad, &chunks, ReduceOp::Avg)?;
+        self.reduce_scatters.fetch_add(1, Ordering::Relaxed);
         // For the sharded loop's check that its steps averaged gradients.
         self.group.count_gradient_average();
         let had = Vec::<f64>::try_from(
-            unit.grad
+            bucket
+                .grad
                 .narrow(0, len, stride - len)
-                .to_kind(tch::Kind::Double),
+                .to_kind(Kind::Double),
         )?;
-        for ((view, grad), had) in unit.views.iter().zip(&unit.grads).zip(had) {
+        for ((view, grad), had) in bucket.views.iter().zip(&bucket.grads).zip(had) {
             match had > 0.0 {
                 true => hooks::set_grad(view, grad)?,
                 false => hooks::clear_grad(view)?,
             }
         }
-        for &i in &unit.members {
-            hooks::clear_grad(&self.params[i])?;
-        }
         Ok(())
     }
 }
 
-/// The names of `params` among the store's named variables (by their data), and the
-/// store's variables and buffers in name order (every rank's order).
+/// Makes glibc give freed tensors' memory back to the system, so that what sharding
+/// frees leaves the resident set: a fixed mmap threshold of 64 KiB (glibc otherwise
+/// raises it up to 32 MiB as large blocks are freed, after which they are reused from
+/// its heap and stay resident). A threshold the user set (`MALLOC_MMAP_THRESHOLD_`)
+/// stays.
+pub(crate) fn return_freed_memory() {
+    if !crate::protocol::malloc_mmap_threshold_set() {
+        // SAFETY: mallopt only sets an allocator parameter.
+        unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 10) };
+    }
+}
+
+/// The names of `params` among the store's named variables, and the store's variables
+/// and buffers in name order (every rank's order).
 pub(crate) fn named(
     params: &[Tensor],
     named: &HashMap<String, Tensor>,
 ) -> (Vec<(String, Tensor)>, Vec<Tensor>) {
-    let by_data: HashMap<usize, &String> = named
-        .iter()
-        .map(|(n, t)| (t.data_ptr() as usize, n))
-        .collect();
+    let by_key: HashMap<usize, &String> = named.iter().map(|(n, t)| (tensor_key(t), n)).collect();
     let params = params
         .iter()
         .map(|p| {
-            let name = by_data
-                .get(&(p.data_ptr() as usize))
+            let name = by_key
+                .get(&tensor_key(p))
                 .map_or_else(String::new, |n| (*n).clone());
             (name, p.shallow_clone())
         })

@@ -12,10 +12,15 @@ fn torch(what: &str, status: c_int) -> Result<()> {
     ffi::check(status).map_err(|e| Error::Torch(format!("{what}: {e}")))
 }
 
-/// Frees the memory of `t`'s storage; its sizes stay (FSDP2's resharding).
-pub(crate) fn free_storage(t: &Tensor) -> Result<()> {
+/// Frees the memory of `t`'s storage; its sizes stay (FSDP2's resharding). Until
+/// [`storage_alias`] gives it memory again, any read or write of its data is a
+/// libtorch error whose text is `message` (never a null pointer a kernel follows).
+pub(crate) fn free_storage(t: &Tensor, message: &str) -> Result<()> {
+    let message = std::ffi::CString::new(message.replace('\0', " ")).expect("no NUL left");
+    // SAFETY: `t` is a live tensor for this call and `message` a NUL-terminated string
+    // that the shim copies; the shim catches every C++ exception.
     torch("freeing a parameter", unsafe {
-        ffi::tdc_storage_free(ffi::tensor(t))
+        ffi::tdc_storage_free(ffi::tensor(t), message.as_ptr())
     })
 }
 

@@ -2,18 +2,20 @@
 //! FSDP2 (`fully_shard`), for the SDK's [`Optimizer`](crate::Optimizer).
 //!
 //! - [`layout`]: where each parameter's exact `1/N` shard lies (dim 0, padded);
-//! - [`engine`]: an optimizer's sharded parameters, their gathers, reduce-scatters
-//!   and steps;
+//! - [`params`]: one unit's parameters, their shard, gathers and reshards;
+//! - [`engine`]: an optimizer's units, its gradient buckets and their
+//!   reduce-scatters, and the steps;
 //! - [`unit`]: [`fully_shard`], the units gathered around their passes;
 //! - [`hooks`]: the shim's storage and autograd hooks.
 
 mod engine;
 mod hooks;
 pub(crate) mod layout;
+mod params;
 mod unit;
 
 pub use engine::ShardingStats;
 pub(crate) use engine::{named, Sharding};
 pub(crate) use hooks::set_grad;
 pub(crate) use layout::Piece;
-pub use unit::{fully_shard, FullyShard};
+pub use unit::{fully_shard, summon_full_params, FullyShard};

@@ -7,6 +7,7 @@ use tch::nn::{Module, ModuleT, Path};
 use tch::Tensor;
 
 use super::engine::Inner;
+use super::params::UnitParams;
 use crate::unit_registry::Slot;
 
 /// A module whose variables (those under the path given to [`fully_shard`]) form one
@@ -44,8 +45,9 @@ pub fn fully_shard<M>(module: M, path: &Path) -> FullyShard<M> {
         false => format!("{}.", components.join(".")),
     };
     let slot = Arc::new(Slot::new(prefix));
-    if let Some(ctx) = crate::init::current() {
-        ctx.units().declare(slot.clone());
+    match crate::init::current() {
+        Some(ctx) => ctx.units().declare(slot.clone()),
+        None => crate::unit_registry::declare_before_join(slot.clone()),
     }
     FullyShard { module, slot }
 }
@@ -56,25 +58,35 @@ impl<M> FullyShard<M> {
         &self.module
     }
 
-    fn around(&self, forward: impl FnOnce() -> Tensor) -> Tensor {
+    /// Runs `forward` on `xs` as a pass of the unit: between its gather and its
+    /// reshard when its parameters are sharded (by its optimizer, which also
+    /// prefetches the next unit and reduce-scatters the gradients, or on its own once
+    /// sharded without one).
+    fn around(&self, xs: &Tensor, forward: impl FnOnce(&Tensor) -> Tensor) -> Tensor {
         let bound = self
             .slot
             .bound()
             .and_then(|(engine, unit)| Some((engine.downcast::<Inner>().ok()?, unit)));
-        match bound {
-            None => forward(),
-            // tch's modules panic on a failed forward pass; so does this one (a gather's
-            // collective failed: another rank is gone or timed out).
-            Some((inner, unit)) => inner
-                .around_forward(unit, forward)
-                .unwrap_or_else(|e| panic!("Error: a fully sharded unit's forward pass: {e}")),
-        }
+        let done = match bound {
+            Some((inner, unit)) => inner.around_forward(unit, xs, forward),
+            None => match self
+                .slot
+                .params()
+                .and_then(|p| p.downcast::<UnitParams>().ok())
+            {
+                Some(params) => params.around_forward(xs, forward),
+                None => return forward(xs),
+            },
+        };
+        // tch's modules panic on a failed forward pass; so does this one (a gather's
+        // collective failed: another rank is gone or timed out).
+        done.unwrap_or_else(|e| panic!("Error: a fully sharded unit's forward pass: {e}"))
     }
 }
 
 impl<M: Module> Module for FullyShard<M> {
     fn forward(&self, xs: &Tensor) -> Tensor {
-        self.around(|| self.module.forward(xs))
+        self.around(xs, |xs| self.module.forward(xs))
     }
 }
 
@@ -84,6 +96,38 @@ impl<M: ModuleT> FullyShard<M> {
     /// `ModuleT`, so a `FullyShard` of a `ModuleT`-only module has this method rather
     /// than the trait.)
     pub fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        self.around(|| self.module.forward_t(xs, train))
+        self.around(xs, |xs| self.module.forward_t(xs, train))
+    }
+}
+
+/// Runs `f` with every variable that ZeRO stage 3 sharded whole on this rank, as
+/// FSDP's `summon_full_params` (FSDP2's `full_tensor()`): inside `f` a sharded
+/// variable reads (and prints, saves, evaluates) as the whole tensor, in its own dtype
+/// (under mixed precision too), as the optimizer's last step left it. Afterwards the
+/// variables are resharded. With `writeback`, what `f` wrote into them is kept (each
+/// rank's shard is cut from its values; write the same values on every rank); without,
+/// it is dropped at the reshard.
+///
+/// Every rank must call it: the gathers are collectives. It gathers every unit at
+/// once, so the whole model is on every rank while `f` runs: to save a model, call
+/// `vs.save` (which writes one variable at a time) rather than reading it here. With
+/// nothing sharded (other stages, one rank, no job) it just runs `f`.
+///
+/// ```no_run
+/// # use tch::{nn, Kind};
+/// # fn demo(vs: &nn::VarStore) -> tch_distributed::Result<()> {
+/// let checksum = tch_distributed::summon_full_params(false, || {
+///     vs.variables().values().map(|t| t.sum(Kind::Double).double_value(&[])).sum::<f64>()
+/// })?;
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// [`Error::Collective`](crate::Error::Collective) when a gather fails (a rank is
+/// gone, or the timeout passed); `f`'s own result is returned inside `Ok`.
+pub fn summon_full_params<R>(writeback: bool, f: impl FnOnce() -> R) -> crate::Result<R> {
+    match crate::init::current() {
+        Some(ctx) => ctx.units().with_full_parameters(writeback, || Ok(f())),
+        None => Ok(f()),
     }
 }

@@ -1,0 +1,241 @@
+//! A `VarStore`'s safetensors file, written one variable at a time and read by rows,
+//! so that a sharded model (ZeRO stage 3) is never whole on a rank for its file: the
+//! write all-gathers one sharded variable at a time (every rank runs the same writer,
+//! so the gathers come in the same order everywhere; rank 0 writes the bytes), and the
+//! read gives each sharded variable this rank's rows alone, from a memory map of the
+//! file. Variables that are whole on every rank are written and read as they are.
+//! The file is the one `VarStore::save` writes (same names, dtypes and layout), so
+//! PyTorch's `safetensors.torch.load_file` and `VarStore::load` read it.
+
+use std::borrow::Cow;
+use std::cell::{Cell, RefCell};
+use std::path::Path;
+
+use safetensors::tensor::{Dtype, SafeTensors, View};
+use tch::nn::VarStore;
+use tch::{Kind, Tensor};
+
+use crate::error::{checkpoint, io, Error, Result};
+use crate::unit_registry::Units;
+
+/// Where the ranks other than the writer send the bytes: their gathers must run all
+/// the same.
+const NOWHERE: &str = "/dev/null";
+
+/// Whether `path` names a safetensors file (the format `VarStore::save` picks from
+/// the extension).
+pub(crate) fn is_safetensors(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e == "safetensors")
+}
+
+/// One variable of the file: its bytes come when the writer asks for them.
+struct Lazy<'a> {
+    units: Option<&'a Units>,
+    var: Tensor,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    len: usize,
+    /// The writer asked for the bytes (the gather ran).
+    asked: Cell<bool>,
+    failure: &'a RefCell<Option<Error>>,
+}
+
+impl View for &Lazy<'_> {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Owned(self.bytes())
+    }
+
+    fn data_len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Lazy<'_> {
+    /// The variable's bytes (gathered if sharded); zeros after a failure, which is
+    /// kept for the writer's caller.
+    fn bytes(&self) -> Vec<u8> {
+        self.asked.set(true);
+        let whole = match self.units {
+            Some(units) => units.whole(&self.var),
+            None => Ok(self.var.shallow_clone()),
+        };
+        let bytes = whole.and_then(|whole| {
+            let whole = whole.to_device(tch::Device::Cpu).contiguous();
+            let mut bytes = vec![0u8; self.len];
+            whole.f_copy_data_u8(&mut bytes, whole.numel())?;
+            Ok(bytes)
+        });
+        match bytes {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                self.failure.borrow_mut().get_or_insert(e);
+                vec![0u8; self.len]
+            }
+        }
+    }
+}
+
+/// The safetensors dtype of `kind`.
+fn dtype(kind: Kind, name: &str) -> Result<Dtype> {
+    Ok(match kind {
+        Kind::Bool => Dtype::BOOL,
+        Kind::Uint8 => Dtype::U8,
+        Kind::Int8 => Dtype::I8,
+        Kind::Int16 => Dtype::I16,
+        Kind::Int => Dtype::I32,
+        Kind::Int64 => Dtype::I64,
+        Kind::Half => Dtype::F16,
+        Kind::BFloat16 => Dtype::BF16,
+        Kind::Float => Dtype::F32,
+        Kind::Double => Dtype::F64,
+        other => {
+            return Err(Error::Usage(format!(
+                "variable `{name}` is {other:?}, which safetensors files do not hold: save \
+                 the model with another extension (libtorch's format)"
+            )))
+        }
+    })
+}
+
+/// The tch kind of a safetensors dtype.
+fn kind(dtype: Dtype) -> Option<Kind> {
+    Some(match dtype {
+        Dtype::BOOL => Kind::Bool,
+        Dtype::U8 => Kind::Uint8,
+        Dtype::I8 => Kind::Int8,
+        Dtype::I16 => Kind::Int16,
+        Dtype::I32 => Kind::Int,
+        Dtype::I64 => Kind::Int64,
+        Dtype::F16 => Kind::Half,
+        Dtype::BF16 => Kind::BFloat16,
+        Dtype::F32 => Kind::Float,
+        Dtype::F64 => Kind::Double,
+        _ => return None,
+    })
+}
+
+/// Writes the variables of `vs` that `keep` keeps (by name and tensor) to `dest` as a
+/// safetensors file (none: the null device, on the ranks that do not write), one
+/// variable at a time: a sharded one (of `units`, the run's) is all-gathered alone,
+/// then written and dropped. Every rank calls it with the same store and `keep`: the
+/// gathers are collectives.
+///
+/// # Errors
+/// [`Error::Io`] when `dest` cannot be written; [`Error::Usage`] for a dtype
+/// safetensors does not hold; [`Error::Collective`] when a gather fails.
+pub(crate) fn write(
+    units: Option<&Units>,
+    vs: &VarStore,
+    dest: Option<&Path>,
+    keep: &dyn Fn(&str, &Tensor) -> bool,
+) -> Result<()> {
+    let failure = RefCell::new(None);
+    let mut views = Vec::new();
+    for (name, var) in vs.variables() {
+        if !keep(&name, &var) {
+            continue;
+        }
+        let dtype = dtype(var.kind(), &name)?;
+        let shape: Vec<usize> = var.size().iter().map(|&d| d as usize).collect();
+        let len = var.numel() * var.kind().elt_size_in_bytes();
+        views.push((
+            name,
+            Lazy {
+                units,
+                var,
+                dtype,
+                shape,
+                len,
+                asked: Cell::new(false),
+                failure: &failure,
+            },
+        ));
+    }
+    // safetensors' own order (by dtype, largest alignment first, then by name), so
+    // that a write that stops early asks for the rest below in the order the other
+    // ranks' writes ask for them.
+    views.sort_by(|(a, x), (b, y)| y.dtype.cmp(&x.dtype).then(a.cmp(b)));
+    let path = dest.unwrap_or(Path::new(NOWHERE));
+    let written = safetensors::tensor::serialize_to_file(
+        views.iter().map(|(n, v)| (n.as_str(), v)),
+        &None,
+        path,
+    );
+    // Every variable's gather runs on every rank, whatever happened to this write.
+    for (_, view) in &views {
+        if !view.asked.get() {
+            let _ = view.bytes();
+        }
+    }
+    if let Some(e) = failure.into_inner() {
+        return Err(e);
+    }
+    written.map_err(|e| match e {
+        safetensors::SafeTensorError::IoError(e) => io("writing", path)(e),
+        other => io("writing", path)(std::io::Error::other(format!("{other:?}"))),
+    })
+}
+
+/// Loads the safetensors file `path` into `vs`, as `VarStore::load` does (every
+/// variable of the store must be in the file, with its shape; the values are cast to
+/// the variable's dtype), through a memory map: a sharded variable reads only this
+/// rank's rows of the file, and the others read their own bytes. Every rank calls it
+/// (the units that are gathered gather their new values: a collective).
+///
+/// # Errors
+/// [`Error::Io`] when the file cannot be read; [`Error::Checkpoint`] when it is not a
+/// safetensors file, or lacks a variable or has it in another shape;
+/// [`Error::Collective`] when a gather fails.
+pub(crate) fn load(units: &Units, vs: &VarStore, path: &Path) -> Result<()> {
+    let file = std::fs::File::open(path).map_err(io("opening", path))?;
+    // SAFETY: the map is read-only and private; it is read while `file` is open, and a
+    // file changed under the map by another process gives other bytes, not unsoundness
+    // in the reads below (they copy out of it into tensors of their own).
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io("mapping", path))?;
+    let bad = |message: String| checkpoint(Some(path), message);
+    let file = SafeTensors::deserialize(&map)
+        .map_err(|e| bad(format!("not a safetensors file: {e:?}")))?;
+    let mut names: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    names.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, var) in &names {
+        let view = file
+            .tensor(name)
+            .map_err(|_| bad(format!("no variable `{name}` (the model has it)")))?;
+        let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+        if shape != var.size() {
+            return Err(bad(format!(
+                "`{name}` has shape {shape:?}, the model {:?}",
+                var.size()
+            )));
+        }
+        let file_kind = kind(view.dtype())
+            .ok_or_else(|| bad(format!("`{name}` has dtype {:?}", view.dtype())))?;
+        let data = view.data();
+        let row_bytes = match shape.first() {
+            Some(&rows) if rows > 0 => data.len() / rows as usize,
+            _ => data.len(),
+        };
+        // Rows `[first, first + count)` of the file's tensor, in the variable's dtype.
+        let mut rows = |first: i64, count: i64| -> Result<Tensor> {
+            let bytes = &data[first as usize * row_bytes..(first + count) as usize * row_bytes];
+            let mut size = shape.clone();
+            if let Some(d0) = size.first_mut() {
+                *d0 = count;
+            }
+            Ok(Tensor::f_from_data_size(bytes, &size, file_kind)?)
+        };
+        if !units.load_rows(var, &mut rows)? {
+            let whole = rows(0, shape.first().copied().unwrap_or(1))?;
+            tch::no_grad(|| var.shallow_clone().f_copy_(&whole.to_device(var.device())))?;
+        }
+    }
+    units.after_load()
+}

@@ -1,0 +1,544 @@
+//! One unit's parameters, sharded: FSDP2's `FSDPParamGroup` on the parameter side.
+//! The unit owns its members' dim-0 shards (one flat tensor per rank, see
+//! [`layout`](super::layout)), all-gathers them into the members' own memory before a
+//! pass and frees that memory after it (resharding), and knows how many of its passes'
+//! backward work is still to come. It lives as long as the run (the run's context
+//! keeps it): an optimizer steps its shards while it lives, and a unit whose optimizer
+//! is gone keeps gathering around its passes, so the model stays usable.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tch::{Kind, Tensor};
+
+use super::hooks::{self, Hook};
+use super::layout::{layout, Piece};
+use crate::error::{Error, Result};
+use crate::process_group::{Pending, ProcessGroup};
+use crate::unit_registry::ShardedParameters;
+
+/// Counters of a unit's all-gathers, which its optimizer's
+/// [`ShardingStats`](super::ShardingStats) add up.
+#[derive(Default)]
+pub(crate) struct GatherCounts {
+    pub all_gathers: AtomicU64,
+    pub prefetched_all_gathers: AtomicU64,
+    pub all_gather_bytes: AtomicU64,
+}
+
+/// An all-gather started and not waited for.
+pub(crate) struct Gathering {
+    pending: Pending,
+    /// Its output, one chunk per rank (views of one buffer).
+    chunks: Vec<Tensor>,
+    /// Its input (the shard, or its low-precision copy), alive until it completes.
+    _input: Tensor,
+}
+
+/// A unit's parameters and their shard (see the module's documentation).
+pub(crate) struct UnitParams {
+    group: ProcessGroup,
+    /// Under mixed precision, the dtype fp32 units are all-gathered in for their
+    /// passes (bf16 or fp16, FSDP2's `MixedPrecisionPolicy(param_dtype=…)`); exact
+    /// gathers (a save, the end of the run) are in the parameters' own dtype.
+    param_dtype: Option<Kind>,
+    pub counts: GatherCounts,
+    state: Mutex<Unit>,
+}
+
+/// The mutable part of [`UnitParams`].
+pub(crate) struct Unit {
+    /// The members: their names in the `VarStore`, the variables (whole tensors whose
+    /// memory is freed between passes at stage 3) and their places in the shard.
+    pub names: Vec<String>,
+    pub params: Vec<Tensor>,
+    pub pieces: Vec<Piece>,
+    /// This rank's flat shard of the members (padded chunks, one after another).
+    pub shard: Tensor,
+    /// Per member, its chunk of `shard` in the member's shape with `chunk_rows` rows:
+    /// what the optimizer steps.
+    pub views: Vec<Tensor>,
+    /// The members hold the shards' values (in `param_dtype` when `rounded`).
+    pub gathered: bool,
+    pub rounded: bool,
+    /// An all-gather started ahead of the unit's pass (prefetched).
+    gathering: Option<Gathering>,
+    /// Freed after each forward and backward pass (a stage-3 unit, FSDP2's
+    /// `reshard_after_forward=True`); otherwise kept gathered.
+    pub reshard: bool,
+    /// The backward work of this unit's passes that has not run yet: the gradients of
+    /// their inputs (counted only for units with frozen members, whose weights the
+    /// inputs' gradients read after every member's gradient is accumulated), and
+    /// whether the unit's gradients of this backward pass are all accumulated. A
+    /// resharding unit is freed after its backward pass once both are done.
+    pub inputs_pending: usize,
+    pub grads_done: bool,
+    /// Inside one of the unit's forward passes (never resharded then).
+    pub in_pass: bool,
+}
+
+// SAFETY: the tensors are handles to libtorch tensors, which may be used from any
+// thread; every use of them goes through the `Mutex` around `Unit` (the hooks run on
+// autograd's threads), and `group` is a process group, itself `Send + Sync`.
+unsafe impl Send for UnitParams {}
+// SAFETY: as for `Send`: shared access reaches the tensors only under the lock.
+unsafe impl Sync for UnitParams {}
+
+impl UnitParams {
+    /// Shards `params` (named `names`, whole and holding every rank's agreed values)
+    /// over `group`: this rank keeps its rows of each. With `reshard`, the members'
+    /// memory is freed now, and after each of the unit's passes.
+    ///
+    /// Errors: [`Error::Usage`] for members of different dtypes or devices, or one
+    /// that is not a whole contiguous tensor; [`Error::Torch`] when a storage cannot
+    /// be freed.
+    pub fn new(
+        group: &ProcessGroup,
+        names: Vec<String>,
+        params: Vec<Tensor>,
+        param_dtype: Option<Kind>,
+        reshard: bool,
+    ) -> Result<UnitParams> {
+        let (rank, world) = (group.rank(), group.world_size());
+        for (name, p) in names.iter().zip(&params) {
+            let whole = hooks::storage_bytes(p)? == p.numel() * p.kind().elt_size_in_bytes();
+            if !p.is_contiguous() || !whole {
+                return Err(Error::Usage(format!(
+                    "variable `{name}` shares its memory with another tensor (a view or a slice \
+                     of a bigger one): ZeRO stages 2 and 3 shard whole, contiguous variables. \
+                     Create it on the VarStore as a variable of its own"
+                )));
+            }
+        }
+        let options = match params.first() {
+            Some(p) => (p.kind(), p.device()),
+            None => (Kind::Float, tch::Device::Cpu),
+        };
+        for (name, p) in names.iter().zip(&params) {
+            if (p.kind(), p.device()) != options {
+                return Err(Error::Usage(format!(
+                    "variable `{name}` is {:?} on {:?}, and `{}` of the same fully sharded unit \
+                     is {:?} on {:?}: a unit's variables are gathered in one buffer. Give them \
+                     one dtype and device, or put them in different units (fully_shard)",
+                    p.kind(),
+                    p.device(),
+                    names[0],
+                    options.0,
+                    options.1
+                )));
+            }
+        }
+        let shapes: Vec<Vec<i64>> = params.iter().map(Tensor::size).collect();
+        let (pieces, len) = layout(&shapes, world);
+        let shard = Tensor::zeros([len], options);
+        let views = pieces
+            .iter()
+            .map(|piece| {
+                shard
+                    .narrow(0, piece.offset, piece.chunk_len())
+                    .view(piece.chunk_shape().as_slice())
+            })
+            .collect();
+        let mut unit = Unit {
+            names,
+            params,
+            pieces,
+            shard,
+            views,
+            gathered: true,
+            rounded: false,
+            gathering: None,
+            reshard,
+            inputs_pending: 0,
+            grads_done: true,
+            in_pass: false,
+        };
+        unit.cut(rank);
+        let me = UnitParams {
+            group: group.clone(),
+            param_dtype,
+            counts: GatherCounts::default(),
+            state: Mutex::new(unit),
+        };
+        {
+            let mut unit = me.lock();
+            if reshard {
+                free(&mut unit)?;
+            } else if param_dtype.is_some() {
+                // A unit that stays gathered holds the rounded parameters from the
+                // start, as after each step.
+                unit.gathered = false;
+                me.gather_locked(&mut unit, false)?;
+            }
+        }
+        Ok(me)
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, Unit> {
+        self.state.lock().expect("unit lock")
+    }
+
+    pub fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    /// Gathers the unit for a pass (in `param_dtype` under mixed precision), or waits
+    /// for the gather prefetched for it.
+    pub fn gather(&self) -> Result<()> {
+        self.gather_locked(&mut self.lock(), false)
+    }
+
+    /// Starts the unit's all-gather (for a pass) if it is neither gathered nor being
+    /// gathered: FSDP's prefetch.
+    pub fn prefetch(&self) -> Result<()> {
+        let mut unit = self.lock();
+        if !unit.gathered && unit.gathering.is_none() && !unit.params.is_empty() {
+            unit.gathering = Some(self.start_gather(&unit, false)?);
+        }
+        Ok(())
+    }
+
+    /// Waits for a prefetched all-gather that no pass used, before a step changes the
+    /// shard it reads; what it gathered is dropped.
+    pub fn settle(&self) -> Result<()> {
+        let gathering = self.lock().gathering.take();
+        match gathering {
+            Some(gathering) => gathering.pending.wait(),
+            None => Ok(()),
+        }
+    }
+
+    /// Frees the members' memory (a resharding unit after a pass).
+    pub fn reshard(&self) -> Result<()> {
+        free(&mut self.lock())
+    }
+
+    /// [`reshard`](Self::reshard) with the lock held.
+    pub fn free_locked(&self, unit: &mut Unit) -> Result<()> {
+        free(unit)
+    }
+
+    /// Runs the unit's forward pass on `input` between its gather and, if it
+    /// reshards, its reshard, for a unit no optimizer steps (sharded when it was
+    /// declared, or whose optimizer is gone); the output's gradient gathers it again
+    /// before the unit's backward pass, after which it stays gathered until its next
+    /// pass.
+    ///
+    /// # Errors
+    /// [`Error::Collective`] when the gather fails.
+    pub fn around_forward(
+        self: &Arc<Self>,
+        input: &Tensor,
+        forward: impl FnOnce(&Tensor) -> Tensor,
+    ) -> Result<Tensor> {
+        self.gather()?;
+        let reshard = {
+            let mut unit = self.lock();
+            unit.in_pass = true;
+            unit.reshard
+        };
+        let out = forward(input);
+        self.lock().in_pass = false;
+        if reshard {
+            if out.requires_grad() {
+                let me = self.clone();
+                let gather: Arc<Hook> = Arc::new(move |_| me.gather().is_ok());
+                hooks::on_gradient(&out, &gather, 0)?;
+            }
+            self.reshard()?;
+        }
+        Ok(out)
+    }
+
+    /// The unit's gradients of this backward pass are all accumulated: it is
+    /// resharded if nothing else of its backward pass is to come.
+    pub fn grads_done(&self) -> Result<()> {
+        let mut unit = self.lock();
+        unit.grads_done = true;
+        after_backward(&mut unit)
+    }
+
+    /// `input` for a pass of the unit, as a view of its own whose gradient, once
+    /// computed, tells the unit that its pass's backward work is done (or, if the
+    /// pass's graph is dropped before, that none is to come).
+    ///
+    /// # Errors
+    /// [`Error::Torch`] when the hook cannot be set.
+    pub fn watch_input(self: &Arc<Self>, input: &Tensor) -> Result<Tensor> {
+        let view = input.alias();
+        self.lock().inputs_pending += 1;
+        let watch = InputWatch {
+            unit: self.clone(),
+            done: AtomicBool::new(false),
+        };
+        let hook: Arc<Hook> = Arc::new(move |_| watch.done().is_ok());
+        hooks::on_gradient(&view, &hook, 0)?;
+        Ok(view)
+    }
+
+    /// Starts the all-gather of the unit's shard (one collective) into a buffer: in
+    /// `param_dtype` under mixed precision, unless `exact`.
+    fn start_gather(&self, unit: &Unit, exact: bool) -> Result<Gathering> {
+        let world = self.group.world_size();
+        let len = unit.shard.numel() as i64;
+        let low = self
+            .param_dtype
+            .filter(|_| !exact && unit.shard.kind() == Kind::Float);
+        let input = match low {
+            Some(kind) => unit.shard.to_kind(kind),
+            None => unit.shard.shallow_clone(),
+        };
+        let buffer = input.new_empty([world as i64 * len], (input.kind(), input.device()));
+        let chunks: Vec<Tensor> = (0..world)
+            .map(|r| buffer.narrow(0, r as i64 * len, len))
+            .collect();
+        let pending = self.group.all_gather_start(&chunks, &input)?;
+        let bytes = len as usize * input.kind().elt_size_in_bytes();
+        self.counts
+            .all_gather_bytes
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+        Ok(Gathering {
+            pending,
+            chunks,
+            _input: input,
+        })
+    }
+
+    /// All-gathers the unit's shard (one collective, or the one prefetched) into its
+    /// members' memory; `exact`: in their own dtype under mixed precision too (a
+    /// rounded unit is gathered again). A gathered unit is left as it is.
+    pub fn gather_locked(&self, unit: &mut Unit, exact: bool) -> Result<()> {
+        let rounded = self.param_dtype.is_some() && unit.shard.kind() == Kind::Float;
+        if (unit.gathered && !(exact && unit.rounded)) || unit.params.is_empty() {
+            return Ok(());
+        }
+        let prefetched = unit.gathering.take();
+        let Gathering {
+            pending, chunks, ..
+        } = match prefetched {
+            Some(gathering) if !exact => {
+                self.counts
+                    .prefetched_all_gathers
+                    .fetch_add(1, Ordering::Relaxed);
+                gathering
+            }
+            other => {
+                if let Some(gathering) = other {
+                    gathering.pending.wait()?;
+                }
+                self.start_gather(unit, exact)?
+            }
+        };
+        pending.wait()?;
+        self.counts.all_gathers.fetch_add(1, Ordering::Relaxed);
+        tch::no_grad(|| -> Result<()> {
+            for (param, piece) in unit.params.iter().zip(&unit.pieces) {
+                let full = hooks::storage_alias(param)?;
+                for (r, chunk) in chunks.iter().enumerate() {
+                    if let Some(part) = piece.rows_in_shard(chunk, r) {
+                        piece.rows_in_full(&full, r).expect("rows").copy_(&part);
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        unit.gathered = true;
+        unit.rounded = rounded && !exact;
+        Ok(())
+    }
+}
+
+impl Unit {
+    /// The member whose [`tensor_key`](crate::ffi::tensor_key) is `key`.
+    pub fn member(&self, key: usize) -> Option<usize> {
+        self.params
+            .iter()
+            .position(|p| crate::ffi::tensor_key(p) == key)
+    }
+
+    /// Copies this rank's rows of the (gathered) members into the shard; the padding
+    /// stays zero.
+    pub fn cut(&mut self, rank: usize) {
+        tch::no_grad(|| {
+            for (param, piece) in self.params.iter().zip(&self.pieces) {
+                if let Some(mine) = piece.rows_in_full(param, rank) {
+                    let mut shard = piece.rows_in_shard(&self.shard, rank).expect("rows");
+                    shard.copy_(&mine);
+                }
+            }
+        });
+    }
+}
+
+/// A pass's input whose gradient the unit waits for (see
+/// [`UnitParams::watch_input`]): done when the gradient is computed, or when the hook
+/// is dropped with the pass's graph before that.
+struct InputWatch {
+    unit: Arc<UnitParams>,
+    done: AtomicBool,
+}
+
+impl InputWatch {
+    fn done(&self) -> Result<()> {
+        if self.done.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        let mut unit = self.unit.lock();
+        unit.inputs_pending = unit.inputs_pending.saturating_sub(1);
+        after_backward(&mut unit)
+    }
+}
+
+impl Drop for InputWatch {
+    fn drop(&mut self) {
+        if let Err(e) = self.done() {
+            crate::log::warn(format_args!(
+                "resharding a unit after its backward pass: {e}"
+            ));
+        }
+    }
+}
+
+/// Reshards a resharding unit once its backward work is done: its gradients are
+/// accumulated and its passes' inputs have their gradients.
+fn after_backward(unit: &mut Unit) -> Result<()> {
+    if unit.reshard && unit.gathered && unit.grads_done && unit.inputs_pending == 0 && !unit.in_pass
+    {
+        free(unit)?;
+    }
+    Ok(())
+}
+
+/// Frees the members' memory: until the next gather, reading one is an error that
+/// says why and what to do.
+fn free(unit: &mut Unit) -> Result<()> {
+    for (name, param) in unit.names.iter().zip(&unit.params) {
+        hooks::free_storage(param, &resharded_message(name))?;
+    }
+    unit.gathered = false;
+    unit.rounded = false;
+    Ok(())
+}
+
+/// What reading a resharded variable says (libtorch's error, from the freed storage).
+pub(crate) fn resharded_message(name: &str) -> String {
+    format!(
+        "tch-distributed: variable `{name}` is sharded by ZeRO stage 3 (fully_shard): between \
+         its unit's forward and backward passes this rank holds only its rows of it, not the \
+         whole tensor. To read or write it whole, do so inside \
+         `tch_distributed::summon_full_params(…)`, which gathers every sharded variable on \
+         every rank, or after the #[distributed] function returns, when the model is whole again"
+    )
+}
+
+impl ShardedParameters for UnitParams {
+    /// The unit gathered exactly (in the parameters' own dtype, under mixed precision
+    /// too) around `f`, which reads (a save) or writes (a load, `writeback`) the
+    /// parameters; after a write the shard is cut from them. Then the unit is as it
+    /// was: freed, or gathered again (rounded, under mixed precision).
+    fn with_full_parameters(
+        &self,
+        writeback: bool,
+        f: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
+        self.settle()?;
+        let (gathered, rounded) = {
+            let mut unit = self.lock();
+            let before = (unit.gathered, unit.rounded);
+            self.gather_locked(&mut unit, true)?;
+            before
+        };
+        let r = f();
+        let mut unit = self.lock();
+        if writeback && r.is_ok() {
+            unit.cut(self.group.rank());
+        }
+        if !gathered {
+            free(&mut unit)?;
+        } else if rounded {
+            unit.gathered = false;
+            self.gather_locked(&mut unit, false)?;
+        }
+        r
+    }
+
+    /// The members whole and exact for good: gathered in their own dtype and no
+    /// longer resharded (what the run leaves once the function returns).
+    fn make_whole(&self) -> Result<()> {
+        self.settle()?;
+        let mut unit = self.lock();
+        self.gather_locked(&mut unit, true)?;
+        unit.reshard = false;
+        Ok(())
+    }
+
+    fn whole(&self, key: usize) -> Result<Option<Tensor>> {
+        let unit = self.lock();
+        let Some(j) = unit.member(key) else {
+            return Ok(None);
+        };
+        let param = &unit.params[j];
+        if unit.gathered && !unit.rounded {
+            return Ok(Some(param.shallow_clone()));
+        }
+        // The member's chunk alone, from every rank.
+        let piece = &unit.pieces[j];
+        let world = self.group.world_size();
+        let len = piece.chunk_len();
+        let input = unit.shard.narrow(0, piece.offset, len);
+        let buffer = input.new_empty([world as i64 * len], (input.kind(), input.device()));
+        let chunks: Vec<Tensor> = (0..world)
+            .map(|r| buffer.narrow(0, r as i64 * len, len))
+            .collect();
+        self.group.all_gather_start(&chunks, &input)?.wait()?;
+        let whole = Tensor::empty(param.size().as_slice(), (param.kind(), param.device()));
+        let alone = Piece {
+            offset: 0,
+            ..piece.clone()
+        };
+        tch::no_grad(|| {
+            for (r, chunk) in chunks.iter().enumerate() {
+                if let Some(part) = alone.rows_in_shard(chunk, r) {
+                    alone.rows_in_full(&whole, r).expect("rows").copy_(&part);
+                }
+            }
+        });
+        Ok(Some(whole))
+    }
+
+    fn load_rows(
+        &self,
+        key: usize,
+        rows: &mut dyn FnMut(i64, i64) -> Result<Tensor>,
+    ) -> Result<bool> {
+        let unit = self.lock();
+        let Some(j) = unit.member(key) else {
+            return Ok(false);
+        };
+        let piece = &unit.pieces[j];
+        let rank = self.group.rank();
+        let (first, count) = piece.rows_of(rank);
+        if count > 0 {
+            let values = rows(first, count)?;
+            tch::no_grad(|| -> Result<()> {
+                piece
+                    .rows_in_shard(&unit.shard, rank)
+                    .expect("rows")
+                    .f_copy_(&values.reshape([count, piece.row_len]))?;
+                Ok(())
+            })?;
+        }
+        Ok(true)
+    }
+
+    fn after_load(&self) -> Result<()> {
+        self.settle()?;
+        let mut unit = self.lock();
+        if unit.gathered {
+            unit.gathered = false;
+            let exact = !unit.rounded;
+            self.gather_locked(&mut unit, exact)?;
+        }
+        Ok(())
+    }
+}
