@@ -93,7 +93,7 @@ impl Zero {
     }
 
     /// Every rank broadcasts its updated rows to the others (one `broadcast_coalesced`
-    /// per rank, in place).
+    /// per rank, in place); frozen variables (`requires_grad` off) are left out.
     ///
     /// Errors with [`Error::Collective`](crate::Error::Collective) when a broadcast
     /// fails.
@@ -103,6 +103,8 @@ impl Zero {
             let rows: Vec<Tensor> = params
                 .iter()
                 .enumerate()
+                // Frozen variables never change: nothing of theirs to send.
+                .filter(|(_, p)| p.requires_grad())
                 .filter_map(|(i, p)| self.rows_of(i, &p.detach(), rank))
                 .collect();
             if !rows.is_empty() {

@@ -1,0 +1,145 @@
+//! Worker of `tests/tests/frozen.rs`: a LoRA-style program, as PEFT fine-tunes under
+//! DeepSpeed or FSDP. Three layers (`layers.0`: 10 → 12, tanh, `layers.1`: 12 → 9,
+//! tanh, `layers.2`: 9 → 4), each a base linear (`layers.N.base.weight`,
+//! `layers.N.base.bias`) whose variables are frozen after the model is built
+//! (`set_requires_grad(false)`), plus a low-rank adapter (`lora_a`: rank 2 × in,
+//! random; `lora_b`: out × 2, zeros; added as `x · aᵀ · bᵀ · 2`). Adam (lr 0.01) for 8
+//! steps on 24 samples, each rank on its own share of them, so that the averaged
+//! gradient is the whole batch's. Run with `TCH_DISTRIBUTED_ZERO=1|2|3` to shard it;
+//! with `UNITS=1` each layer is a unit of its own (`fully_shard`).
+//!
+//! With `READ=1`, after every step it reads every variable directly, which gives the
+//! value or (a stage-3 unit's variable, resharded) an error that names it, and inside
+//! `summon_full_params`, which gives every value; rank `r` writes the sum of each
+//! variable read there, step by step, to DIR/OUT.sums-r (a line a step).
+//!
+//! Writes: with `INIT_OUT=1`, rank 0 the initial variables to DIR/OUT.init.safetensors;
+//! rank 0 the model (`vs.save`) to DIR/OUT and its trainable variables
+//! (`save_trainable`) to DIR/OUT.adapter.safetensors; and, after the
+//! `#[distributed]` function has returned, every rank the variables as it holds them
+//! to DIR/OUT.after-RANK.safetensors.
+//!
+//! Usage: frozen_worker DIR OUT
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+
+const RANK: i64 = 2;
+const SCALE: f64 = 2.0;
+
+/// A linear layer with a low-rank adapter beside it.
+#[derive(Debug)]
+struct Lora {
+    base: nn::Linear,
+    a: Tensor,
+    b: Tensor,
+}
+
+impl Lora {
+    fn new(p: &nn::Path, inputs: i64, outputs: i64) -> Lora {
+        Lora {
+            base: nn::linear(p / "base", inputs, outputs, Default::default()),
+            a: p.randn("lora_a", &[RANK, inputs], 0.0, 0.3),
+            b: p.zeros("lora_b", &[outputs, RANK]),
+        }
+    }
+}
+
+impl Module for Lora {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        xs.apply(&self.base) + xs.matmul(&self.a.tr()).matmul(&self.b.tr()) * SCALE
+    }
+}
+
+#[tch_distributed::distributed]
+fn train(dir: &str, out: &str) -> anyhow::Result<nn::VarStore> {
+    let env = |k: &str| std::env::var(k).ok();
+    let (rank, world) = tch_distributed::current().map_or((0, 1), |c| (c.rank(), c.world_size()));
+    tch::manual_seed(0);
+    let xs = Tensor::randn([24, 10], (Kind::Float, Device::Cpu));
+    let ys = xs.narrow(1, 0, 4).sin() + xs.narrow(1, 4, 4).cos();
+    let share = 24 / world as i64;
+    let (x, y) = (
+        xs.narrow(0, rank as i64 * share, share),
+        ys.narrow(0, rank as i64 * share, share),
+    );
+
+    let vs = nn::VarStore::new(Device::Cpu);
+    let root = vs.root();
+    let units = env("UNITS").is_some();
+    let layers: Vec<tch_distributed::FullyShard<Lora>> = [(10, 12), (12, 9), (9, 4)]
+        .into_iter()
+        .enumerate()
+        .map(|(i, (inputs, outputs))| {
+            let path = &root / "layers" / i;
+            let layer = Lora::new(&path, inputs, outputs);
+            match units {
+                true => tch_distributed::fully_shard(layer, &path),
+                false => tch_distributed::fully_shard(layer, &(&root / "unclaimed")),
+            }
+        })
+        .collect();
+    // The base is frozen once built, as a LoRA program loads and freezes its base.
+    for (name, var) in vs.variables() {
+        if name.contains(".base.") {
+            let _ = var.set_requires_grad(false);
+        }
+    }
+    if rank == 0 && env("INIT_OUT").is_some() {
+        let named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        Tensor::write_safetensors(&named, format!("{dir}/{out}.init.safetensors"))?;
+    }
+    let mut opt = nn::Adam::default().build(&vs, 0.01)?;
+    let read = env("READ").is_some();
+    let mut sums = String::new();
+    for _ in 0..8 {
+        let mut h = x.shallow_clone();
+        for (i, layer) in layers.iter().enumerate() {
+            h = layer.forward(&h);
+            if i + 1 < layers.len() {
+                h = h.tanh();
+            }
+        }
+        let loss = h.mse_loss(&y, tch::Reduction::Mean);
+        opt.backward_step(&loss);
+        if read {
+            for (name, var) in vs.variables() {
+                if let Err(e) = var.f_sum(Kind::Double) {
+                    let e = e.to_string();
+                    anyhow::ensure!(
+                        e.contains(&format!("variable `{name}` is sharded by ZeRO stage 3")),
+                        "reading {name}: {e}"
+                    );
+                }
+            }
+            let mut line = tch_distributed::summon_full_params(false, || {
+                let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+                named.sort_by(|a, b| a.0.cmp(&b.0));
+                named
+                    .iter()
+                    .map(|(name, t)| format!("{name}={:e}", t.sum(Kind::Double).double_value(&[])))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })?;
+            line.push('\n');
+            sums += &line;
+        }
+    }
+    if read {
+        std::fs::write(format!("{dir}/{out}.sums-{rank}"), &sums)?;
+    }
+    vs.save(format!("{dir}/{out}"))?;
+    tch_distributed::save_trainable(&vs, format!("{dir}/{out}.adapter.safetensors"))?;
+    Ok(vs)
+}
+
+fn main() -> anyhow::Result<()> {
+    tch::set_num_threads(1);
+    let args: Vec<String> = std::env::args().collect();
+    let (dir, out) = (&args[1], &args[2]);
+    let vs = train(dir, out)?;
+    // The function has returned: the model is whole on every rank.
+    let rank = std::env::var("RANK").unwrap_or_else(|_| "0".into());
+    let named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    Tensor::write_safetensors(&named, format!("{dir}/{out}.after-{rank}.safetensors"))?;
+    Ok(())
+}
