@@ -16,7 +16,7 @@
 //! defaults are left out.
 //!
 //! ```text
-//! scripts/bench.sh sharding [--python PYTHON] [--device cuda]   # every configuration; prints a table
+//! scripts/bench.sh sharding [--python PYTHON] [--device cuda] [--ranks 2,4]   # prints a table
 //! ```
 //!
 //! Run with `--worker` (under a launcher, `TCH_DISTRIBUTED_ZERO` set or not,
@@ -57,10 +57,17 @@ fn worker() -> anyhow::Result<()> {
     };
     let vs = nn::VarStore::new(device);
     let root = vs.root();
+    // Every layer a unit of its own, unless TCHD_BENCH_UNITS=0 (one path no variable is
+    // under: no unit claims any).
+    let units = std::env::var("TCHD_BENCH_UNITS").map_or(true, |u| u != "0");
     let layers: Vec<_> = (0..LAYERS)
         .map(|i| {
             let path = &root / format!("l{i}");
-            tch_distributed::fully_shard(nn::linear(&path, WIDTH, WIDTH, Default::default()), &path)
+            let unit = match units {
+                true => path.clone(),
+                false => &root / "none",
+            };
+            tch_distributed::fully_shard(nn::linear(&path, WIDTH, WIDTH, Default::default()), &unit)
         })
         .collect();
     let mut opt = nn::Adam::default().build(&vs, 1e-4)?;
@@ -75,10 +82,16 @@ fn worker() -> anyhow::Result<()> {
             tch::Cuda::synchronize(i as i64);
         }
     })?;
-    let peak = match cuda {
+    let peak_now = || match cuda {
         true => device_memory(device)[1],
         false => status_bytes("VmHWM:") as f64,
     };
+    let peak = peak_now();
+    // The model saved (`vs.save`, rank 0 writes), with what that adds to the peak.
+    let dir = std::env::temp_dir().join(format!("tchd-bench-sharding-{}", ctx.world_size()));
+    std::fs::create_dir_all(&dir)?;
+    vs.save(dir.join("model.safetensors"))?;
+    let peak_with_save = peak_now();
     let zero = std::env::var("TCH_DISTRIBUTED_ZERO").unwrap_or_default();
     let side = match zero.as_str() {
         "" | "0" => "ddp".to_string(),
@@ -89,36 +102,66 @@ fn worker() -> anyhow::Result<()> {
         serde_json::json!({
             "rank": ctx.rank(), "world_size": ctx.world_size(), "side": side,
             "device": if cuda { "cuda" } else { "cpu" },
-            "baseline": baseline, "peak": peak, "step_ms": step_ms,
+            "baseline": baseline, "peak": peak, "peak_with_save": peak_with_save,
+            "step_ms": step_ms, "units": units,
         }),
     )
 }
 
 /// The ranks' rows of one configuration's run: the added peak (the largest over the
-/// ranks, bytes) and the step time (the slowest rank, ms).
-fn measure(cmd: Command, what: &str) -> anyhow::Result<(f64, f64, Vec<serde_json::Value>)> {
+/// ranks, bytes), the same with the save (PyTorch's side saves nothing: NaN) and the
+/// step time (the slowest rank, ms).
+fn measure(cmd: Command, what: &str) -> anyhow::Result<(f64, f64, f64, Vec<serde_json::Value>)> {
     let rows = worker_rows(cmd, "SHARDING", what)?;
     let (added, step) = added_peak_and_step(&rows);
-    Ok((added, step, rows))
+    let with_save = rows
+        .iter()
+        .map(|r| {
+            r["peak_with_save"].as_f64().unwrap_or(f64::NAN) - r["baseline"].as_f64().unwrap_or(0.0)
+        })
+        .fold(f64::NAN, f64::max);
+    Ok((added, with_save, step, rows))
 }
 
-/// One row of the table (the added peak in MB and as a share of `ddp`'s, the step in
-/// ms), then each rank's measurements as `BENCH {json}` on stderr.
+/// One row of the table (the added peak in MB and as a share of `ddp`'s, the same with
+/// the save, the step in ms), then each rank's measurements as `BENCH {json}` on
+/// stderr.
 fn print_row(
     ranks: usize,
     side: &str,
-    added: f64,
+    (added, with_save, step): (f64, f64, f64),
     ddp: f64,
-    step: f64,
     rows: &[serde_json::Value],
 ) {
+    let save = match with_save.is_nan() {
+        true => "|".to_string(),
+        false => format!("{:.0} | {:.2}", with_save / 1e6, with_save / ddp),
+    };
     println!(
-        "| {ranks} | {side} | {:.0} | {:.2} | {step:.1} |",
+        "| {ranks} | {side} | {:.0} | {:.2} | {save} | {step:.1} |",
         added / 1e6,
         added / ddp
     );
     for row in rows {
         eprintln!("BENCH {row}");
+    }
+}
+
+/// One configuration of ours: ranks, ZeRO stage, every layer a unit, glibc's mmap
+/// threshold fixed.
+struct Configuration {
+    ranks: usize,
+    zero: &'static str,
+    units: bool,
+    fixed: bool,
+}
+
+const fn ours(ranks: usize, zero: &'static str, units: bool, fixed: bool) -> Configuration {
+    Configuration {
+        ranks,
+        zero,
+        units,
+        fixed,
     }
 }
 
@@ -139,64 +182,91 @@ fn main() -> anyhow::Result<()> {
         .iter()
         .position(|a| a == "--device")
         .is_some_and(|i| args.get(i + 1).is_some_and(|d| d == "cuda"));
+    // `--ranks 2,4`: only those world sizes.
+    let only: Option<Vec<usize>> = args
+        .iter()
+        .position(|a| a == "--ranks")
+        .and_then(|i| args.get(i + 1))
+        .map(|list| list.split(',').filter_map(|n| n.parse().ok()).collect());
     let exe = std::env::current_exe()?;
     let tchrun = exe.with_file_name("tchrun");
     // PyTorch's side: beside the sources, or where a GPU package put it.
     let script = std::env::var("TCHD_FSDP_BENCH")
         .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/python/fsdp_bench.py").into());
     let script = script.as_str();
-    println!("| ranks | side | added peak per rank (MB) | of DDP's | step (ms) |");
-    println!("|---|---|---|---|---|");
+    println!("| ranks | side | added peak per rank (MB) | of DDP's | with a save (MB) | of DDP's | step (ms) |");
+    println!("|---|---|---|---|---|---|---|");
     // The last rows: glibc's own settings (no fixed mmap threshold), where the SDK
     // fixes the threshold itself when it shards.
     let configurations = [
-        (2, "0", true),
-        (2, "1", true),
-        (2, "2", true),
-        (2, "3", true),
-        (4, "0", true),
-        (4, "3", true),
-        (2, "0", false),
-        (2, "3", false),
+        ours(2, "0", true, true),
+        ours(2, "1", true, true),
+        ours(2, "2", true, true),
+        ours(2, "2", false, true),
+        ours(2, "3", true, true),
+        ours(2, "3", false, true),
+        ours(4, "0", true, true),
+        ours(4, "2", false, true),
+        ours(4, "3", true, true),
+        ours(8, "0", true, true),
+        ours(8, "3", true, true),
+        ours(2, "0", true, false),
+        ours(2, "3", true, false),
     ];
+    let configurations: Vec<&Configuration> = configurations
+        .iter()
+        .filter(|c| only.as_ref().is_none_or(|o| o.contains(&c.ranks)))
+        .collect();
     let mut ddp = 0.0;
-    for (i, (ranks, zero, fixed)) in configurations.into_iter().enumerate() {
+    for (i, c) in configurations.iter().enumerate() {
         // glibc's settings do not move CUDA memory.
-        if cuda && !fixed {
+        if cuda && !c.fixed {
             continue;
         }
+        let ranks = c.ranks;
         {
             let mut cmd = Command::new(&tchrun);
             cmd.args(["--nproc-per-node", &ranks.to_string()])
                 .arg(&exe)
                 .arg("--worker")
-                .env("TCH_DISTRIBUTED_ZERO", zero)
+                .env("TCH_DISTRIBUTED_ZERO", c.zero)
+                .env("TCHD_BENCH_UNITS", if c.units { "1" } else { "0" })
                 .env("TCHD_BENCH_DEVICE", if cuda { "cuda" } else { "cpu" });
             if !cuda {
                 cmd.env("CUDA_VISIBLE_DEVICES", "");
             }
-            if fixed {
+            if c.fixed {
                 cmd.env("MALLOC_MMAP_THRESHOLD_", "65536");
             }
-            let (added, step, rows) = measure(cmd, &format!("{ranks} ranks, zero {zero}"))?;
-            if zero == "0" {
+            let what = format!("{ranks} ranks, zero {}, units {}", c.zero, c.units);
+            let (added, with_save, step, rows) = measure(cmd, &what)?;
+            if c.zero == "0" {
                 ddp = added;
             }
-            let mut side = if zero == "0" {
-                "DDP".to_string()
-            } else {
-                format!("ZeRO-{zero}")
+            let mut side = match c.zero {
+                "0" => "DDP".to_string(),
+                zero => format!("ZeRO-{zero}"),
             };
-            if !fixed {
+            if matches!(c.zero, "2" | "3") {
+                side += if c.units {
+                    ", every layer a unit"
+                } else {
+                    ", no units"
+                };
+            }
+            if !c.fixed {
                 side += " (glibc's defaults)";
             }
-            print_row(ranks, &side, added, ddp, step, &rows);
+            print_row(ranks, &side, (added, with_save, step), ddp, &rows);
         }
-        // PyTorch's rows after ours of the same world size.
+        // PyTorch's rows after ours of the same world size (2 and 4 ranks).
         let last_of_world = configurations
             .get(i + 1)
-            .is_none_or(|c| c.0 != ranks || !c.2);
-        let Some(python) = python.as_ref().filter(|_| fixed && last_of_world) else {
+            .is_none_or(|next| next.ranks != ranks || !next.fixed);
+        let Some(python) = python
+            .as_ref()
+            .filter(|_| c.fixed && last_of_world && ranks <= 4)
+        else {
             continue;
         };
         let mut ddp = 0.0;
@@ -207,10 +277,10 @@ fn main() -> anyhow::Result<()> {
                 .env("MALLOC_MMAP_THRESHOLD_", "65536");
             let measured = measure(cmd, &format!("PyTorch {mode}, {ranks} ranks"));
             // On CUDA, Gloo may lack a collective that FSDP2 asks for: the row says so.
-            let (added, step, rows) = match measured {
+            let (added, with_save, step, rows) = match measured {
                 Err(e) if cuda => {
                     let why = e.to_string().lines().last().unwrap_or_default().to_string();
-                    println!("| {ranks} | PyTorch {mode} | failed: {why} | | |");
+                    println!("| {ranks} | PyTorch {mode} | failed: {why} | | | | |");
                     continue;
                 }
                 measured => measured?,
@@ -221,9 +291,9 @@ fn main() -> anyhow::Result<()> {
             let side = if mode == "ddp" {
                 "PyTorch DDP"
             } else {
-                "PyTorch FSDP2"
+                "PyTorch FSDP2, every layer a unit"
             };
-            print_row(ranks, &side, added, ddp, step, &rows);
+            print_row(ranks, side, (added, with_save, step), ddp, &rows);
         }
     }
     Ok(())

@@ -218,6 +218,17 @@ impl VisitMut for Rewrite {
                             },
                         }
                     })),
+                    // The store behind `vs.root()` becomes known to the run, so that a
+                    // `fully_shard` unit built under it can be sharded at once (ZeRO
+                    // stage 3 builds in shards).
+                    ("root", []) => Some(parse_quote_spanned!(span=> {
+                        match #recv {
+                            ref __tchd_recv => match (&#k::__private::Probe::new(__tchd_recv)).__tchd_var_store() {
+                                ::std::option::Option::Some(__tchd_vs) => #k::__private::root(__tchd_vs),
+                                ::std::option::Option::None => __tchd_recv.root(),
+                            },
+                        }
+                    })),
                     ("load", [path]) => Some(parse_quote_spanned!(span=> {
                         match #recv {
                             ref mut __tchd_recv => match (&#k::__private::Probe::new(&mut *__tchd_recv)).__tchd_var_store_mut() {

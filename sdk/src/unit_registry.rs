@@ -8,6 +8,7 @@
 use std::any::Any;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
+use tch::nn::{Path, Variables};
 use tch::Tensor;
 
 use crate::error::Result;
@@ -50,6 +51,9 @@ pub(crate) trait ShardedParameters: Send + Sync {
     /// After [`load_rows`](Self::load_rows): a gathered unit gathers its new values (a
     /// collective).
     fn after_load(&self) -> Result<()>;
+
+    /// Whether the variable whose key is `key` is one of this unit's.
+    fn holds(&self, key: usize) -> bool;
 }
 
 /// A unit as the program declared it: its variables' path, its sharded parameters once
@@ -110,6 +114,9 @@ pub(crate) fn declare_before_join(slot: Arc<Slot>) {
 pub(crate) struct Units {
     declared: Mutex<Vec<Arc<Slot>>>,
     sharded: Mutex<Vec<Arc<dyn ShardedParameters>>>,
+    /// The `VarStore`s the run has seen (`vs.root()` in the function), where a unit
+    /// declared later finds its variables.
+    stores: Mutex<Vec<Weak<Mutex<Variables>>>>,
 }
 
 impl Default for Units {
@@ -119,6 +126,7 @@ impl Default for Units {
         Units {
             declared: Mutex::new(before),
             sharded: Mutex::new(Vec::new()),
+            stores: Mutex::new(Vec::new()),
         }
     }
 }
@@ -171,6 +179,68 @@ impl Units {
             Ok(())
         })?;
         Ok(out.expect("the innermost call ran"))
+    }
+
+    /// Remembers a `VarStore` (its variables) the run has seen.
+    pub fn know_store(&self, variables: &Arc<Mutex<Variables>>) {
+        let mut stores = self.stores.lock().expect("units lock");
+        stores.retain(|s| s.strong_count() > 0);
+        if !stores
+            .iter()
+            .any(|s| std::ptr::eq(s.as_ptr(), Arc::as_ptr(variables)))
+        {
+            stores.push(Arc::downgrade(variables));
+        }
+    }
+
+    /// The trainable variables under `path` (whose names start with `prefix`) that no
+    /// sharded unit holds yet, with their names, in the order they were created; `None`
+    /// when the run has seen no store that `path` belongs to. A store is `path`'s when
+    /// `path` reaches its variables (tch's `Path` does not say which store it is of).
+    pub fn variables_under(&self, path: &Path, prefix: &str) -> Option<(Vec<String>, Vec<Tensor>)> {
+        let stores: Vec<Arc<Mutex<Variables>>> = self
+            .stores
+            .lock()
+            .expect("units lock")
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        let held = self.sharded();
+        for store in stores {
+            let members: Vec<(String, Tensor)> = {
+                let v = store.lock().expect("variable store lock");
+                let names: std::collections::HashMap<usize, &String> = v
+                    .named_variables
+                    .iter()
+                    .filter(|(name, _)| name.starts_with(prefix))
+                    .map(|(name, t)| (crate::ffi::tensor_key(t), name))
+                    .collect();
+                v.trainable_variables
+                    .iter()
+                    .filter_map(|var| {
+                        let key = crate::ffi::tensor_key(&var.tensor);
+                        let name = names.get(&key)?;
+                        (!held.iter().any(|u| u.holds(key)))
+                            .then(|| ((*name).clone(), var.tensor.shallow_clone()))
+                    })
+                    .collect()
+            };
+            let Some((name, first)) = members.first() else {
+                continue;
+            };
+            // `path` reaches the first of them: the store is `path`'s.
+            let mut parts: Vec<&str> = name[prefix.len()..].split('.').collect();
+            let last = parts.pop().unwrap_or_default();
+            let reached = parts
+                .into_iter()
+                .fold(path.clone(), |p, part| p.sub(part))
+                .get(last);
+            if reached.is_some_and(|t| crate::ffi::tensor_key(&t) == crate::ffi::tensor_key(first))
+            {
+                return Some(members.into_iter().unzip());
+            }
+        }
+        None
     }
 
     /// `var`'s whole value: gathered from its shards if a unit holds it (see

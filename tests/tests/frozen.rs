@@ -67,8 +67,21 @@ fn a_frozen_base_with_adapters_trains_as_ddp_at_every_stage() {
         for (zero, units) in runs {
             let out = format!("zero{zero}-units{units}-{ranks}.safetensors");
             let env: &[(&str, &str)] = if units { &[("UNITS", "1")] } else { &[] };
-            let stdout = run(&dir, ranks, zero, &out, env);
+            let env = [env, &[("INIT_OUT", "1")]].concat();
+            let stdout = run(&dir, ranks, zero, &out, &env);
             assert!(stdout.contains(&format!("ZeRO stage {zero} (")), "{stdout}");
+            // Stage 3's units are sharded as they are built, from the values every
+            // rank would have drawn unsharded.
+            let sharded = if (zero, units) == (3, true) { 12 } else { 0 };
+            assert!(
+                stdout.contains(&format!("variables sharded as built: {sharded}\n")),
+                "{stdout}"
+            );
+            let init_here = dir.join(format!("{out}.init.safetensors"));
+            assert!(
+                compare(&init, &init_here).is_exact(),
+                "{out}: another start"
+            );
             let diff = relative(&dir.join(&ddp), &dir.join(&out));
             eprintln!("{ranks} ranks, zero {zero}, units {units}: {diff:e} relative");
             assert!(

@@ -105,6 +105,33 @@ fn stages_2_and_3_train_as_ddp_with_and_without_units() {
     }
 }
 
+/// Without units, the gradients are reduce-scattered in buckets of at most the bucket
+/// cap (`bucket_cap_mb`), as they become ready in the backward pass (DeepSpeed ZeRO-2's
+/// `reduce_bucket_size`): with a cap below every variable's size, one bucket a
+/// variable, so 6 reduce-scatters a step, all in the backward pass; with the default
+/// cap, one. Clipping sees the norm over every bucket. The parameters are DDP's.
+#[test]
+fn without_units_gradients_are_reduce_scattered_in_buckets_of_the_cap() {
+    let dir = scratch_dir("sharding-buckets");
+    let tiny = [
+        ("TCH_DISTRIBUTED_BUCKET_CAP_MB", "0.00001"),
+        ("CLIP", "0.05"),
+    ];
+    run(&dir, 2, 0, "ddp.safetensors", &tiny);
+    for zero in [2, 3] {
+        let out = format!("zero{zero}.safetensors");
+        run(&dir, 2, zero, &out, &tiny);
+        let diff = compare(&dir.join("ddp.safetensors"), &dir.join(&out));
+        assert!(diff.max_abs < 1e-6, "zero {zero}: {diff:?}");
+        let stats = stats(&dir, &out);
+        assert_eq!(
+            [stats[0], stats[2], stats[4]],
+            [10, 60, 0],
+            "{out}: all-gathers, reduce-scatters, at the step"
+        );
+    }
+}
+
 /// Clipping sees the global norm over every rank's shards (FSDP2's `clip_grad_norm_`),
 /// and accumulation keeps the full gradients until the cycle's last micro-batch:
 /// both end where DDP ends with the same settings.

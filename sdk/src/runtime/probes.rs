@@ -169,7 +169,7 @@ impl<T> ExitOther for &mut &Probe<T> {
     }
 }
 
-/// The `VarStore` behind `vs.save(…)`'s receiver, if it is one.
+/// The `VarStore` behind `vs.save(…)`'s or `vs.root()`'s receiver, if it is one.
 pub trait VarStoreRefKnown<'a> {
     fn __tchd_var_store(&self) -> Option<&'a VarStore>;
 }
@@ -181,9 +181,14 @@ impl<'a> VarStoreRefKnown<'a> for Probe<&'a VarStore> {
         Some(self.take())
     }
 }
-impl<'a, 'b: 'a> VarStoreRefKnown<'a> for Probe<&'a &'b VarStore> {
-    fn __tchd_var_store(&self) -> Option<&'a VarStore> {
+impl<'a, 'b: 'a> VarStoreRefKnown<'b> for Probe<&'a &'b VarStore> {
+    fn __tchd_var_store(&self) -> Option<&'b VarStore> {
         Some(*self.take())
+    }
+}
+impl<'a, 'b: 'a> VarStoreRefKnown<'a> for Probe<&'a &'b mut VarStore> {
+    fn __tchd_var_store(&self) -> Option<&'a VarStore> {
+        Some(&**self.take())
     }
 }
 impl<'a, T> VarStoreRefOther<'a> for &Probe<T> {

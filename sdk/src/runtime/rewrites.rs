@@ -394,6 +394,15 @@ pub fn save(vs: &VarStore, path: impl AsRef<Path>) -> Result<(), TchError> {
         .map_err(|e| TchError::Torch(e.to_string()))
 }
 
+/// `vs.root()` on a `VarStore`: the store becomes known to the run (a `fully_shard`
+/// unit under it is sharded when it is declared, at ZeRO stage 3).
+pub fn root(vs: &VarStore) -> tch::nn::Path<'_> {
+    if let Some(ctx) = init::current() {
+        ctx.units().know_store(&vs.variables_);
+    }
+    vs.root()
+}
+
 /// `vs.load(path)` on a `VarStore`: every rank loads after a barrier.
 pub fn load(vs: &mut VarStore, path: impl AsRef<Path>) -> Result<(), TchError> {
     crate::checkpoint::load_var_store(&context(), vs, path)

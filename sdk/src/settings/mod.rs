@@ -431,7 +431,9 @@ settings! {
         var: "TCH_DISTRIBUTED_ZERO", file: true, value_name: "STAGE",
         values: "0 (off), 1, 2 or 3", default: "0",
     }
-    /// Size cap of DDP's gradient buckets, in MiB (it also caps the first bucket).
+    /// Size cap of the gradient buckets, in MiB: DDP's all-reduce buckets (it also caps
+    /// the first bucket) and, at ZeRO stages 2 and 3, the reduce-scatter buckets of the
+    /// variables no `fully_shard` unit holds (DeepSpeed's `reduce_bucket_size`).
     bucket_cap_mb: f64 [positive] {
         attribute: true, flag: Some("bucket-cap-mb"), alias: None,
         var: "TCH_DISTRIBUTED_BUCKET_CAP_MB", file: true, value_name: "MIB",

@@ -197,7 +197,9 @@ impl Sharding {
             .filter(|t| !presharded.contains(&tensor_key(t)))
             .map(Tensor::shallow_clone)
             .collect();
-        group.broadcast_coalesced(&agreed, BROADCAST_BYTES, 0)?;
+        if !agreed.is_empty() {
+            group.broadcast_coalesced(&agreed, BROADCAST_BYTES, 0)?;
+        }
         if params.iter().any(|p| p.device() == tch::Device::Cpu) {
             return_freed_memory();
         }

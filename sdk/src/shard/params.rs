@@ -178,10 +178,6 @@ impl UnitParams {
         self.state.lock().expect("unit lock")
     }
 
-    pub fn group(&self) -> &ProcessGroup {
-        &self.group
-    }
-
     /// Gathers the unit for a pass (in `param_dtype` under mixed precision), or waits
     /// for the gather prefetched for it.
     pub fn gather(&self) -> Result<()> {
@@ -529,6 +525,10 @@ impl ShardedParameters for UnitParams {
             })?;
         }
         Ok(true)
+    }
+
+    fn holds(&self, key: usize) -> bool {
+        self.lock().member(key).is_some()
     }
 
     fn after_load(&self) -> Result<()> {

@@ -27,10 +27,20 @@ pub struct FullyShard<M> {
 }
 
 /// Makes `module`, whose variables are those under `path`, a unit of fully sharded
-/// training, as FSDP2's `fully_shard(module)`. Call it before building the optimizer
-/// (which claims the units it finds), on the same module on every rank. Variables that
-/// no unit claims form the root unit, gathered after each step and kept. A unit
-/// nested in another claims its own variables.
+/// training, as FSDP2's `fully_shard(module)`. Call it on the same module on every
+/// rank, once the module is built. Variables that no unit holds form the root unit,
+/// gathered after each step and kept. A unit nested in another holds its own
+/// variables (declare the inner one first, as it is built first).
+///
+/// In a job that shards the parameters (`zero = 3`, several ranks) whose `VarStore`
+/// the function has seen (`vs.root()` in the `#[distributed]` function), the unit's
+/// trainable variables are sharded here, as DeepSpeed's `zero.Init`: every rank keeps
+/// its rows of rank 0's values and frees the rest, so that the whole model is never on
+/// a rank, only one unit at a time while it is built. Otherwise (a unit declared before
+/// the job is joined, or under a store built elsewhere) they are sharded when the
+/// sharded optimizer is built, which claims the units it finds: until then every rank
+/// holds the whole model. The variables a unit holds are those under `path` when it
+/// is sharded; one created there later belongs to the root.
 ///
 /// ```no_run
 /// # use tch::nn;
@@ -38,6 +48,11 @@ pub struct FullyShard<M> {
 /// let root = vs.root();
 /// let layer = tch_distributed::fully_shard(nn::linear(&root / "l1", 1024, 1024, Default::default()), &(&root / "l1"));
 /// ```
+///
+/// # Panics
+/// As tch's modules do on a failure, when sharding the unit here fails: the ranks'
+/// variables under `path` differ in shape, or a collective failed (a rank is gone or
+/// the timeout passed).
 pub fn fully_shard<M>(module: M, path: &Path) -> FullyShard<M> {
     let components: Vec<&str> = path.components().collect();
     let prefix = match components.is_empty() {
@@ -46,10 +61,43 @@ pub fn fully_shard<M>(module: M, path: &Path) -> FullyShard<M> {
     };
     let slot = Arc::new(Slot::new(prefix));
     match crate::init::current() {
-        Some(ctx) => ctx.units().declare(slot.clone()),
+        Some(ctx) => {
+            ctx.units().declare(slot.clone());
+            if let Err(e) = shard_now(&ctx, &slot, path) {
+                panic!("Error: sharding the unit under `{}`: {e}", slot.prefix);
+            }
+        }
         None => crate::unit_registry::declare_before_join(slot.clone()),
     }
     FullyShard { module, slot }
+}
+
+/// Shards the unit's variables now, in a stage-3 job of several ranks whose store the
+/// run knows (see [`fully_shard`]).
+fn shard_now(ctx: &crate::init::Context, slot: &Slot, path: &Path) -> crate::Result<()> {
+    if ctx.world_size() < 2 || ctx.settings().zero != Some(3) {
+        return Ok(());
+    }
+    let Some((names, params)) = ctx.units().variables_under(path, &slot.prefix) else {
+        return Ok(());
+    };
+    let group = ctx.process_group();
+    // Rank 0's values, as the optimizer's build gives the rest of the model.
+    group.verify_same_shapes(&params)?;
+    group.broadcast_coalesced(&params, 25 << 20, 0)?;
+    if params.iter().any(|p| p.device() == tch::Device::Cpu) {
+        super::engine::return_freed_memory();
+    }
+    let unit = Arc::new(UnitParams::new(
+        group,
+        names,
+        params,
+        ctx.mixed_precision().kind(),
+        true,
+    )?);
+    ctx.units().add_sharded(unit.clone());
+    slot.set_params(unit);
+    Ok(())
 }
 
 impl<M> FullyShard<M> {

@@ -13,6 +13,9 @@
 //! `summon_full_params`, which gives every value; rank `r` writes the sum of each
 //! variable read there, step by step, to DIR/OUT.sums-r (a line a step).
 //!
+//! Prints how many variables are sharded once the model is built (all 12 of them at
+//! stage 3 with units: they were sharded as they were built).
+//!
 //! Writes: with `INIT_OUT=1`, rank 0 the initial variables to DIR/OUT.init.safetensors;
 //! rank 0 the model (`vs.save`) to DIR/OUT and its trainable variables
 //! (`save_trainable`) to DIR/OUT.adapter.safetensors; and, after the
@@ -78,15 +81,29 @@ fn train(dir: &str, out: &str) -> anyhow::Result<nn::VarStore> {
             }
         })
         .collect();
+    // At stage 3 the units are sharded as they are built (their variables read as an
+    // error until gathered): no rank holds the whole model.
+    let sharded = vs
+        .variables()
+        .values()
+        .filter(|t| t.f_sum(Kind::Double).is_err())
+        .count();
+    println!("variables sharded as built: {sharded}");
     // The base is frozen once built, as a LoRA program loads and freezes its base.
     for (name, var) in vs.variables() {
         if name.contains(".base.") {
             let _ = var.set_requires_grad(false);
         }
     }
-    if rank == 0 && env("INIT_OUT").is_some() {
-        let named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-        Tensor::write_safetensors(&named, format!("{dir}/{out}.init.safetensors"))?;
+    // (At stage 3 the units are sharded already: read whole inside `summon_full_params`.)
+    if env("INIT_OUT").is_some() {
+        tch_distributed::summon_full_params(false, || -> anyhow::Result<()> {
+            if rank == 0 {
+                let named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+                Tensor::write_safetensors(&named, format!("{dir}/{out}.init.safetensors"))?;
+            }
+            Ok(())
+        })??;
     }
     let mut opt = nn::Adam::default().build(&vs, 0.01)?;
     let read = env("READ").is_some();

@@ -67,11 +67,18 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
         unit(l4, &root, "l4", units)
     });
     // The data and the initial parameters, for PyTorch's reference.
-    if rank == 0 && env("INIT_OUT").is_some() {
-        let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-        named.push(("x".into(), xs.shallow_clone()));
-        named.push(("y".into(), ys.shallow_clone()));
-        Tensor::write_safetensors(&named, format!("{dir}/{out}.init.safetensors"))?;
+    // (A stage-3 unit is sharded already: its variables are read whole inside
+    // `summon_full_params`, on every rank.)
+    if env("INIT_OUT").is_some() {
+        tch_distributed::summon_full_params(false, || -> anyhow::Result<()> {
+            if rank == 0 {
+                let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+                named.push(("x".into(), xs.shallow_clone()));
+                named.push(("y".into(), ys.shallow_clone()));
+                Tensor::write_safetensors(&named, format!("{dir}/{out}.init.safetensors"))?;
+            }
+            Ok(())
+        })??;
     }
     let mut opt = nn::Adam {
         wd: 1e-2,
