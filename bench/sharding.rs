@@ -87,10 +87,13 @@ fn worker() -> anyhow::Result<()> {
         false => status_bytes("VmHWM:") as f64,
     };
     let peak = peak_now();
-    // The model saved (`vs.save`, rank 0 writes), with what that adds to the peak.
+    // The model saved (`vs.save`, rank 0 writes) and loaded back (`vs.load`, every
+    // rank), with what that adds to the peak.
     let dir = std::env::temp_dir().join(format!("tchd-bench-sharding-{}", ctx.world_size()));
     std::fs::create_dir_all(&dir)?;
+    let mut vs = vs;
     vs.save(dir.join("model.safetensors"))?;
+    vs.load(dir.join("model.safetensors"))?;
     let peak_with_save = peak_now();
     let zero = std::env::var("TCH_DISTRIBUTED_ZERO").unwrap_or_default();
     let side = match zero.as_str() {
@@ -109,7 +112,8 @@ fn worker() -> anyhow::Result<()> {
 }
 
 /// The ranks' rows of one configuration's run: the added peak (the largest over the
-/// ranks, bytes), the same with the save (PyTorch's side saves nothing: NaN) and the
+/// ranks, bytes), the same with the save and the load (PyTorch's side does neither:
+/// NaN) and the
 /// step time (the slowest rank, ms).
 fn measure(cmd: Command, what: &str) -> anyhow::Result<(f64, f64, f64, Vec<serde_json::Value>)> {
     let rows = worker_rows(cmd, "SHARDING", what)?;
@@ -194,7 +198,7 @@ fn main() -> anyhow::Result<()> {
     let script = std::env::var("TCHD_FSDP_BENCH")
         .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/python/fsdp_bench.py").into());
     let script = script.as_str();
-    println!("| ranks | side | added peak per rank (MB) | of DDP's | with a save (MB) | of DDP's | step (ms) |");
+    println!("| ranks | side | added peak per rank (MB) | of DDP's | with a save and a load (MB) | of DDP's | step (ms) |");
     println!("|---|---|---|---|---|---|---|");
     // The last rows: glibc's own settings (no fixed mmap threshold), where the SDK
     // fixes the threshold itself when it shards.

@@ -7,7 +7,7 @@
 #
 #   scripts/mutants.sh                 every file below
 #   scripts/mutants.sh ddp optim       some of them (by the names below; optim is its
-#                                      four files' entries, shard its four, rendezvous
+#                                      five files' entries, shard its five, rendezvous
 #                                      the store's, job token's, network's and join's)
 #   scripts/mutants.sh --list [NAMES]  list the mutants only (no builds)
 #   scripts/mutants.sh NAMES -- ARGS   ARGS go to cargo-mutants (e.g. --shard 1/4)
@@ -67,11 +67,16 @@ FILE[join]=sdk/src/rendezvous/join.rs;     TESTS[join]="rendezvous_counts"
 FILE[agreement]=sdk/src/runtime/agreement.rs; TESTS[agreement]="different_paths adapting"
 # The collectives' records: a timeout's diagnosis and the deadlock check.
 FILE[collective_record]=sdk/src/process_group/collective_record.rs; TESTS[collective_record]="different_paths stalled_ranks"
-# ZeRO stages 2 and 3, file by file (`shard` names all four): the engine (the shards,
-# their gathers, reduce-scatters and steps), the units around their passes, the shim's
-# hooks; and the dim-0 layout, which ZeRO-1 cuts its shards by too.
-FILE[shard_engine]=sdk/src/shard/engine.rs; TESTS[shard_engine]="sharding activation"
-FILE[shard_unit]=sdk/src/shard/unit.rs;     TESTS[shard_unit]="sharding activation"
+# ZeRO stages 2 and 3, file by file (`shard` names all five): the engine (the units of
+# an optimizer, the gradient buckets, their reduce-scatters and steps), a unit's
+# parameters (their shard, gathers, reshards, reads and loads by rows), the units
+# around their passes (and sharded as built), the shim's hooks; and the dim-0 layout,
+# which ZeRO-1 cuts its shards by too. The model's file, written a variable at a time
+# and read by rows.
+FILE[shard_engine]=sdk/src/shard/engine.rs; TESTS[shard_engine]="sharding frozen activation"
+FILE[shard_params]=sdk/src/shard/params.rs; TESTS[shard_params]="sharding frozen activation"
+FILE[shard_unit]=sdk/src/shard/unit.rs;     TESTS[shard_unit]="sharding frozen activation"
+FILE[model_file]=sdk/src/checkpoint/model_file.rs; TESTS[model_file]="sharding frozen checkpoint"
 FILE[shard_hooks]=sdk/src/shard/hooks.rs;   TESTS[shard_hooks]="sharding activation"
 FILE[shard_layout]=sdk/src/shard/layout.rs; TESTS[shard_layout]="sharding zero"
 # Activation checkpointing: the block's recompute through the shim's node, against the
@@ -90,12 +95,12 @@ FILE[rewrites]=sdk/src/runtime/rewrites.rs; TESTS[rewrites]="outside_optimizer a
 # The attribute's reading of the function: which calls it finds (a forward pass for
 # autocast, inside closures too; the optimizers `.build` makes), under the ui cases.
 FILE[macro_analysis]=sdk-macros/src/analysis.rs; TESTS[macro_analysis]="ui"; PACKAGE[macro_analysis]=tch-distributed-macros
-ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record shard_engine shard_unit shard_hooks shard_layout activation split batch_retry macro_analysis)
+ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record shard_engine shard_params shard_unit shard_hooks shard_layout model_file activation split batch_retry macro_analysis)
 # A NAME that stands for several.
 declare -A GROUP
 GROUP[optim]="optim_mod optim_kernels optim_state optim_zero optim_scaler"
 GROUP[rendezvous]="store job_token network join"
-GROUP[shard]="shard_engine shard_unit shard_hooks shard_layout"
+GROUP[shard]="shard_engine shard_params shard_unit shard_hooks shard_layout"
 # NAME -> tests of those targets to skip for it (they exercise none of its paths and
 # take long): the preemption-signal runs, which only deliver signals and check a
 # checkpoint that the other checkpoint tests check too.

@@ -41,9 +41,9 @@ done
 
 # What the tests run, besides tchrun: the worker programs (tests/src/bin), the
 # examples, and the corpus programs.
-WORKERS=(ddp_worker amp_worker data_loading_worker settings_worker checkpoint_worker sharding_worker)
+WORKERS=(ddp_worker amp_worker data_loading_worker settings_worker checkpoint_worker sharding_worker frozen_worker)
 EXAMPLES=(shakespeare mnist)
-CORPUS=(mnist_conv char_rnn min_gpt resnet gan finetune)
+CORPUS=(mnist_conv char_rnn min_gpt resnet gan finetune lora)
 TESTS=(gpu corpus_gpu)
 
 if [ -z "$PACKAGE" ]; then

@@ -1,4 +1,4 @@
-//! The six corpus programs on a GPU: on one rank over NCCL, and on two ranks over Gloo
+//! The corpus programs on a GPU: on one rank over NCCL, and on two ranks over Gloo
 //! sharing the one GPU (`TCH_DISTRIBUTED_BACKEND=gloo`), with the corpus checks: one
 //! banner naming the backend and CUDA, rank 0 alone prints, the ranks end with the
 //! same parameters and buffers bit for bit, and every epoch's shards partition the
@@ -241,4 +241,39 @@ fn finetune_on_the_gpu() {
             saved_model: Some(out),
         }
     });
+}
+
+/// LoRA fine-tuning (`lora`) on the GPU, 2 ranks sharing it over Gloo: at ZeRO stage 3
+/// (each block a unit, sharded as it is built and loaded by rows) the adapters end where
+/// DDP's end (within 1e-5), and the base is the pretrained one, bit for bit.
+#[test]
+fn lora_at_zero_3_on_the_gpu() {
+    require_gpu();
+    let program = binary("lora");
+    let program = program.to_str().unwrap();
+    let dir = tch_distributed_tests::scratch_dir("corpus-gpu-lora");
+    let (input, _, _) = write_text_data(&dir, 2000, 0x2545_f491_4f6c_dd1d, 17, 16);
+    let (input, base) = (path(&input), path(&dir.join("base.safetensors")));
+    run_alone(program, &["pretrain", &input, &base, "20"], &dir);
+    let train = |zero: &str| {
+        let out = dir.join(format!("zero{zero}"));
+        std::fs::create_dir_all(&out).unwrap();
+        let model = path(&out.join("model.safetensors"));
+        let envs = [
+            ("TCH_DISTRIBUTED_BACKEND", "gloo"),
+            ("TCH_DISTRIBUTED_ZERO", zero),
+        ];
+        let run = run_ranks_with(program, &[&input, &base, &model, "1"], 2, &out, &envs);
+        assert!(run.stdout.contains("devices cuda"), "{}", run.stdout);
+        read_tensors(&out.join("model.safetensors"))
+    };
+    let ddp = train("0");
+    let sharded = train("3");
+    assert_close(&ddp, &sharded, 1e-5, "ZeRO-3 against DDP on the GPU");
+    let pretrained = read_tensors(Path::new(&base));
+    let frozen: std::collections::BTreeMap<_, _> = sharded
+        .into_iter()
+        .filter(|(name, _)| !name.contains(".lora_"))
+        .collect();
+    assert_same_tensors(&frozen, &pretrained, "the base");
 }

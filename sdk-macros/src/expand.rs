@@ -237,6 +237,14 @@ impl VisitMut for Rewrite {
                             },
                         }
                     })),
+                    ("load_partial", [path]) => Some(parse_quote_spanned!(span=> {
+                        match #recv {
+                            ref mut __tchd_recv => match (&#k::__private::Probe::new(&mut *__tchd_recv)).__tchd_var_store_mut() {
+                                ::std::option::Option::Some(__tchd_vs) => #k::__private::load_partial(__tchd_vs, #path),
+                                ::std::option::Option::None => __tchd_recv.load_partial(#path),
+                            },
+                        }
+                    })),
                     _ => None,
                 }
             }

@@ -124,7 +124,9 @@ pub fn collective(method: &str, args: usize) -> Option<&'static str> {
         ("save", 1) => {
             "`save` on a VarStore waits for every rank (rank 0 writes the file alone, between barriers)"
         }
-        ("load", 1) => "`load` on a VarStore waits for every rank (a barrier comes first)",
+        ("load" | "load_partial", 1) => {
+            "`load` on a VarStore waits for every rank (a barrier comes first)"
+        }
         ("build", 2) => {
             "building the optimizer wraps the model in DDP, which broadcasts rank 0's parameters to every rank"
         }

@@ -352,7 +352,7 @@ impl<'ast> Visit<'ast> for Walk<'_> {
             && receiver_ident(&m.receiver).is_some_and(|id| !self.analysis.trainers.contains(id));
         match collective(&method, m.args.len()) {
             Some(why) if !step_of_other => {
-                let fix = if method == "save" || method == "load" {
+                let fix = if matches!(method.as_str(), "save" | "load" | "load_partial") {
                     "Move it out so that every rank calls it; for a type other than VarStore, \
                      call it as `Type::method(&value, path)`, which #[distributed] leaves alone"
                 } else if method == "step" && receiver_ident(&m.receiver).is_none() {

@@ -372,16 +372,28 @@ int tdc_reduce_scatter(
     int64_t timeout_ms) {
   TDC_PROTECT(1, {
     auto& x = tensor(output);
-    std::vector<at::Tensor> out{x};
-    std::vector<std::vector<at::Tensor>> in{tensors(inputs, n)};
+    bool gloo = is_gloo(pg->pg, x);
+    // Gloo reduce-scatters CPU tensors only: CUDA ones go through the host (as its
+    // CUDA all-reduce does inside Gloo), in and out.
+    bool staged = gloo && x.is_cuda();
+    std::vector<at::Tensor> in_list = tensors(inputs, n);
+    at::Tensor result = staged ? x.to(at::kCPU) : x;
+    if (staged) {
+      for (auto& t : in_list) t = t.to(at::kCPU);
+    }
+    std::vector<at::Tensor> out{result};
+    std::vector<std::vector<at::Tensor>> in{in_list};
     c10d::ReduceScatterOptions opts;
     opts.timeout = ms(timeout_ms);
-    bool divide = op == 1 && is_gloo(pg->pg, x);
+    bool divide = op == 1 && gloo;
     opts.reduceOp = divide ? c10d::ReduceOp(c10d::ReduceOp::SUM) : reduce_op(op);
     wait(pg->pg->reduce_scatter(out, in, opts), timeout_ms);
+    at::NoGradGuard no_grad;
     if (divide) {
-      at::NoGradGuard no_grad;
-      x.div_(pg->pg->getSize());
+      result.div_(pg->pg->getSize());
+    }
+    if (staged) {
+      x.copy_(result);
     }
     return 0;
   })

@@ -637,6 +637,12 @@ fn zero_3_on_the_gpu_trains_as_ddp() {
         read(&dir, "zero3.safetensors.freed-0"),
         "l2.bias l2.weight l3.bias l3.weight"
     );
+    for rank in 0..2 {
+        assert_eq!(
+            read(&dir, &format!("zero3.safetensors.device-{rank}")),
+            "Cuda(0)"
+        );
+    }
     run(2, Backend::Gloo, "0", "bf16-ddp.safetensors");
     run(2, Backend::Gloo, "3", "bf16-zero3.safetensors");
     let diff = tch_distributed_tests::compare::files(
@@ -758,5 +764,106 @@ fn tchrun_test_passes_with_nccl_on_one_rank_and_gloo_on_two_sharing_the_gpu_chec
         let verdict =
             format!("tchrun test: passed on {ranks} rank(s), backend {backend}, devices cuda:0");
         assert!(run.stdout.contains(&verdict), "{verdict}:\n{}", run.stdout);
+    }
+}
+
+/// Sharded checkpoints on CUDA: a stage-3 run on 2 ranks sharing the GPU over Gloo,
+/// stopped after step 5 with a checkpoint (the model written a variable at a time, each
+/// rank's chunks of Adam's state), resumes bit for bit, and on 2 ranks at stage 2 ends
+/// where the uninterrupted run ends (within 1e-5).
+#[test]
+fn a_stage_3_checkpoint_on_the_gpu_resumes_bit_for_bit() {
+    require_gpu();
+    let worker = binary("sharding_worker");
+    let dir = scratch_dir("gpu-sharding-checkpoint");
+    let d = dir.to_str().unwrap();
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    let run = |zero: &str, out: &str, extra: &[(&str, &str)]| {
+        let mut envs = vec![CUDA, ("TCH_DISTRIBUTED_ZERO", zero), ("UNITS", "1")];
+        envs.extend_from_slice(extra);
+        let run = launch(2, Backend::Gloo, &worker, &[d, out], &envs, &dir);
+        run.assert_success();
+        run
+    };
+    run("3", "straight.safetensors", &[]);
+    run(
+        "3",
+        "stopped.safetensors",
+        &[("CKPT", c), ("SAVE_AT", "5"), ("STOP_AT", "5")],
+    );
+    let resumed = run("3", "resumed.safetensors", &[("CKPT", c)]);
+    assert!(
+        resumed.stdout.contains("resumed at step 5"),
+        "{}",
+        resumed.stdout
+    );
+    let diff = tch_distributed_tests::compare::files(
+        &dir.join("straight.safetensors"),
+        &dir.join("resumed.safetensors"),
+    );
+    assert!(diff.is_exact(), "resumed at stage 3: {diff:?}");
+    let other = run("2", "stage2.safetensors", &[("CKPT", c)]);
+    assert!(
+        other.stdout.contains("resumed at step 5"),
+        "{}",
+        other.stdout
+    );
+    let diff = tch_distributed_tests::compare::files(
+        &dir.join("straight.safetensors"),
+        &dir.join("stage2.safetensors"),
+    );
+    assert!(diff.max_abs < 1e-5, "resumed at stage 2: {diff:?}");
+}
+
+/// A frozen base with adapters (LoRA) on CUDA, 2 ranks sharing the GPU over Gloo: at
+/// stages 2 and 3 (every layer a unit) it ends where DDP ends (within 1e-5), the base
+/// as it was built; reads between steps inside `summon_full_params` give DDP's
+/// values, and after the function returns every rank holds the whole model.
+#[test]
+fn a_frozen_base_with_adapters_on_the_gpu_trains_as_ddp() {
+    require_gpu();
+    let worker = binary("frozen_worker");
+    let dir = scratch_dir("gpu-frozen");
+    let d = dir.to_str().unwrap();
+    let run = |zero: &str, out: &str| {
+        let envs = [
+            CUDA,
+            ("TCH_DISTRIBUTED_ZERO", zero),
+            ("UNITS", "1"),
+            ("READ", "1"),
+            ("INIT_OUT", "1"),
+        ];
+        let run = launch(2, Backend::Gloo, &worker, &[d, out], &envs, &dir);
+        run.assert_success();
+        assert_eq!(read(&dir, &format!("{out}.device-0")), "Cuda(0)");
+        run
+    };
+    use tch_distributed_tests::compare::{files, files_where};
+    run("0", "ddp.safetensors");
+    for zero in ["2", "3"] {
+        let out = format!("zero{zero}.safetensors");
+        run(zero, &out);
+        let diff = files(&dir.join("ddp.safetensors"), &dir.join(&out));
+        assert!(diff.max_abs < 1e-5, "zero {zero}: {diff:?}");
+        let base = files_where(
+            &dir.join(format!("{out}.init.safetensors")),
+            &dir.join(&out),
+            |n| n.contains(".base."),
+        );
+        assert!(base.is_exact(), "zero {zero}: the base moved: {base:?}");
+        for rank in 0..2 {
+            let after = dir.join(format!("{out}.after-{rank}.safetensors"));
+            let diff = files(&dir.join("ddp.safetensors"), &after);
+            assert!(
+                diff.max_abs < 1e-5,
+                "zero {zero}, rank {rank} after: {diff:?}"
+            );
+            assert_eq!(
+                read(&dir, &format!("{out}.sums-{rank}")).lines().count(),
+                8,
+                "a line of sums a step"
+            );
+        }
     }
 }

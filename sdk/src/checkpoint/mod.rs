@@ -122,11 +122,31 @@ pub fn load_var_store(ctx: &Context, vs: &mut VarStore, path: impl AsRef<Path>) 
     let path = path.as_ref();
     ctx.barrier()?;
     if model_file::is_safetensors(path) {
-        return model_file::load(ctx.units(), vs, path);
+        return model_file::load(Some(ctx.units()), vs, path, false).map(drop);
     }
     // Sharded parameters take the loaded values into their shards.
     ctx.units().with_full_parameters(true, || {
         vs.load(path)
+            .map_err(|e| Error::Torch(format!("loading {}: {e}", path.display())))
+    })
+}
+
+/// `vs.load_partial(path)` in a job: [`load_var_store`], but a variable the file lacks is
+/// left as it is; returns their names, as `VarStore::load_partial`.
+///
+/// # Errors
+/// As [`load_var_store`]'s.
+pub(crate) fn load_var_store_partial(
+    ctx: &Context,
+    vs: &mut VarStore,
+    path: &Path,
+) -> Result<Vec<String>> {
+    ctx.barrier()?;
+    if model_file::is_safetensors(path) {
+        return model_file::load(Some(ctx.units()), vs, path, true);
+    }
+    ctx.units().with_full_parameters(true, || {
+        vs.load_partial(path)
             .map_err(|e| Error::Torch(format!("loading {}: {e}", path.display())))
     })
 }

@@ -185,16 +185,23 @@ pub(crate) fn write(
 }
 
 /// Loads the safetensors file `path` into `vs`, as `VarStore::load` does (every
-/// variable of the store must be in the file, with its shape; the values are cast to
-/// the variable's dtype), through a memory map: a sharded variable reads only this
-/// rank's rows of the file, and the others read their own bytes. Every rank calls it
+/// variable of the store must be in the file, with its shape), or with `partial` as
+/// `VarStore::load_partial` does (the variables the file lacks are left as they are,
+/// and returned by name), through a memory map: a sharded variable (ZeRO stage 3)
+/// reads only this rank's rows of the file, cast to its dtype, and the others read
+/// their own bytes and take the file's dtype, as tch's loads do. Every rank calls it
 /// (the units that are gathered gather their new values: a collective).
 ///
 /// # Errors
 /// [`Error::Io`] when the file cannot be read; [`Error::Checkpoint`] when it is not a
-/// safetensors file, or lacks a variable or has it in another shape;
+/// safetensors file, lacks a variable (but with `partial`) or has it in another shape;
 /// [`Error::Collective`] when a gather fails.
-pub(crate) fn load(units: &Units, vs: &VarStore, path: &Path) -> Result<()> {
+pub(crate) fn load(
+    units: Option<&Units>,
+    vs: &VarStore,
+    path: &Path,
+    partial: bool,
+) -> Result<Vec<String>> {
     let file = std::fs::File::open(path).map_err(io("opening", path))?;
     // SAFETY: the map is read-only and private; it is read while `file` is open, and a
     // file changed under the map by another process gives other bytes, not unsoundness
@@ -205,10 +212,17 @@ pub(crate) fn load(units: &Units, vs: &VarStore, path: &Path) -> Result<()> {
         .map_err(|e| bad(format!("not a safetensors file: {e:?}")))?;
     let mut names: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     names.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut missing = Vec::new();
     for (name, var) in &names {
-        let view = file
-            .tensor(name)
-            .map_err(|_| bad(format!("no variable `{name}` (the model has it)")))?;
+        let Ok(view) = file.tensor(name) else {
+            match partial {
+                true => {
+                    missing.push(name.clone());
+                    continue;
+                }
+                false => return Err(bad(format!("no variable `{name}` (the model has it)"))),
+            }
+        };
         let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
         if shape != var.size() {
             return Err(bad(format!(
@@ -223,7 +237,7 @@ pub(crate) fn load(units: &Units, vs: &VarStore, path: &Path) -> Result<()> {
             Some(&rows) if rows > 0 => data.len() / rows as usize,
             _ => data.len(),
         };
-        // Rows `[first, first + count)` of the file's tensor, in the variable's dtype.
+        // Rows `[first, first + count)` of the file's tensor.
         let mut rows = |first: i64, count: i64| -> Result<Tensor> {
             let bytes = &data[first as usize * row_bytes..(first + count) as usize * row_bytes];
             let mut size = shape.clone();
@@ -232,10 +246,24 @@ pub(crate) fn load(units: &Units, vs: &VarStore, path: &Path) -> Result<()> {
             }
             Ok(Tensor::f_from_data_size(bytes, &size, file_kind)?)
         };
-        if !units.load_rows(var, &mut rows)? {
+        let sharded = match units {
+            Some(units) => units.load_rows(var, &mut rows)?,
+            None => false,
+        };
+        if !sharded {
             let whole = rows(0, shape.first().copied().unwrap_or(1))?;
-            tch::no_grad(|| var.shallow_clone().f_copy_(&whole.to_device(var.device())))?;
+            tch::no_grad(|| -> Result<()> {
+                let mut var = var.shallow_clone();
+                if var.kind() != file_kind {
+                    var.set_data(&var.to_kind(file_kind));
+                }
+                var.f_copy_(&whole)?;
+                Ok(())
+            })?;
         }
     }
-    units.after_load()
+    if let Some(units) = units {
+        units.after_load()?;
+    }
+    Ok(missing)
 }

@@ -173,7 +173,8 @@ enum OptimizerFile {
 /// A checkpoint read into memory and checked, not yet applied.
 struct Loaded {
     state: TrainState,
-    model: Vec<(String, Tensor)>,
+    /// The model's file, checked: read when applied (a sharded variable's rows only).
+    model: PathBuf,
     optimizer: OptimizerFile,
     /// The rank's generator states by name (`cpu`, `cuda`); empty when the world size
     /// changed.
@@ -413,14 +414,12 @@ impl Checkpointer {
                 .map_err(|e| checkpoint_from(Some(dir), "incomplete (no COMPLETE marker)", e))?,
         )
         .map_err(|e| checkpoint_from(Some(dir), format!("unreadable COMPLETE marker: {e}"), e))?;
-        let read = |name: &str| -> Result<Vec<u8>> {
-            let path = dir.join(name);
-            let bytes = fs::read(&path).map_err(io("reading", &path))?;
+        let check = |name: &str, bytes: &[u8]| -> Result<()> {
             match manifest.get(name) {
                 Some((len, hash))
-                    if *len == bytes.len() && *hash == format!("{:016x}", fnv1a(&bytes)) =>
+                    if *len == bytes.len() && *hash == format!("{:016x}", fnv1a(bytes)) =>
                 {
-                    Ok(bytes)
+                    Ok(())
                 }
                 Some(_) => Err(checkpoint(
                     Some(dir),
@@ -432,20 +431,38 @@ impl Checkpointer {
                 )),
             }
         };
+        let read = |name: &str| -> Result<Vec<u8>> {
+            let path = dir.join(name);
+            let bytes = fs::read(&path).map_err(io("reading", &path))?;
+            check(name, &bytes).map(|()| bytes)
+        };
         let state: TrainState = serde_json::from_slice(&read(STATE)?)
             .map_err(|e| checkpoint_from(Some(dir), format!("{STATE}: {e}"), e))?;
-        let model = tensors(dir, MODEL, &read(MODEL)?)?;
+        // The model's file through a memory map: checked whole here, its tensors read
+        // when the checkpoint is applied (a sharded variable's rows alone).
+        let model = dir.join(MODEL);
+        let file = fs::File::open(&model).map_err(io("reading", &model))?;
+        // SAFETY: a read-only private map, read while `file` is open; the reads below
+        // copy out of it (a file changed under it gives other bytes, which the hash
+        // then refuses).
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io("mapping", &model))?;
+        check(MODEL, &map)?;
+        let header = safetensors::SafeTensors::deserialize(&map)
+            .map_err(|e| checkpoint_from(Some(dir), format!("{MODEL}: {e}"), e))?;
         // By name, so that the first mismatch reported is the same in every run.
         let expected: BTreeMap<String, Tensor> = vs.variables().into_iter().collect();
         for (name, var) in &expected {
-            match model.iter().find(|(n, _)| n == name) {
-                Some((_, t)) if t.size() == var.size() => {}
-                Some((_, t)) => {
+            let shape = header
+                .tensor(name)
+                .ok()
+                .map(|t| t.shape().iter().map(|&d| d as i64).collect::<Vec<i64>>());
+            match shape {
+                Some(shape) if shape == var.size() => {}
+                Some(shape) => {
                     return Err(checkpoint(
                         Some(dir),
                         format!(
-                            "{MODEL}: `{name}` has shape {:?}, the model {:?}",
-                            t.size(),
+                            "{MODEL}: `{name}` has shape {shape:?}, the model {:?}",
                             var.size()
                         ),
                     ))
@@ -554,22 +571,9 @@ impl Checkpointer {
                 continue;
             }
             let loaded = loaded.expect("checked above");
-            let copy = || {
-                tch::no_grad(|| -> Result<()> {
-                    let mut vars = vs.variables();
-                    for (name, value) in &loaded.model {
-                        if let Some(var) = vars.get_mut(name) {
-                            var.f_copy_(&value.to_device(var.device()))?;
-                        }
-                    }
-                    Ok(())
-                })
-            };
-            // Sharded parameters (ZeRO stages 2 and 3) take the values into their shards.
-            match init::current() {
-                Some(ctx) => ctx.units().with_full_parameters(true, copy)?,
-                None => copy()?,
-            }
+            // Sharded parameters (ZeRO stage 3) read their rows into their shards.
+            let units = ctx.as_ref().map(|c| c.units());
+            model_file::load(units, vs, &loaded.model, false)?;
             let restored = match &loaded.optimizer {
                 OptimizerFile::State(shards) => {
                     let shards: Vec<&[u8]> = shards.iter().map(Vec::as_slice).collect();

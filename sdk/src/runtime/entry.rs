@@ -179,12 +179,10 @@ impl Session {
             crate::launch::error_file::record_error(&message);
             return;
         }
-        if let Err(e) = crate::record::write_models() {
-            crate::log::warn(format_args!("{e}"));
-        }
-        if let Some(ctx) = init::current() {
-            // The model leaves whole (as FSDP2's `full_tensor()`): every variable that
-            // ZeRO stage 3 sharded is gathered for good, on every rank.
+        let ctx = init::current();
+        // The model leaves whole (as FSDP2's `full_tensor()`): every variable that ZeRO
+        // stage 3 sharded is gathered for good, on every rank.
+        if let Some(ctx) = &ctx {
             if let Err(e) = ctx.units().make_whole() {
                 crate::log::warn(format_args!(
                     "gathering the sharded variables at the function's return failed on rank \
@@ -192,6 +190,11 @@ impl Session {
                     ctx.rank()
                 ));
             }
+        }
+        if let Err(e) = crate::record::write_models() {
+            crate::log::warn(format_args!("{e}"));
+        }
+        if let Some(ctx) = ctx {
             if let Err(e) = ctx.barrier() {
                 crate::log::warn(format_args!(
                     "exit barrier failed on rank {}: {e}",

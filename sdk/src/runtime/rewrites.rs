@@ -403,6 +403,13 @@ pub fn root(vs: &VarStore) -> tch::nn::Path<'_> {
     vs.root()
 }
 
+/// `vs.load_partial(path)` on a `VarStore`: every rank loads what the file has after a
+/// barrier; returns the names of the variables it lacks.
+pub fn load_partial(vs: &mut VarStore, path: impl AsRef<Path>) -> Result<Vec<String>, TchError> {
+    crate::checkpoint::load_var_store_partial(&context(), vs, path.as_ref())
+        .map_err(|e| TchError::Torch(e.to_string()))
+}
+
 /// `vs.load(path)` on a `VarStore`: every rank loads after a barrier.
 pub fn load(vs: &mut VarStore, path: impl AsRef<Path>) -> Result<(), TchError> {
     crate::checkpoint::load_var_store(&context(), vs, path)

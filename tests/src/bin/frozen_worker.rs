@@ -22,6 +22,9 @@
 //! `#[distributed]` function has returned, every rank the variables as it holds them
 //! to DIR/OUT.after-RANK.safetensors.
 //!
+//! With `TCHD_TEST_DEVICE=cuda` it trains on the rank's CUDA device, and writes it to
+//! DIR/OUT.device-RANK.
+//!
 //! Usage: frozen_worker DIR OUT
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
@@ -61,12 +64,17 @@ fn train(dir: &str, out: &str) -> anyhow::Result<nn::VarStore> {
     let xs = Tensor::randn([24, 10], (Kind::Float, Device::Cpu));
     let ys = xs.narrow(1, 0, 4).sin() + xs.narrow(1, 4, 4).cos();
     let share = 24 / world as i64;
+    // The rank's GPU under the GPU suite (TCHD_TEST_DEVICE=cuda), else the CPU.
+    let device = match tch_distributed_tests::cuda_requested() {
+        true => Device::cuda_if_available(),
+        false => Device::Cpu,
+    };
     let (x, y) = (
-        xs.narrow(0, rank as i64 * share, share),
-        ys.narrow(0, rank as i64 * share, share),
+        xs.narrow(0, rank as i64 * share, share).to_device(device),
+        ys.narrow(0, rank as i64 * share, share).to_device(device),
     );
 
-    let vs = nn::VarStore::new(Device::Cpu);
+    let vs = nn::VarStore::new(device);
     let root = vs.root();
     let units = env("UNITS").is_some();
     let layers: Vec<tch_distributed::FullyShard<Lora>> = [(10, 12), (12, 9), (9, 4)]
@@ -143,6 +151,9 @@ fn train(dir: &str, out: &str) -> anyhow::Result<nn::VarStore> {
     }
     if read {
         std::fs::write(format!("{dir}/{out}.sums-{rank}"), &sums)?;
+    }
+    if tch_distributed_tests::cuda_requested() {
+        std::fs::write(format!("{dir}/{out}.device-{rank}"), format!("{device:?}"))?;
     }
     vs.save(format!("{dir}/{out}"))?;
     tch_distributed::save_trainable(&vs, format!("{dir}/{out}.adapter.safetensors"))?;

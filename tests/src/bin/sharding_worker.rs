@@ -18,7 +18,8 @@
 //! `CHECKPOINT=1`, l3 is an activation-checkpointed block (`checkpointed`), recomputed
 //! in the backward pass.
 //!
-//! With `TCHD_TEST_DEVICE=cuda` it trains on the rank's CUDA device.
+//! With `TCHD_TEST_DEVICE=cuda` it trains on the rank's CUDA device, and writes it to
+//! DIR/OUT.device-RANK.
 //!
 //! Writes the parameters to DIR/OUT (rank 0), each rank's optimizer-state bytes to
 //! DIR/OUT.state-bytes-RANK, its sharded collectives (`Optimizer::sharding_stats`:
@@ -39,12 +40,17 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
     let xs = Tensor::randn([24, 6], (Kind::Float, Device::Cpu));
     let ys = xs.narrow(1, 0, 3).sin() + xs.narrow(1, 3, 3).cos();
     let share = 24 / world as i64;
+    // The rank's GPU under the GPU suite (TCHD_TEST_DEVICE=cuda), else the CPU.
+    let device = match tch_distributed_tests::cuda_requested() {
+        true => Device::cuda_if_available(),
+        false => Device::Cpu,
+    };
     let (x, y) = (
-        xs.narrow(0, rank as i64 * share, share),
-        ys.narrow(0, rank as i64 * share, share),
+        xs.narrow(0, rank as i64 * share, share).to_device(device),
+        ys.narrow(0, rank as i64 * share, share).to_device(device),
     );
 
-    let mut vs = nn::VarStore::new(Device::Cpu);
+    let mut vs = nn::VarStore::new(device);
     let root = vs.root();
     let l1 = nn::linear(&root / "l1", 6, 13, Default::default());
     let l2 = nn::linear(&root / "l2", 13, 7, Default::default());
@@ -157,6 +163,9 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
             stats.reduce_scatters_at_step
         ),
     )?;
+    if tch_distributed_tests::cuda_requested() {
+        std::fs::write(format!("{dir}/{out}.device-{rank}"), format!("{device:?}"))?;
+    }
     std::fs::write(
         format!("{dir}/{out}.state-bytes-{rank}"),
         opt.state_bytes().to_string(),
