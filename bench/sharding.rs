@@ -93,8 +93,9 @@ fn worker() -> anyhow::Result<()> {
     std::fs::create_dir_all(&dir)?;
     let mut vs = vs;
     vs.save(dir.join("model.safetensors"))?;
-    vs.load(dir.join("model.safetensors"))?;
     let peak_with_save = peak_now();
+    vs.load(dir.join("model.safetensors"))?;
+    let peak_with_load = peak_now();
     let zero = std::env::var("TCH_DISTRIBUTED_ZERO").unwrap_or_default();
     let side = match zero.as_str() {
         "" | "0" => "ddp".to_string(),
@@ -106,47 +107,56 @@ fn worker() -> anyhow::Result<()> {
             "rank": ctx.rank(), "world_size": ctx.world_size(), "side": side,
             "device": if cuda { "cuda" } else { "cpu" },
             "baseline": baseline, "peak": peak, "peak_with_save": peak_with_save,
+            "peak_with_load": peak_with_load,
             "step_ms": step_ms, "units": units,
         }),
     )
 }
 
-/// The ranks' rows of one configuration's run: the added peak (the largest over the
-/// ranks, bytes), the same with the save and the load (PyTorch's side does neither:
-/// NaN) and the
-/// step time (the slowest rank, ms).
-fn measure(cmd: Command, what: &str) -> anyhow::Result<(f64, f64, f64, Vec<serde_json::Value>)> {
-    let rows = worker_rows(cmd, "SHARDING", what)?;
-    let (added, step) = added_peak_and_step(&rows);
-    let with_save = rows
-        .iter()
-        .map(|r| {
-            r["peak_with_save"].as_f64().unwrap_or(f64::NAN) - r["baseline"].as_f64().unwrap_or(0.0)
-        })
-        .fold(f64::NAN, f64::max);
-    Ok((added, with_save, step, rows))
+/// What one configuration's run measured: the added peak (the largest over the
+/// ranks, bytes), the same once the model was saved and once it was loaded back too
+/// (NaN on PyTorch's side, which does neither), and the step time (the slowest rank,
+/// ms).
+struct Measured {
+    added: f64,
+    with_save: f64,
+    with_load: f64,
+    step: f64,
+    rows: Vec<serde_json::Value>,
 }
 
-/// One row of the table (the added peak in MB and as a share of `ddp`'s, the same with
-/// the save, the step in ms), then each rank's measurements as `BENCH {json}` on
-/// stderr.
-fn print_row(
-    ranks: usize,
-    side: &str,
-    (added, with_save, step): (f64, f64, f64),
-    ddp: f64,
-    rows: &[serde_json::Value],
-) {
-    let save = match with_save.is_nan() {
-        true => "|".to_string(),
-        false => format!("{:.0} | {:.2}", with_save / 1e6, with_save / ddp),
+fn measure(cmd: Command, what: &str) -> anyhow::Result<Measured> {
+    let rows = worker_rows(cmd, "SHARDING", what)?;
+    let (added, step) = added_peak_and_step(&rows);
+    let peak = |key: &str| {
+        rows.iter()
+            .map(|r| r[key].as_f64().unwrap_or(f64::NAN) - r["baseline"].as_f64().unwrap_or(0.0))
+            .fold(f64::NAN, f64::max)
+    };
+    Ok(Measured {
+        added,
+        with_save: peak("peak_with_save"),
+        with_load: peak("peak_with_load"),
+        step,
+        rows,
+    })
+}
+
+/// One row of the table (each added peak in MB and as a share of `ddp`'s, the step in
+/// ms), then each rank's measurements as `BENCH {json}` on stderr.
+fn print_row(ranks: usize, side: &str, m: &Measured, ddp: f64) {
+    let cell = |bytes: f64| match bytes.is_nan() {
+        true => "| ".to_string(),
+        false => format!("{:.0} | {:.2}", bytes / 1e6, bytes / ddp),
     };
     println!(
-        "| {ranks} | {side} | {:.0} | {:.2} | {save} | {step:.1} |",
-        added / 1e6,
-        added / ddp
+        "| {ranks} | {side} | {} | {} | {} | {:.1} |",
+        cell(m.added),
+        cell(m.with_save),
+        cell(m.with_load),
+        m.step
     );
-    for row in rows {
+    for row in &m.rows {
         eprintln!("BENCH {row}");
     }
 }
@@ -198,8 +208,8 @@ fn main() -> anyhow::Result<()> {
     let script = std::env::var("TCHD_FSDP_BENCH")
         .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/python/fsdp_bench.py").into());
     let script = script.as_str();
-    println!("| ranks | side | added peak per rank (MB) | of DDP's | with a save and a load (MB) | of DDP's | step (ms) |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("| ranks | side | added peak per rank (MB) | of DDP's | with a save (MB) | of DDP's | and a load (MB) | of DDP's | step (ms) |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     // The last rows: glibc's own settings (no fixed mmap threshold), where the SDK
     // fixes the threshold itself when it shards.
     let configurations = [
@@ -243,9 +253,9 @@ fn main() -> anyhow::Result<()> {
                 cmd.env("MALLOC_MMAP_THRESHOLD_", "65536");
             }
             let what = format!("{ranks} ranks, zero {}, units {}", c.zero, c.units);
-            let (added, with_save, step, rows) = measure(cmd, &what)?;
+            let measured = measure(cmd, &what)?;
             if c.zero == "0" {
-                ddp = added;
+                ddp = measured.added;
             }
             let mut side = match c.zero {
                 "0" => "DDP".to_string(),
@@ -261,7 +271,7 @@ fn main() -> anyhow::Result<()> {
             if !c.fixed {
                 side += " (glibc's defaults)";
             }
-            print_row(ranks, &side, (added, with_save, step), ddp, &rows);
+            print_row(ranks, &side, &measured, ddp);
         }
         // PyTorch's rows after ours of the same world size (2 and 4 ranks).
         let last_of_world = configurations
@@ -281,23 +291,23 @@ fn main() -> anyhow::Result<()> {
                 .env("MALLOC_MMAP_THRESHOLD_", "65536");
             let measured = measure(cmd, &format!("PyTorch {mode}, {ranks} ranks"));
             // On CUDA, Gloo may lack a collective that FSDP2 asks for: the row says so.
-            let (added, with_save, step, rows) = match measured {
+            let measured = match measured {
                 Err(e) if cuda => {
                     let why = e.to_string().lines().last().unwrap_or_default().to_string();
-                    println!("| {ranks} | PyTorch {mode} | failed: {why} | | | | |");
+                    println!("| {ranks} | PyTorch {mode} | failed: {why} | | | | | | |");
                     continue;
                 }
                 measured => measured?,
             };
             if mode == "ddp" {
-                ddp = added;
+                ddp = measured.added;
             }
             let side = if mode == "ddp" {
                 "PyTorch DDP"
             } else {
                 "PyTorch FSDP2, every layer a unit"
             };
-            print_row(ranks, side, (added, with_save, step), ddp, &rows);
+            print_row(ranks, side, &measured, ddp);
         }
     }
     Ok(())

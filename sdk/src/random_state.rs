@@ -110,9 +110,18 @@ impl RandomState {
 /// FNV-1a, 64 bits, over `bytes`: the fingerprint the SDK uses wherever ranks or runs
 /// compare bytes (checkpoint manifests, sample rows, model descriptions, random states).
 pub(crate) fn fnv1a(bytes: impl IntoIterator<Item = u8>) -> u64 {
-    bytes.into_iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
+    fnv1a_from(FNV1A_START, bytes)
+}
+
+/// FNV-1a's offset basis, where [`fnv1a`] starts.
+pub(crate) const FNV1A_START: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// [`fnv1a`] going on from `hash` (what the bytes before hashed to): the hash of a
+/// stream, a block at a time.
+pub(crate) fn fnv1a_from(hash: u64, bytes: impl IntoIterator<Item = u8>) -> u64 {
+    bytes
+        .into_iter()
+        .fold(hash, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// SplitMix64's finalizer: spreads nearby keys (loop 0 run 1, loop 0 run 2) far apart.

@@ -159,3 +159,38 @@ fn variables_read_between_steps_and_after_the_return() {
         );
     }
 }
+
+/// The frozen base's unit (stage 3) with what else a fine-tuning job turns on: bf16
+/// mixed precision (units gathered in bf16), gradient accumulation (full gradients kept
+/// over the cycle), clipping, and every layer activation-checkpointed (the unit gathered
+/// again for the recompute, whose inputs' gradients reshard it): each ends where DDP
+/// with the same settings ends, the base exactly as built.
+#[test]
+fn a_frozen_base_trains_as_ddp_with_mixed_precision_accumulation_and_checkpointing() {
+    let dir = scratch_dir("frozen-settings");
+    let cases: [(&str, &[(&str, &str)]); 3] = [
+        ("bf16", &[("TCH_DISTRIBUTED_MIXED_PRECISION", "bf16")]),
+        ("accum", &[("TCH_DISTRIBUTED_GRAD_ACCUM", "2")]),
+        ("checkpoint", &[("CHECKPOINT", "1")]),
+    ];
+    for (name, env) in cases {
+        let env = [env, &[("UNITS", "1"), ("INIT_OUT", "1")]].concat();
+        let ddp = format!("{name}-ddp.safetensors");
+        run(&dir, 2, 0, &ddp, &env);
+        let out = format!("{name}-zero3.safetensors");
+        run(&dir, 2, 3, &out, &env);
+        let diff = relative(&dir.join(&ddp), &dir.join(&out));
+        eprintln!("{name}: {diff:e} relative");
+        assert!(diff < 1e-6, "{name}: {diff:e}");
+        let init = dir.join(format!("{ddp}.init.safetensors"));
+        assert!(
+            files_where(&init, &dir.join(&out), is_base).is_exact(),
+            "{name}: the base moved"
+        );
+        let moved = files_where(&init, &dir.join(&out), |n| !is_base(n));
+        assert!(
+            moved.max_abs > 1e-3,
+            "{name}: the adapters trained: {moved:?}"
+        );
+    }
+}

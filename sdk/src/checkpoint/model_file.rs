@@ -2,8 +2,9 @@
 //! so that a sharded model (ZeRO stage 3) is never whole on a rank for its file: the
 //! write all-gathers one sharded variable at a time (every rank runs the same writer,
 //! so the gathers come in the same order everywhere; rank 0 writes the bytes), and the
-//! read gives each sharded variable this rank's rows alone, from a memory map of the
-//! file. Variables that are whole on every rank are written and read as they are.
+//! read gives each sharded variable this rank's rows alone, read from the file by
+//! positioned reads. Variables that are whole on every rank are written and
+//! read as they are.
 //! The file is the one `VarStore::save` writes (same names, dtypes and layout), so
 //! PyTorch's `safetensors.torch.load_file` and `VarStore::load` read it.
 
@@ -11,7 +12,7 @@ use std::borrow::Cow;
 use std::cell::{Cell, RefCell};
 use std::path::Path;
 
-use safetensors::tensor::{Dtype, SafeTensors, View};
+use safetensors::tensor::{Dtype, View};
 use tch::nn::VarStore;
 use tch::{Kind, Tensor};
 
@@ -184,13 +185,107 @@ pub(crate) fn write(
     })
 }
 
+/// A safetensors file's header, read alone: where each tensor's bytes are. The bytes
+/// themselves are read when asked for, a row range at a time (positioned reads), so that
+/// reading a sharded variable's rows touches nothing else of the file and keeps no
+/// more of it in memory than those rows.
+pub(crate) struct ModelFile {
+    path: std::path::PathBuf,
+    file: std::fs::File,
+    /// Where the tensors' bytes start (after the header).
+    data_start: u64,
+    tensors: std::collections::HashMap<String, safetensors::tensor::TensorInfo>,
+}
+
+impl ModelFile {
+    /// Opens `path` and reads its header.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when it cannot be read; [`Error::Checkpoint`] when it is not a
+    /// safetensors file (a header that does not parse, or offsets past its end).
+    pub fn open(path: &Path) -> Result<ModelFile> {
+        use std::os::unix::fs::FileExt;
+        let bad = |message: String| checkpoint(Some(path), message);
+        let file = std::fs::File::open(path).map_err(io("opening", path))?;
+        let len = file.metadata().map_err(io("reading", path))?.len();
+        let mut n = [0u8; 8];
+        file.read_exact_at(&mut n, 0)
+            .map_err(|_| bad("not a safetensors file: shorter than its header".into()))?;
+        let n = u64::from_le_bytes(n);
+        if n > len.saturating_sub(8) {
+            return Err(bad(format!(
+                "not a safetensors file: a header of {n} bytes"
+            )));
+        }
+        let mut header = vec![0u8; n as usize];
+        file.read_exact_at(&mut header, 8)
+            .map_err(io("reading", path))?;
+        let metadata: safetensors::tensor::Metadata = serde_json::from_slice(&header)
+            .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+        let data_start = 8 + n;
+        let tensors: std::collections::HashMap<String, safetensors::tensor::TensorInfo> = metadata
+            .tensors()
+            .into_iter()
+            .map(|(name, info)| (name, info.clone()))
+            .collect();
+        for (name, info) in &tensors {
+            let (start, end) = info.data_offsets;
+            let size = info.shape.iter().product::<usize>() * info.dtype.size();
+            if end < start || end - start != size || data_start + end as u64 > len {
+                return Err(bad(format!(
+                    "`{name}`: its bytes {start}..{end} do not hold {:?} of {:?} in a file of {len} bytes",
+                    info.shape, info.dtype
+                )));
+            }
+        }
+        Ok(ModelFile {
+            path: path.to_path_buf(),
+            file,
+            data_start,
+            tensors,
+        })
+    }
+
+    /// The shape of tensor `name`, if the file has it.
+    pub fn shape(&self, name: &str) -> Option<Vec<i64>> {
+        let info = self.tensors.get(name)?;
+        Some(info.shape.iter().map(|&d| d as i64).collect())
+    }
+
+    /// Rows `[first, first + count)` of tensor `name` (dim 0; a scalar is one row), as
+    /// a tensor in the file's dtype.
+    fn rows(&self, name: &str, first: i64, count: i64) -> Result<Tensor> {
+        use std::os::unix::fs::FileExt;
+        let info = &self.tensors[name];
+        let kind = kind(info.dtype).ok_or_else(|| {
+            checkpoint(
+                Some(&self.path),
+                format!("`{name}` has dtype {:?}", info.dtype),
+            )
+        })?;
+        let (start, end) = info.data_offsets;
+        let rows = info.shape.first().copied().unwrap_or(1).max(1);
+        let row_bytes = (end - start) / rows;
+        let mut bytes = vec![0u8; count as usize * row_bytes];
+        let at = self.data_start + (start + first as usize * row_bytes) as u64;
+        self.file
+            .read_exact_at(&mut bytes, at)
+            .map_err(io("reading", &self.path))?;
+        let mut size: Vec<i64> = info.shape.iter().map(|&d| d as i64).collect();
+        if let Some(d0) = size.first_mut() {
+            *d0 = count;
+        }
+        Ok(Tensor::f_from_data_size(&bytes, &size, kind)?)
+    }
+}
+
 /// Loads the safetensors file `path` into `vs`, as `VarStore::load` does (every
 /// variable of the store must be in the file, with its shape), or with `partial` as
 /// `VarStore::load_partial` does (the variables the file lacks are left as they are,
-/// and returned by name), through a memory map: a sharded variable (ZeRO stage 3)
-/// reads only this rank's rows of the file, cast to its dtype, and the others read
-/// their own bytes and take the file's dtype, as tch's loads do. Every rank calls it
-/// (the units that are gathered gather their new values: a collective).
+/// and returned by name). A sharded variable (ZeRO stage 3, a unit of `units`) reads
+/// only this rank's rows of the file, cast to its dtype; the others read their own
+/// bytes and take the file's dtype, as tch's loads do. Every rank calls it (the units
+/// that are gathered gather their new values: a collective).
 ///
 /// # Errors
 /// [`Error::Io`] when the file cannot be read; [`Error::Checkpoint`] when it is not a
@@ -202,50 +297,28 @@ pub(crate) fn load(
     path: &Path,
     partial: bool,
 ) -> Result<Vec<String>> {
-    let file = std::fs::File::open(path).map_err(io("opening", path))?;
-    // SAFETY: the map is read-only and private; it is read while `file` is open, and a
-    // file changed under the map by another process gives other bytes, not unsoundness
-    // in the reads below (they copy out of it into tensors of their own).
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io("mapping", path))?;
-    let bad = |message: String| checkpoint(Some(path), message);
-    let file = SafeTensors::deserialize(&map)
-        .map_err(|e| bad(format!("not a safetensors file: {e:?}")))?;
+    let file = ModelFile::open(path)?;
     let mut names: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     names.sort_by(|a, b| a.0.cmp(&b.0));
     let mut missing = Vec::new();
     for (name, var) in &names {
-        let Ok(view) = file.tensor(name) else {
+        let Some(shape) = file.shape(name) else {
             match partial {
                 true => {
                     missing.push(name.clone());
                     continue;
                 }
-                false => return Err(bad(format!("no variable `{name}` (the model has it)"))),
+                false => {
+                    let message = format!("no variable `{name}` (the model has it)");
+                    return Err(checkpoint(Some(path), message));
+                }
             }
         };
-        let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
         if shape != var.size() {
-            return Err(bad(format!(
-                "`{name}` has shape {shape:?}, the model {:?}",
-                var.size()
-            )));
+            let message = format!("`{name}` has shape {shape:?}, the model {:?}", var.size());
+            return Err(checkpoint(Some(path), message));
         }
-        let file_kind = kind(view.dtype())
-            .ok_or_else(|| bad(format!("`{name}` has dtype {:?}", view.dtype())))?;
-        let data = view.data();
-        let row_bytes = match shape.first() {
-            Some(&rows) if rows > 0 => data.len() / rows as usize,
-            _ => data.len(),
-        };
-        // Rows `[first, first + count)` of the file's tensor.
-        let mut rows = |first: i64, count: i64| -> Result<Tensor> {
-            let bytes = &data[first as usize * row_bytes..(first + count) as usize * row_bytes];
-            let mut size = shape.clone();
-            if let Some(d0) = size.first_mut() {
-                *d0 = count;
-            }
-            Ok(Tensor::f_from_data_size(bytes, &size, file_kind)?)
-        };
+        let mut rows = |first: i64, count: i64| file.rows(name, first, count);
         let sharded = match units {
             Some(units) => units.load_rows(var, &mut rows)?,
             None => false,
@@ -254,8 +327,8 @@ pub(crate) fn load(
             let whole = rows(0, shape.first().copied().unwrap_or(1))?;
             tch::no_grad(|| -> Result<()> {
                 let mut var = var.shallow_clone();
-                if var.kind() != file_kind {
-                    var.set_data(&var.to_kind(file_kind));
+                if var.kind() != whole.kind() {
+                    var.set_data(&var.to_kind(whole.kind()));
                 }
                 var.f_copy_(&whole)?;
                 Ok(())

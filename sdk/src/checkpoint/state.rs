@@ -123,6 +123,9 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     crate::random_state::fnv1a(bytes.iter().copied())
 }
 
+/// FNV-1a's starting value, from which [`fnv1a`] hashes.
+const FNV1A_START: u64 = crate::random_state::FNV1A_START;
+
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     // 0664 less the umask: never writable by other users.
@@ -436,27 +439,44 @@ impl Checkpointer {
             let bytes = fs::read(&path).map_err(io("reading", &path))?;
             check(name, &bytes).map(|()| bytes)
         };
+        // The manifest's size and hash of a file too big to hold, read a block at a time.
+        let check_streamed = |name: &str, path: &Path| -> Result<()> {
+            use std::io::Read as _;
+            let mut file = fs::File::open(path).map_err(io("reading", path))?;
+            let mut block = vec![0u8; 1 << 20];
+            let (mut len, mut hash) = (0, FNV1A_START);
+            loop {
+                let n = file.read(&mut block).map_err(io("reading", path))?;
+                if n == 0 {
+                    break;
+                }
+                len += n;
+                hash = crate::random_state::fnv1a_from(hash, block[..n].iter().copied());
+            }
+            match manifest.get(name) {
+                Some((l, h)) if *l == len && *h == format!("{hash:016x}") => Ok(()),
+                Some(_) => Err(checkpoint(
+                    Some(dir),
+                    format!("{name} is corrupt (its size or hash differs from the manifest)"),
+                )),
+                None => Err(checkpoint(
+                    Some(dir),
+                    format!("{name} is not in the manifest"),
+                )),
+            }
+        };
         let state: TrainState = serde_json::from_slice(&read(STATE)?)
             .map_err(|e| checkpoint_from(Some(dir), format!("{STATE}: {e}"), e))?;
-        // The model's file through a memory map: checked whole here, its tensors read
-        // when the checkpoint is applied (a sharded variable's rows alone).
+        // The model's file: its hash checked here a block at a time, its header read;
+        // its tensors are read when the checkpoint is applied (a sharded variable's
+        // rows alone).
         let model = dir.join(MODEL);
-        let file = fs::File::open(&model).map_err(io("reading", &model))?;
-        // SAFETY: a read-only private map, read while `file` is open; the reads below
-        // copy out of it (a file changed under it gives other bytes, which the hash
-        // then refuses).
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io("mapping", &model))?;
-        check(MODEL, &map)?;
-        let header = safetensors::SafeTensors::deserialize(&map)
-            .map_err(|e| checkpoint_from(Some(dir), format!("{MODEL}: {e}"), e))?;
+        check_streamed(MODEL, &model)?;
+        let header = model_file::ModelFile::open(&model)?;
         // By name, so that the first mismatch reported is the same in every run.
         let expected: BTreeMap<String, Tensor> = vs.variables().into_iter().collect();
         for (name, var) in &expected {
-            let shape = header
-                .tensor(name)
-                .ok()
-                .map(|t| t.shape().iter().map(|&d| d as i64).collect::<Vec<i64>>());
-            match shape {
+            match header.shape(name) {
                 Some(shape) if shape == var.size() => {}
                 Some(shape) => {
                     return Err(checkpoint(

@@ -280,12 +280,8 @@ impl Optimizer {
             &all,
             ctx.units(),
             ctx.mixed_precision().kind(),
-            // The run's bucket cap, DDP's `bucket_cap_mb`, caps the root's gradient
-            // buckets (DeepSpeed ZeRO-2's `reduce_bucket_size`).
-            (ctx.settings()
-                .bucket_cap_mb
-                .unwrap_or(crate::ddp::DdpOptions::default().bucket_cap_mb)
-                * (1 << 20) as f64) as usize,
+            // DeepSpeed ZeRO-2's `reduce_bucket_size`.
+            crate::shard::bucket_bytes(&ctx),
         )?);
         Ok(self)
     }

@@ -233,6 +233,7 @@ impl Sharding {
                         members.iter().map(|&i| names[i].clone()).collect(),
                         members.iter().map(|&i| params[i].shallow_clone()).collect(),
                         param_dtype,
+                        bucket_bytes,
                         reshard,
                     )?);
                     registry.add_sharded(unit.clone() as Arc<dyn ShardedParameters>);
@@ -879,6 +880,16 @@ pub(crate) fn return_freed_memory() {
         // SAFETY: mallopt only sets an allocator parameter.
         unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 10) };
     }
+}
+
+/// The run's bucket cap in bytes (`bucket_cap_mb`, DDP's 25 MiB by default): what caps
+/// the root's gradient buckets and every all-gather's buffer.
+pub(crate) fn bucket_bytes(ctx: &crate::init::Context) -> usize {
+    let mib = ctx
+        .settings()
+        .bucket_cap_mb
+        .unwrap_or(crate::ddp::DdpOptions::default().bucket_cap_mb);
+    (mib * (1 << 20) as f64) as usize
 }
 
 /// The names of `params` among the store's named variables, and the store's variables

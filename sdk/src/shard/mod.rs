@@ -15,7 +15,7 @@ mod params;
 mod unit;
 
 pub use engine::ShardingStats;
-pub(crate) use engine::{named, Sharding};
+pub(crate) use engine::{bucket_bytes, named, Sharding};
 pub(crate) use hooks::set_grad;
 pub(crate) use layout::Piece;
 pub use unit::{fully_shard, summon_full_params, FullyShard};

@@ -31,6 +31,8 @@ pub(crate) struct Gathering {
     pending: Pending,
     /// Its output, one chunk per rank (views of one buffer).
     chunks: Vec<Tensor>,
+    /// The members it gathers.
+    members: std::ops::Range<usize>,
     /// Its input (the shard, or its low-precision copy), alive until it completes.
     _input: Tensor,
 }
@@ -42,6 +44,9 @@ pub(crate) struct UnitParams {
     /// passes (bf16 or fp16, FSDP2's `MixedPrecisionPolicy(param_dtype=…)`); exact
     /// gathers (a save, the end of the run) are in the parameters' own dtype.
     param_dtype: Option<Kind>,
+    /// The most bytes one all-gather's buffer holds, but for a member alone (the run's
+    /// bucket cap).
+    gather_bytes: usize,
     pub counts: GatherCounts,
     state: Mutex<Unit>,
 }
@@ -87,7 +92,8 @@ unsafe impl Sync for UnitParams {}
 impl UnitParams {
     /// Shards `params` (named `names`, whole and holding every rank's agreed values)
     /// over `group`: this rank keeps its rows of each. With `reshard`, the members'
-    /// memory is freed now, and after each of the unit's passes.
+    /// memory is freed now, and after each of the unit's passes. `gather_bytes` caps an
+    /// all-gather's buffer (see [`runs`](Self::runs)).
     ///
     /// Errors: [`Error::Usage`] for members of different dtypes or devices, or one
     /// that is not a whole contiguous tensor; [`Error::Torch`] when a storage cannot
@@ -97,6 +103,7 @@ impl UnitParams {
         names: Vec<String>,
         params: Vec<Tensor>,
         param_dtype: Option<Kind>,
+        gather_bytes: usize,
         reshard: bool,
     ) -> Result<UnitParams> {
         let (rank, world) = (group.rank(), group.world_size());
@@ -157,6 +164,7 @@ impl UnitParams {
         let me = UnitParams {
             group: group.clone(),
             param_dtype,
+            gather_bytes,
             counts: GatherCounts::default(),
             state: Mutex::new(unit),
         };
@@ -189,7 +197,8 @@ impl UnitParams {
     pub fn prefetch(&self) -> Result<()> {
         let mut unit = self.lock();
         if !unit.gathered && unit.gathering.is_none() && !unit.params.is_empty() {
-            unit.gathering = Some(self.start_gather(&unit, false)?);
+            let members = 0..unit.params.len();
+            unit.gathering = Some(self.start_gather(&unit, false, members)?);
         }
         Ok(())
     }
@@ -272,17 +281,26 @@ impl UnitParams {
         Ok(view)
     }
 
-    /// Starts the all-gather of the unit's shard (one collective) into a buffer: in
-    /// `param_dtype` under mixed precision, unless `exact`.
-    fn start_gather(&self, unit: &Unit, exact: bool) -> Result<Gathering> {
+    /// Starts the all-gather of members `members` of the unit (their chunks are one
+    /// contiguous range of the shard: one collective) into a buffer: in `param_dtype`
+    /// under mixed precision, unless `exact`.
+    fn start_gather(
+        &self,
+        unit: &Unit,
+        exact: bool,
+        members: std::ops::Range<usize>,
+    ) -> Result<Gathering> {
         let world = self.group.world_size();
-        let len = unit.shard.numel() as i64;
+        let start = unit.pieces[members.start].offset;
+        let end = unit.pieces[members.end - 1].offset + unit.pieces[members.end - 1].chunk_len();
+        let len = end - start;
         let low = self
             .param_dtype
             .filter(|_| !exact && unit.shard.kind() == Kind::Float);
+        let range = unit.shard.narrow(0, start, len);
         let input = match low {
-            Some(kind) => unit.shard.to_kind(kind),
-            None => unit.shard.shallow_clone(),
+            Some(kind) => range.to_kind(kind),
+            None => range,
         };
         let buffer = input.new_empty([world as i64 * len], (input.kind(), input.device()));
         let chunks: Vec<Tensor> = (0..world)
@@ -296,52 +314,98 @@ impl UnitParams {
         Ok(Gathering {
             pending,
             chunks,
+            members,
             _input: input,
         })
     }
 
-    /// All-gathers the unit's shard (one collective, or the one prefetched) into its
-    /// members' memory; `exact`: in their own dtype under mixed precision too (a
-    /// rounded unit is gathered again). A gathered unit is left as it is.
+    /// The members in runs whose all-gather buffer (every rank's chunks) holds at most
+    /// `gather_bytes` (a member alone may hold more): a big unit, such as the root of a
+    /// model with no units, is gathered a bucket at a time rather than whole at once.
+    fn runs(&self, unit: &Unit, exact: bool) -> Vec<std::ops::Range<usize>> {
+        let world = self.group.world_size();
+        let elt = match self
+            .param_dtype
+            .filter(|_| !exact && unit.shard.kind() == Kind::Float)
+        {
+            Some(kind) => kind.elt_size_in_bytes(),
+            None => unit.shard.kind().elt_size_in_bytes(),
+        };
+        let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+        let mut bytes = 0;
+        for (j, piece) in unit.pieces.iter().enumerate() {
+            let size = piece.chunk_len() as usize * elt * world;
+            match runs.last_mut() {
+                Some(run) if bytes + size <= self.gather_bytes => run.end = j + 1,
+                _ => {
+                    runs.push(j..j + 1);
+                    bytes = 0;
+                }
+            }
+            bytes += size;
+        }
+        runs
+    }
+
+    /// All-gathers the unit's shard (or waits for the gather prefetched for it) into
+    /// its members' memory, a run of members at a time (see [`runs`](Self::runs));
+    /// `exact`: in their own dtype under mixed precision too (a rounded unit is
+    /// gathered again). A gathered unit is left as it is.
     pub fn gather_locked(&self, unit: &mut Unit, exact: bool) -> Result<()> {
         let rounded = self.param_dtype.is_some() && unit.shard.kind() == Kind::Float;
         if (unit.gathered && !(exact && unit.rounded)) || unit.params.is_empty() {
             return Ok(());
         }
-        let prefetched = unit.gathering.take();
-        let Gathering {
-            pending, chunks, ..
-        } = match prefetched {
+        match unit.gathering.take() {
             Some(gathering) if !exact => {
                 self.counts
                     .prefetched_all_gathers
                     .fetch_add(1, Ordering::Relaxed);
-                gathering
+                fill(unit, gathering)?;
             }
             other => {
                 if let Some(gathering) = other {
                     gathering.pending.wait()?;
                 }
-                self.start_gather(unit, exact)?
-            }
-        };
-        pending.wait()?;
-        self.counts.all_gathers.fetch_add(1, Ordering::Relaxed);
-        tch::no_grad(|| -> Result<()> {
-            for (param, piece) in unit.params.iter().zip(&unit.pieces) {
-                let full = hooks::storage_alias(param)?;
-                for (r, chunk) in chunks.iter().enumerate() {
-                    if let Some(part) = piece.rows_in_shard(chunk, r) {
-                        piece.rows_in_full(&full, r).expect("rows").copy_(&part);
-                    }
+                for run in self.runs(unit, exact) {
+                    let gathering = self.start_gather(unit, exact, run)?;
+                    fill(unit, gathering)?;
                 }
             }
-            Ok(())
-        })?;
+        }
+        self.counts.all_gathers.fetch_add(1, Ordering::Relaxed);
         unit.gathered = true;
         unit.rounded = rounded && !exact;
         Ok(())
     }
+}
+
+/// Waits for `gathering` and copies every rank's rows of its members into their
+/// memory.
+fn fill(unit: &Unit, gathering: Gathering) -> Result<()> {
+    let Gathering {
+        pending,
+        chunks,
+        members,
+        ..
+    } = gathering;
+    pending.wait()?;
+    let base = unit.pieces[members.start].offset;
+    tch::no_grad(|| -> Result<()> {
+        for j in members {
+            let piece = Piece {
+                offset: unit.pieces[j].offset - base,
+                ..unit.pieces[j].clone()
+            };
+            let full = hooks::storage_alias(&unit.params[j])?;
+            for (r, chunk) in chunks.iter().enumerate() {
+                if let Some(part) = piece.rows_in_shard(chunk, r) {
+                    piece.rows_in_full(&full, r).expect("rows").copy_(&part);
+                }
+            }
+        }
+        Ok(())
+    })
 }
 
 impl Unit {

@@ -93,6 +93,7 @@ fn shard_now(ctx: &crate::init::Context, slot: &Slot, path: &Path) -> crate::Res
         names,
         params,
         ctx.mixed_precision().kind(),
+        super::engine::bucket_bytes(ctx),
         true,
     )?);
     ctx.units().add_sharded(unit.clone());

@@ -13,6 +13,9 @@
 //! `summon_full_params`, which gives every value; rank `r` writes the sum of each
 //! variable read there, step by step, to DIR/OUT.sums-r (a line a step).
 //!
+//! With `CHECKPOINT=1` every layer is also an activation-checkpointed block
+//! (`checkpointed`), its unit gathered again for the recompute in the backward pass.
+//!
 //! Prints how many variables are sharded once the model is built (all 12 of them at
 //! stage 3 with units: they were sharded as they were built).
 //!
@@ -77,15 +80,20 @@ fn train(dir: &str, out: &str) -> anyhow::Result<nn::VarStore> {
     let vs = nn::VarStore::new(device);
     let root = vs.root();
     let units = env("UNITS").is_some();
-    let layers: Vec<tch_distributed::FullyShard<Lora>> = [(10, 12), (12, 9), (9, 4)]
+    let checkpointed = env("CHECKPOINT").is_some();
+    let layers: Vec<Box<dyn Module>> = [(10, 12), (12, 9), (9, 4)]
         .into_iter()
         .enumerate()
         .map(|(i, (inputs, outputs))| {
             let path = &root / "layers" / i;
             let layer = Lora::new(&path, inputs, outputs);
-            match units {
+            let layer = match units {
                 true => tch_distributed::fully_shard(layer, &path),
                 false => tch_distributed::fully_shard(layer, &(&root / "unclaimed")),
+            };
+            match checkpointed {
+                true => Box::new(tch_distributed::checkpointed(layer)) as Box<dyn Module>,
+                false => Box::new(layer),
             }
         })
         .collect();
@@ -117,14 +125,18 @@ fn train(dir: &str, out: &str) -> anyhow::Result<nn::VarStore> {
     let read = env("READ").is_some();
     let mut sums = String::new();
     for _ in 0..8 {
-        let mut h = x.shallow_clone();
-        for (i, layer) in layers.iter().enumerate() {
-            h = layer.forward(&h);
-            if i + 1 < layers.len() {
-                h = h.tanh();
-            }
-        }
-        let loss = h.mse_loss(&y, tch::Reduction::Mean);
+        // One `let` for the forward pass and the loss: under mixed precision it runs
+        // under autocast (the closure too).
+        let loss = layers
+            .iter()
+            .enumerate()
+            .fold(x.shallow_clone(), |h, (i, layer)| {
+                match i + 1 < layers.len() {
+                    true => layer.forward(&h).tanh(),
+                    false => layer.forward(&h),
+                }
+            })
+            .mse_loss(&y, tch::Reduction::Mean);
         opt.backward_step(&loss);
         if read {
             for (name, var) in vs.variables() {
