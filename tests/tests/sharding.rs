@@ -109,7 +109,8 @@ fn stages_2_and_3_train_as_ddp_with_and_without_units() {
 /// cap (`bucket_cap_mb`), as they become ready in the backward pass (DeepSpeed ZeRO-2's
 /// `reduce_bucket_size`): with a cap below every variable's size, one bucket a
 /// variable, so 6 reduce-scatters a step, all in the backward pass; with the default
-/// cap, one. Clipping sees the norm over every bucket. The parameters are DDP's.
+/// cap, one. Clipping sees the norm over every bucket. The parameters are DDP's. At
+/// stage 3, no unit means no parameter sharded: rank 0 says so.
 #[test]
 fn without_units_gradients_are_reduce_scattered_in_buckets_of_the_cap() {
     let dir = scratch_dir("sharding-buckets");
@@ -120,7 +121,23 @@ fn without_units_gradients_are_reduce_scattered_in_buckets_of_the_cap() {
     run(&dir, 2, 0, "ddp.safetensors", &tiny);
     for zero in [2, 3] {
         let out = format!("zero{zero}.safetensors");
-        run(&dir, 2, zero, &out, &tiny);
+        let mut cmd = Command::new(tchrun());
+        cmd.args(["--nproc-per-node", "2", WORKER])
+            .args([dir.to_str().unwrap(), &out])
+            .env("TCH_DISTRIBUTED_ZERO", zero.to_string())
+            .envs(tiny);
+        let ran = run_with(cmd, &dir, TIMEOUT, |_, _| {});
+        ran.assert_success();
+        // Stage 3 with no unit shards no parameter, and says so once, naming the fix.
+        let warning = "ZeRO stage 3 with no fully_shard unit: the parameters stay whole";
+        let said = ran.stderr.matches(warning).count();
+        assert_eq!(said, usize::from(zero == 3), "zero {zero}: {}", ran.stderr);
+        assert!(
+            zero == 2
+                || ran
+                    .stderr
+                    .contains("tch_distributed::fully_shard(block, &path)")
+        );
         let diff = compare(&dir.join("ddp.safetensors"), &dir.join(&out));
         assert!(diff.max_abs < 1e-6, "zero {zero}: {diff:?}");
         let stats = stats(&dir, &out);

@@ -140,7 +140,10 @@ fn train(dir: &str, out: &str) -> anyhow::Result<nn::VarStore> {
         opt.backward_step(&loss);
         if read {
             for (name, var) in vs.variables() {
-                if let Err(e) = var.f_sum(Kind::Double) {
+                // A read and a write (a copy of itself): the value, or the error.
+                let read = var.f_sum(Kind::Double).map(drop);
+                let written = tch::no_grad(|| var.shallow_clone().f_copy_(&var));
+                for e in [read.err(), written.err()].into_iter().flatten() {
                     let e = e.to_string();
                     anyhow::ensure!(
                         e.contains(&format!("variable `{name}` is sharded by ZeRO stage 3")),
