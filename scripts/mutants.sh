@@ -79,6 +79,9 @@ FILE[shard_unit]=sdk/src/shard/unit.rs;     TESTS[shard_unit]="sharding frozen a
 FILE[model_file]=sdk/src/checkpoint/model_file.rs; TESTS[model_file]="sharding frozen checkpoint"
 FILE[shard_hooks]=sdk/src/shard/hooks.rs;   TESTS[shard_hooks]="sharding activation"
 FILE[shard_layout]=sdk/src/shard/layout.rs; TESTS[shard_layout]="sharding zero"
+# The generators the ranks agree on (`AgreedSeed`): the same numbers inside the guard on
+# every rank, each rank's own after it.
+FILE[rng]=sdk/src/rng.rs;                  TESTS[rng]="shuffles"
 # Activation checkpointing: the block's recompute through the shim's node, against the
 # plain model under DDP, accumulation, autocast and ZeRO-3 units.
 FILE[activation]=sdk/src/checkpoint/activation.rs; TESTS[activation]="activation"
@@ -95,7 +98,7 @@ FILE[rewrites]=sdk/src/runtime/rewrites.rs; TESTS[rewrites]="outside_optimizer a
 # The attribute's reading of the function: which calls it finds (a forward pass for
 # autocast, inside closures too; the optimizers `.build` makes), under the ui cases.
 FILE[macro_analysis]=sdk-macros/src/analysis.rs; TESTS[macro_analysis]="ui"; PACKAGE[macro_analysis]=tch-distributed-macros
-ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record shard_engine shard_params shard_unit shard_hooks shard_layout model_file activation split batch_retry macro_analysis)
+ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record shard_engine shard_params shard_unit shard_hooks shard_layout model_file rng activation split batch_retry macro_analysis)
 # A NAME that stands for several.
 declare -A GROUP
 GROUP[optim]="optim_mod optim_kernels optim_state optim_zero optim_scaler"

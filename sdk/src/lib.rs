@@ -48,8 +48,8 @@ mod unit_registry;
 pub use amp::{autocast, Autocast, GradScaler, MixedPrecision, MixedPrecisionMode};
 pub use checkpoint::{
     checkpoint, checkpoint_many, checkpointed, checkpointed_t, f_checkpoint_many, load_var_store,
-    preempted_exit_code, save_trainable, save_var_store, Checkpointed, CheckpointedT, Checkpointer,
-    Preemption, TrainState,
+    preempted_exit_code, save_trainable, save_var_store, BlockMany, BlockOne, Checkpointed,
+    CheckpointedT, Checkpointer, Preemption, TrainState,
 };
 pub use compat::{LIBTORCH_VERSION, TCH_VERSION};
 pub use data::{

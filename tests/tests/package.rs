@@ -25,6 +25,27 @@ fn cargo() -> Command {
     cmd
 }
 
+/// Where cargo puts what it builds for this workspace (and `cargo package` its
+/// `package/`): `CARGO_TARGET_DIR`, a config's `build.target-dir`, or `target/`, as
+/// `cargo metadata` reports it.
+fn target_dir() -> PathBuf {
+    let out = cargo()
+        .args(["metadata", "--format-version", "1", "--no-deps"])
+        .output()
+        .expect("cargo metadata");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let metadata: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    PathBuf::from(
+        metadata["target_directory"]
+            .as_str()
+            .expect("target_directory"),
+    )
+}
+
 #[test]
 fn cargo_package_packs_and_builds_the_macros_then_the_sdk() {
     let dir = scratch_dir("package");
@@ -41,7 +62,7 @@ fn cargo_package_packs_and_builds_the_macros_then_the_sdk() {
     let run = run_with(cmd, &dir, Duration::from_secs(1800), |_, _| {});
     run.assert_success();
     for krate in ["tch-distributed-macros", "tch-distributed"] {
-        let packed = repo().join(format!("target/package/{krate}-0.1.0.crate"));
+        let packed = target_dir().join(format!("package/{krate}-0.1.0.crate"));
         assert!(packed.exists(), "{}", packed.display());
         assert!(
             run.stderr.contains(&format!("Verifying {krate} v0.1.0")),

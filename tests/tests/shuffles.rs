@@ -141,3 +141,54 @@ fn ranks_that_drew_different_random_numbers_still_share_each_epochs_shuffle() {
     }
     assert_eq!(orders.len(), epochs, "each epoch has its own shuffle");
 }
+
+/// `AgreedSeed::enter(key)`, the public guard: on 2 ranks whose generators were seeded
+/// apart, the numbers drawn inside the guard are the same on both ranks, another key
+/// draws other numbers, and once the guards are gone each rank draws from its own
+/// generator again, where it was before the guards (the numbers a process seeded as the
+/// rank was draws first).
+#[test]
+fn agreed_seed_enter_gives_every_rank_the_same_numbers_then_its_own() {
+    let dir = scratch_dir("agreed-seed");
+    let mut cmd = std::process::Command::new(tchrun());
+    cmd.args([
+        "--nproc-per-node",
+        "2",
+        env!("CARGO_BIN_EXE_agreed_seed_worker"),
+    ])
+    .arg(dir.as_os_str());
+    let run = run_with(cmd, &dir, std::time::Duration::from_secs(60), |_, _| {});
+    run.assert_success();
+    let lines = |rank: usize| -> Vec<String> {
+        std::fs::read_to_string(dir.join(format!("rank-{rank}")))
+            .unwrap()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    };
+    let (zero, one) = (lines(0), lines(1));
+    assert_eq!(
+        zero[0], one[0],
+        "inside enter(7): the same numbers on every rank"
+    );
+    assert_eq!(
+        zero[1], one[1],
+        "inside enter(8): the same numbers on every rank"
+    );
+    assert_ne!(zero[0], zero[1], "another key, other numbers");
+    assert_ne!(
+        zero[2], one[2],
+        "after the guards: each rank its own numbers"
+    );
+    for (rank, drawn) in [(0, &zero), (1, &one)] {
+        tch::manual_seed(100 + rank);
+        let own = tch::Tensor::rand([4], (tch::Kind::Float, tch::Device::Cpu));
+        let own: Vec<f32> = Vec::try_from(&own).unwrap();
+        let own: Vec<String> = own.iter().map(|v| v.to_string()).collect();
+        assert_eq!(
+            drawn[2],
+            own.join(" "),
+            "rank {rank}: its generator as before the guards"
+        );
+    }
+}

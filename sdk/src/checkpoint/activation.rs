@@ -52,14 +52,51 @@ unsafe extern "C" fn drop_block(ctx: *mut c_void) {
     drop(Box::from_raw(ctx as *mut Block));
 }
 
+/// A block [`checkpoint`] can run again in the backward pass: a closure from one tensor
+/// to one, that owns what it uses (`Fn(&Tensor) -> Tensor + Send + 'static`). The
+/// backward pass may run on another thread (autograd's device thread on CUDA), after
+/// the function that made the closure returned, so a closure that borrows its block
+/// (`|x| blocks[i].forward(x)` over a `Vec`'s module) is not one: wrap the module itself
+/// with [`checkpointed`], or move an owned clone into the closure. Implemented for
+/// every such closure.
+#[diagnostic::on_unimplemented(
+    message = "`tch_distributed::checkpoint` needs a block that owns what it uses \
+               (`Fn(&Tensor) -> Tensor + Send + 'static`): it keeps the block until the \
+               backward pass runs it again, maybe on another thread",
+    label = "this block borrows what it uses (a module of a `Vec`, a local), or is not \
+             a `Fn(&Tensor) -> Tensor`",
+    note = "wrap the module itself, which the checkpoint then owns: \
+            `tch_distributed::checkpointed(block)` (`checkpointed_t` for a `ModuleT`), \
+            and call its `forward`; or move an owned clone into the closure: \
+            `move |x| block.forward(x)`"
+)]
+pub trait BlockOne: Fn(&Tensor) -> Tensor + Send + 'static {}
+
+#[diagnostic::do_not_recommend]
+impl<F: Fn(&Tensor) -> Tensor + Send + 'static> BlockOne for F {}
+
+/// A block [`checkpoint_many`] can run again in the backward pass:
+/// `Fn(&[Tensor]) -> Vec<Tensor> + Send + 'static`, as [`BlockOne`] for several
+/// tensors.
+#[diagnostic::on_unimplemented(
+    message = "`tch_distributed::checkpoint_many` needs a block that owns what it uses \
+               (`Fn(&[Tensor]) -> Vec<Tensor> + Send + 'static`): it keeps the block \
+               until the backward pass runs it again, maybe on another thread",
+    label = "this block borrows what it uses (a module of a `Vec`, a local), or is not \
+             a `Fn(&[Tensor]) -> Vec<Tensor>`",
+    note = "move an owned clone of what it uses into the closure \
+            (`move |xs| …`), or wrap a module with `tch_distributed::checkpointed(block)`"
+)]
+pub trait BlockMany: Fn(&[Tensor]) -> Vec<Tensor> + Send + 'static {}
+
+#[diagnostic::do_not_recommend]
+impl<F: Fn(&[Tensor]) -> Vec<Tensor> + Send + 'static> BlockMany for F {}
+
 /// [`checkpoint_many`], returning its errors: [`Error::Usage`] for a block that
 /// returns its input (or a view of it), whose outputs do not depend on its inputs that
 /// require a gradient, or that returns more than 64 tensors; [`Error::Torch`] for a
 /// failure of the forward pass.
-pub fn f_checkpoint_many(
-    block: impl Fn(&[Tensor]) -> Vec<Tensor> + Send + 'static,
-    inputs: &[Tensor],
-) -> Result<Vec<Tensor>> {
+pub fn f_checkpoint_many(block: impl BlockMany, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
     let block: Block = Mutex::new(Box::new(block));
     let ctx = Box::into_raw(Box::new(block)) as *mut c_void;
     let ptrs = ffi::tensors(inputs);
@@ -123,10 +160,7 @@ pub fn f_checkpoint_many(
 ///
 /// Panics with `Error: …` where [`f_checkpoint_many`] returns an error (as tch's
 /// modules panic on a failed forward pass).
-pub fn checkpoint_many(
-    block: impl Fn(&[Tensor]) -> Vec<Tensor> + Send + 'static,
-    inputs: &[Tensor],
-) -> Vec<Tensor> {
+pub fn checkpoint_many(block: impl BlockMany, inputs: &[Tensor]) -> Vec<Tensor> {
     f_checkpoint_many(block, inputs).unwrap_or_else(|e| panic!("Error: {e}"))
 }
 
@@ -140,7 +174,7 @@ pub fn checkpoint_many(
 /// let layer = nn::linear(vs.root() / "l1", 64, 64, Default::default());
 /// let y = tch_distributed::checkpoint(move |x| layer.forward(x).gelu("none"), &x);
 /// ```
-pub fn checkpoint(block: impl Fn(&Tensor) -> Tensor + Send + 'static, input: &Tensor) -> Tensor {
+pub fn checkpoint(block: impl BlockOne, input: &Tensor) -> Tensor {
     checkpoint_many(move |xs| vec![block(&xs[0])], std::slice::from_ref(input)).remove(0)
 }
 

@@ -15,8 +15,8 @@ mod preemption;
 mod state;
 
 pub use activation::{
-    checkpoint, checkpoint_many, checkpointed, checkpointed_t, f_checkpoint_many, Checkpointed,
-    CheckpointedT,
+    checkpoint, checkpoint_many, checkpointed, checkpointed_t, f_checkpoint_many, BlockMany,
+    BlockOne, Checkpointed, CheckpointedT,
 };
 pub use preemption::{preempted_exit_code, Preemption};
 pub use state::{Checkpointer, TrainState};
