@@ -417,13 +417,10 @@ impl Checkpointer {
                 .map_err(|e| checkpoint_from(Some(dir), "incomplete (no COMPLETE marker)", e))?,
         )
         .map_err(|e| checkpoint_from(Some(dir), format!("unreadable COMPLETE marker: {e}"), e))?;
-        let check = |name: &str, bytes: &[u8]| -> Result<()> {
+        // A file's size and hash against the manifest's.
+        let check = |name: &str, len: usize, hash: u64| -> Result<()> {
             match manifest.get(name) {
-                Some((len, hash))
-                    if *len == bytes.len() && *hash == format!("{:016x}", fnv1a(bytes)) =>
-                {
-                    Ok(())
-                }
+                Some((l, h)) if *l == len && *h == format!("{hash:016x}") => Ok(()),
                 Some(_) => Err(checkpoint(
                     Some(dir),
                     format!("{name} is corrupt (its size or hash differs from the manifest)"),
@@ -437,9 +434,9 @@ impl Checkpointer {
         let read = |name: &str| -> Result<Vec<u8>> {
             let path = dir.join(name);
             let bytes = fs::read(&path).map_err(io("reading", &path))?;
-            check(name, &bytes).map(|()| bytes)
+            check(name, bytes.len(), fnv1a(&bytes)).map(|()| bytes)
         };
-        // The manifest's size and hash of a file too big to hold, read a block at a time.
+        // `check` of a file too big to hold, read a block at a time.
         let check_streamed = |name: &str, path: &Path| -> Result<()> {
             use std::io::Read as _;
             let mut file = fs::File::open(path).map_err(io("reading", path))?;
@@ -453,17 +450,7 @@ impl Checkpointer {
                 len += n;
                 hash = crate::random_state::fnv1a_from(hash, block[..n].iter().copied());
             }
-            match manifest.get(name) {
-                Some((l, h)) if *l == len && *h == format!("{hash:016x}") => Ok(()),
-                Some(_) => Err(checkpoint(
-                    Some(dir),
-                    format!("{name} is corrupt (its size or hash differs from the manifest)"),
-                )),
-                None => Err(checkpoint(
-                    Some(dir),
-                    format!("{name} is not in the manifest"),
-                )),
-            }
+            check(name, len, hash)
         };
         let state: TrainState = serde_json::from_slice(&read(STATE)?)
             .map_err(|e| checkpoint_from(Some(dir), format!("{STATE}: {e}"), e))?;

@@ -41,10 +41,7 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
     let ys = xs.narrow(1, 0, 3).sin() + xs.narrow(1, 3, 3).cos();
     let share = 24 / world as i64;
     // The rank's GPU under the GPU suite (TCHD_TEST_DEVICE=cuda), else the CPU.
-    let device = match tch_distributed_tests::cuda_requested() {
-        true => Device::cuda_if_available(),
-        false => Device::Cpu,
-    };
+    let device = tch_distributed_tests::test_device(Device::cuda_if_available());
     let (x, y) = (
         xs.narrow(0, rank as i64 * share, share).to_device(device),
         ys.narrow(0, rank as i64 * share, share).to_device(device),
