@@ -7,7 +7,7 @@
 //! ```text
 //! tchrun --nproc-per-node 2 target/release/ddp --workload mlp
 //! TCH_DISTRIBUTED_BACKEND=nccl tchrun --nproc-per-node 1 target/release/ddp \
-//!     --device cuda --precision fp32,bf16 --workload linear4096 --batch 512
+//!     --device cuda --precision bf16 --workload linear4096 --batch 512
 //! ```
 //!
 //! Workloads (every rank has its own pool of `--pool` synthetic batches, or windows of
@@ -23,8 +23,10 @@
 //! - `linear4096`: 4 `Linear(4096, 4096)` in sequence with ReLU between, MSE loss: 67 M
 //!   parameters, compute-bound on a GPU (the GPU benchmarks run it at batch 512).
 //!
-//! `--workload` and `--precision` take comma-separated lists: each combination runs in
-//! turn in this process (one `#[distributed]` call each) and prints its own result.
+//! `--workload` takes a comma-separated list: each runs in turn in this process (one
+//! `#[distributed]` call each) and prints its own result. `--precision` takes one
+//! value: a process runs one job with the first function's settings, so `fp32` and
+//! `bf16` (two attributes) run in two processes (`gpu_suite.py` does so).
 //! `--device cuda` puts the model and the batches on the rank's GPU (the SDK picks it:
 //! ranks share a single visible GPU); `--device cpu` (the default) hides the GPUs.
 //! `--precision bf16` runs the same function under `mixed_precision = "bf16"` (the
@@ -95,7 +97,7 @@ struct Args {
     /// GPUs from this process.
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     device: DeviceArg,
-    /// Comma-separated precisions, run in turn for each workload.
+    /// The precision (one: a process runs one job with one set of settings).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "fp32")]
     precision: Vec<Precision>,
     /// On CUDA, also synchronize between the phases of a step (forward, backward and
@@ -700,6 +702,12 @@ fn main() -> Result<()> {
         });
         println!("CHECK {check}");
         return Ok(());
+    }
+    if args.precision.len() > 1 {
+        bail!(
+            "--precision takes one value: a process runs one job with the first \
+             #[distributed] function's settings; run fp32 and bf16 in two processes"
+        );
     }
     for &workload in &args.workload {
         for &precision in &args.precision {

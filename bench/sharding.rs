@@ -246,7 +246,10 @@ fn main() -> anyhow::Result<()> {
                 .env("TCH_DISTRIBUTED_ZERO", c.zero)
                 .env("TCHD_BENCH_UNITS", if c.units { "1" } else { "0" })
                 .env("TCHD_BENCH_DEVICE", if cuda { "cuda" } else { "cpu" });
-            if !cuda {
+            if cuda {
+                // The ranks share one GPU: NCCL needs a GPU a rank.
+                cmd.env("TCH_DISTRIBUTED_BACKEND", "gloo");
+            } else {
                 cmd.env("CUDA_VISIBLE_DEVICES", "");
             }
             if c.fixed {

@@ -144,15 +144,23 @@ def main():
                 for side in order:
                     steps = max(2, round((steps1 if n == 1 else steps2) * args.scale))
                     warm = max(2, round(warmup * min(1.0, args.scale)))
-                    flags = ["--workload", name, "--device", device,
-                             "--precision", ",".join(precisions), "--batch", str(batch),
+                    flags = ["--workload", name, "--device", device, "--batch", str(batch),
                              "--warmup", str(warm), "--steps", str(steps), "--lr", "0.01",
                              "--data", data] + (["--sync-phases"] if args.sync_phases else [])
-                    reports, note = runner.run(side, n, flags, f"{name}-{n}-{side}-{rnd}")
-                    if note:
-                        notes.append(f"{name}, {n} rank{'s' * (n > 1)}, {SIDES[side]}: {note}")
+                    # A Rust process runs one job with one set of settings (the first
+                    # #[distributed] function's): a process per precision. PyTorch's
+                    # sides run every precision in one process.
+                    runs = ([[p] for p in precisions] if side == "rust" else [precisions])
+                    reports = []
+                    for these in runs:
+                        tag = f"{name}-{n}-{side}-{rnd}" + (f"-{these[0]}" if side == "rust" else "")
+                        got, note = runner.run(side, n, flags + ["--precision", ",".join(these)], tag)
+                        if note:
+                            notes.append(f"{name}, {n} rank{'s' * (n > 1)}, {SIDES[side]}: {note}")
+                        for r in got:
+                            r["smi_peak_mb"] = runner.last_smi_peak
+                        reports += got
                     for r in reports:
-                        r["smi_peak_mb"] = runner.last_smi_peak
                         raw.append(r)
                         key = (name, n, side, r.get("precision"))
                         if key not in results or r["step_ms"] < results[key]["step_ms"]:
@@ -299,7 +307,7 @@ class Runner:
         for r in reports:
             r["side_key"] = side
             r["seconds"] = time.monotonic() - t
-        expected = len(self.args.precision.split(","))
+        expected = len(flags[flags.index("--precision") + 1].split(","))
         if proc.returncode != 0 and note is None:
             if len(reports) == expected:
                 # Seen once with PyTorch on the CPU: std::terminate while the process

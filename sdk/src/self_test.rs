@@ -228,13 +228,16 @@ fn store(ctx: &Context) -> std::result::Result<(), String> {
 /// DDP's average of the ranks' gradients is the whole batch's.
 fn ddp_step(ctx: &Context) -> std::result::Result<(), String> {
     let (device, n) = (ctx.device(), ctx.world_size() as i64);
+    // Built on the CPU and moved: the CUDA generator draws other initial weights than
+    // the CPU's from the same seed.
     let model = |device: Device| {
         tch::manual_seed(1234);
-        let vs = nn::VarStore::new(device);
+        let mut vs = nn::VarStore::new(Device::Cpu);
         let net = nn::seq()
             .add(nn::linear(vs.root() / "l1", 8, 16, Default::default()))
             .add_fn(|x| x.tanh())
             .add(nn::linear(vs.root() / "l2", 16, 1, Default::default()));
+        vs.set_device(device);
         (vs, net)
     };
     let rows = 4 * n;

@@ -3,7 +3,8 @@
 //! process, with one all-reduce per optimizer step, in both spellings of a training
 //! step; `mixed_precision` autocasts the forward pass, keeps the parameters in float32,
 //! gives fp16 a loss scaler whose state checkpoints keep, and the banner says what was
-//! chosen and why; `bucket_cap_mb` caps the first bucket too, as in PyTorch.
+//! chosen and why; a later function runs with the job's settings and may not ask for
+//! others; `bucket_cap_mb` caps the first bucket too, as in PyTorch.
 
 use std::fs;
 use std::path::Path;
@@ -107,6 +108,36 @@ fn mixed_precision_autocasts_the_forward_pass_and_says_why() {
         serde_json::json!([32768.0, 0]),
         "the fp16 loss scaler's state is in the checkpoint"
     );
+}
+
+#[test]
+fn a_later_function_runs_with_the_jobs_settings_and_may_not_ask_for_others() {
+    let dir = scratch_dir("settings-second-function");
+    single(&dir, "bf16-then-inherit");
+    let bf16 = "output BFloat16 loss Float params Float scaler None";
+    assert_eq!(read(&dir, "first0.txt"), bf16);
+    assert_eq!(
+        read(&dir, "kinds0.txt"),
+        bf16,
+        "the second function autocasts too"
+    );
+
+    fs::remove_file(dir.join("kinds0.txt")).unwrap();
+    let mut cmd = Command::new(WORKER);
+    cmd.args([dir.to_str().unwrap(), "bf16-then-fp16"])
+        .env_remove("TCH_DISTRIBUTED_NPROC");
+    let run = run_with(cmd, &dir, TIMEOUT, |_, _| {});
+    assert_eq!(run.status.code(), Some(1), "{}", run.stderr);
+    assert!(
+        run.stderr.contains(
+            "Error: entering a second #[distributed] function: it asks for \
+             mixed_precision = fp16 (the job's: bf16)"
+        ),
+        "{}",
+        run.stderr
+    );
+    // The first ran; the second never started (it would have written kinds in fp16).
+    assert_eq!(read(&dir, "kinds0.txt"), bf16);
 }
 
 #[test]

@@ -65,6 +65,23 @@ pub fn enter(attribute: Settings) -> Session {
             std::process::exit(self_launch(ranks, &settings));
         }
     }
+    if let Some(joined) = init::current() {
+        // A second function, after the first returned: the job is joined already.
+        let conflicts = settings.conflicts(joined.settings());
+        if !conflicts.is_empty() {
+            let list: Vec<String> = conflicts
+                .iter()
+                .map(|(key, given, was)| format!("{key} = {given} (the job's: {was})"))
+                .collect();
+            fail(
+                "entering a second #[distributed] function",
+                crate::Error::Usage(format!(
+                    "it asks for {}, but this process joined its job with the first                      function's settings, and a process runs one job with one set of                      settings (as Accelerate's AcceleratorState). Give the functions the                      same settings, leave them out of the later ones, or run each in a                      process of its own",
+                    list.join(", ")
+                )),
+            )
+        }
+    }
     record_panics();
     let ctx = init::init_with_settings(settings, None)
         .unwrap_or_else(|e| fail("joining the process group", e));

@@ -592,6 +592,22 @@ impl Settings {
         Ok((env.or(attribute), notes))
     }
 
+    /// The settings given here that differ from those the process joined its job with
+    /// (`joined`), as `(key, given, joined)`; `"unset"` where `joined` has none. A
+    /// process runs one job with one set of settings, as Accelerate's
+    /// `AcceleratorState`: a later `#[distributed]` function may leave a setting out (it
+    /// then runs with the job's), not ask for another value.
+    pub fn conflicts(&self, joined: &Settings) -> Vec<(&'static str, String, String)> {
+        TABLE
+            .iter()
+            .filter_map(|row| {
+                let given = row.text(self)?;
+                let was = row.text(joined).unwrap_or_else(|| "unset".to_string());
+                (given != was).then_some((row.key, given, was))
+            })
+            .collect()
+    }
+
     /// Whether no setting is given.
     pub fn is_empty(&self) -> bool {
         *self == Settings::default()

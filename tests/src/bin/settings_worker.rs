@@ -147,6 +147,8 @@ macro_rules! precision_fn {
 precision_fn!(bf16, mixed_precision = "bf16");
 precision_fn!(fp16, mixed_precision = "fp16");
 precision_fn!(auto, mixed_precision = "auto");
+// No option: the job's settings, whatever they are.
+precision_fn!(inherit,);
 
 fn main() -> anyhow::Result<()> {
     tch::set_num_threads(1);
@@ -160,6 +162,13 @@ fn main() -> anyhow::Result<()> {
         "bf16" => bf16(out),
         "fp16" => fp16(out),
         "auto" => auto(out),
+        // A second function after the first returned: one that leaves the precision
+        // out runs with the job's; one that asks for another stops with an error.
+        "bf16-then-inherit" => bf16(out).and_then(|()| {
+            std::fs::rename(format!("{out}/kinds0.txt"), format!("{out}/first0.txt"))?;
+            inherit(out)
+        }),
+        "bf16-then-fp16" => bf16(out).and_then(|()| fp16(out)),
         other => anyhow::bail!("unknown mode {other}"),
     }
 }
