@@ -48,15 +48,32 @@ fn stages_2_and_3_train_as_ddp_with_and_without_units() {
     let dir = scratch_dir("sharding");
     for ranks in [2, 4] {
         let ddp = format!("ddp{ranks}.safetensors");
-        run(&dir, ranks, 0, &ddp, &[]);
+        run(&dir, ranks, 0, &ddp, &[("EVAL_FIRST", "1")]);
         let whole = state_bytes(&dir, &ddp, 0);
         for (zero, units) in [(2, false), (2, true), (3, false), (3, true)] {
             let out = format!("zero{zero}-units{units}-{ranks}.safetensors");
-            let env: &[(&str, &str)] = if units { &[("UNITS", "1")] } else { &[] };
+            let env: &[(&str, &str)] = if units {
+                &[("UNITS", "1"), ("EVAL_FIRST", "1")]
+            } else {
+                &[("EVAL_FIRST", "1")]
+            };
             let stdout = run(&dir, ranks, zero, &out, env);
             assert!(stdout.contains(&format!("ZeRO stage {zero} (")), "{stdout}");
             let diff = compare(&dir.join(&ddp), &dir.join(&out));
             eprintln!("{ranks} ranks, zero {zero}, units {units}: {diff:?}");
+            // Before the optimizer: a stage-3 unit sharded at its declaration passes on
+            // its own, to DDP's loss.
+            for rank in 0..ranks {
+                let loss = |out: &str| -> f64 {
+                    let path = dir.join(format!("{out}.initial-loss-{rank}"));
+                    std::fs::read_to_string(path).unwrap().parse().unwrap()
+                };
+                let (want, got) = (loss(&ddp), loss(&out));
+                assert!(
+                    (got - want).abs() <= 1e-6 * want.abs(),
+                    "{out}, rank {rank}: the loss before the optimizer {got}, DDP's {want}"
+                );
+            }
             assert!(
                 diff.max_abs < 1e-6,
                 "{ranks} ranks, zero {zero}, units {units}: {diff:?}"
@@ -88,8 +105,10 @@ fn stages_2_and_3_train_as_ddp_with_and_without_units() {
             // during the compute of the one before: l3's forward from l2's (from the
             // second step on, once the first forward pass gave the order), l2's
             // backward from l3's (FSDP's prefetch).
+            // At stage 3 the evaluation before the optimizer gathers l2 and l3 once
+            // more each.
             let expected = match (zero, units) {
-                (3, true) => [50, 19, 30],
+                (3, true) => [52, 19, 30],
                 (_, true) => [30, 0, 30],
                 _ => [10, 0, 10],
             };

@@ -21,6 +21,9 @@
 //! With `TCHD_TEST_DEVICE=cuda` it trains on the rank's CUDA device, and writes it to
 //! DIR/OUT.device-RANK.
 //!
+//! With `EVAL_FIRST=1` each rank writes its loss on its rows before the optimizer is
+//! built (under `no_grad`) to DIR/OUT.initial-loss-RANK.
+//!
 //! Writes the parameters to DIR/OUT (rank 0), each rank's optimizer-state bytes to
 //! DIR/OUT.state-bytes-RANK, its sharded collectives (`Optimizer::sharding_stats`:
 //! all-gathers, prefetched ones, reduce-scatters, all-gathered bytes, reduce-scatters
@@ -82,6 +85,19 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
             }
             Ok(())
         })??;
+    }
+    // An evaluation before the optimizer exists: at stage 3 the units are sharded
+    // already (gathered around their passes on their own), the loss DDP's.
+    if env("EVAL_FIRST").is_some() {
+        let initial = tch::no_grad(|| {
+            let second = l2.forward_t(&l1.forward(&x).tanh(), false);
+            l3.forward(&second.tanh())
+                .mse_loss(&y, tch::Reduction::Mean)
+        });
+        std::fs::write(
+            format!("{dir}/{out}.initial-loss-{rank}"),
+            initial.double_value(&[]).to_string(),
+        )?;
     }
     let mut opt = nn::Adam {
         wd: 1e-2,
