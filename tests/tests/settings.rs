@@ -131,7 +131,8 @@ fn a_later_function_runs_with_the_jobs_settings_and_may_not_ask_for_others() {
     assert!(
         run.stderr.contains(
             "Error: entering a second #[distributed] function: it asks for \
-             mixed_precision = fp16 (the job's: bf16)"
+             mixed_precision = fp16 (the job's: bf16), but this process joined its job \
+             with the first function's settings"
         ),
         "{}",
         run.stderr

@@ -76,7 +76,11 @@ pub fn enter(attribute: Settings) -> Session {
             fail(
                 "entering a second #[distributed] function",
                 crate::Error::Usage(format!(
-                    "it asks for {}, but this process joined its job with the first                      function's settings, and a process runs one job with one set of                      settings (as Accelerate's AcceleratorState). Give the functions the                      same settings, leave them out of the later ones, or run each in a                      process of its own",
+                    "it asks for {}, but this process joined its job with the first \
+                     function's settings, and a process runs one job with one set of \
+                     settings (as Accelerate's AcceleratorState). Give the functions the \
+                     same settings, leave them out of the later ones, or run each in a \
+                     process of its own",
                     list.join(", ")
                 )),
             )
