@@ -84,7 +84,7 @@ FILE[shard_layout]=sdk/src/shard/layout.rs; TESTS[shard_layout]="sharding zero"
 FILE[rng]=sdk/src/rng.rs;                  TESTS[rng]="shuffles"
 # Activation checkpointing: the block's recompute through the shim's node, against the
 # plain model under DDP, accumulation, autocast and ZeRO-3 units.
-FILE[activation]=sdk/src/checkpoint/activation.rs; TESTS[activation]="activation"
+FILE[activation]=sdk/src/recompute.rs; TESTS[activation]="activation"
 # Distributed inference: the contiguous split, its padding, and the gather's order.
 FILE[split]=sdk/src/data/split.rs;          TESTS[split]="inference"
 # Retrying with half the batch on out of memory, every rank together.

@@ -37,6 +37,7 @@ mod process_group;
 mod protocol;
 mod random_state;
 mod rank_helpers;
+mod recompute;
 pub mod record;
 mod rendezvous;
 mod rng;
@@ -47,9 +48,8 @@ mod unit_registry;
 
 pub use amp::{autocast, Autocast, GradScaler, MixedPrecision, MixedPrecisionMode};
 pub use checkpoint::{
-    checkpoint, checkpoint_many, checkpointed, checkpointed_t, f_checkpoint_many, load_var_store,
-    preempted_exit_code, save_trainable, save_var_store, BlockMany, BlockOne, Checkpointed,
-    CheckpointedT, Checkpointer, Preemption, TrainState,
+    load_var_store, preempted_exit_code, save_trainable, save_var_store, Checkpointer,
+    Preemption, TrainState,
 };
 pub use compat::{LIBTORCH_VERSION, TCH_VERSION};
 pub use data::{
@@ -67,6 +67,10 @@ pub use observe::{Tracker, PROGRESS_ENV};
 pub use optim::{Algorithm, Implementation, Optimizer, OptimizerKind};
 pub use process_group::{Backend, ProcessGroup, ReduceOp};
 pub use rank_helpers::{any_rank, local_main_process_first, main_process_first};
+pub use recompute::{
+    checkpoint, checkpoint_many, checkpointed, checkpointed_t, f_checkpoint_many, BlockMany,
+    BlockOne, Checkpointed, CheckpointedT,
+};
 pub use rendezvous::{GlooAddress, Store};
 pub use rng::AgreedSeed;
 #[doc(hidden)]

@@ -9,15 +9,10 @@ use crate::error::{io, Error, Result};
 use crate::files::{self, sync_dir, sync_file};
 use crate::init::Context;
 
-mod activation;
 pub(crate) mod model_file;
 mod preemption;
 mod state;
 
-pub use activation::{
-    checkpoint, checkpoint_many, checkpointed, checkpointed_t, f_checkpoint_many, BlockMany,
-    BlockOne, Checkpointed, CheckpointedT,
-};
 pub use preemption::{preempted_exit_code, Preemption};
 pub use state::{Checkpointer, TrainState};
 

@@ -1,4 +1,4 @@
-//! Activation checkpointing, as `torch.utils.checkpoint.checkpoint`: none of a block's
+//! Activation checkpointing (recomputation), as `torch.utils.checkpoint.checkpoint`: none of a block's
 //! activations outlive its forward pass, and the backward pass runs the block again to
 //! differentiate it. The autograd node is the shim's (`csrc/activation.cpp`); the
 //! block is a Rust closure it calls back.
