@@ -62,6 +62,18 @@ pub(crate) fn under_tchrun() -> bool {
     std::env::var_os("TCHRUN").is_some()
 }
 
+/// `TCHRUN_STDERR_TERMINAL`: set to `1` by tchrun (and a program that starts its own
+/// ranks) for its ranks when its own standard error is a terminal. A rank's standard
+/// error is then a pipe that the launcher copies to that terminal, and rank 0 draws its
+/// progress bar there all the same.
+pub(crate) const STDERR_TERMINAL_ENV: &str = "TCHRUN_STDERR_TERMINAL";
+
+/// Whether this rank's standard error reaches a terminal through its launcher
+/// ([`STDERR_TERMINAL_ENV`]).
+pub(crate) fn stderr_reaches_terminal() -> bool {
+    set(STDERR_TERMINAL_ENV).is_some_and(|v| v == "1")
+}
+
 /// Whether `OMP_NUM_THREADS` is set.
 pub(crate) fn omp_num_threads_set() -> bool {
     std::env::var_os("OMP_NUM_THREADS").is_some()

@@ -769,3 +769,51 @@ fn tchrun_test_checks_collectives_the_store_and_a_ddp_step() {
         run.stderr
     );
 }
+
+/// Two ranks each write 10,000 lines to stderr at once, in pieces (`eprintln!` and
+/// `writeln!` make one write per piece of their format, so over a shared stderr their
+/// pieces mix mid-line): every line reaches tchrun's stderr whole, in its rank's order;
+/// with `--rank-prefix`, after `[rank N] ` naming the rank that wrote it.
+#[test]
+fn every_line_a_rank_writes_to_stderr_arrives_whole() {
+    const LINES: usize = 10_000;
+    let worker = env!("CARGO_BIN_EXE_stderr_lines_worker");
+    for prefix in [false, true] {
+        let dir = scratch_dir(if prefix { "stderr-prefix" } else { "stderr-lines" });
+        let mut args = vec!["--nproc-per-node", "2"];
+        if prefix {
+            args.push("--rank-prefix");
+        }
+        let lines = LINES.to_string();
+        args.extend([worker, dir.to_str().unwrap(), &lines]);
+        let run = run_tchrun(&dir, &args, TIMEOUT, |_, _| {});
+        run.assert_success();
+        let mut next = [0usize; 2];
+        for line in run.stderr.lines().filter(|l| !l.starts_with("tchrun: ")) {
+            let (from, body) = match line.strip_prefix("[rank ") {
+                Some(rest) if prefix => {
+                    let (n, body) = rest.split_once("] ").unwrap_or_else(|| panic!("{line:?}"));
+                    (n.parse::<usize>().ok(), body)
+                }
+                _ => (None, line),
+            };
+            assert_eq!(prefix, from.is_some(), "the prefix: {line:?}");
+            let whole = body
+                .strip_prefix("rank ")
+                .and_then(|b| b.strip_suffix(" end"))
+                .and_then(|b| {
+                    let (rank, rest) = b.split_once(" line ")?;
+                    let (i, rest) = rest.split_once(" of ")?;
+                    let (n, pad) = rest.split_once(": ")?;
+                    let rank: usize = rank.parse().ok()?;
+                    let ok = n == lines && pad.len() == 20 + 7 * rank && pad.bytes().all(|b| b == b'x');
+                    ok.then_some((rank, i.parse::<usize>().ok()?))
+                });
+            let (rank, i) = whole.unwrap_or_else(|| panic!("a line was not whole: {line:?}"));
+            assert_eq!(from.unwrap_or(rank), rank, "{line:?}");
+            assert_eq!(i, next[rank], "rank {rank}'s lines out of order at {line:?}");
+            next[rank] += 1;
+        }
+        assert_eq!(next, [LINES, LINES], "lines that arrived, per rank");
+    }
+}

@@ -34,7 +34,8 @@ $XDG_CONFIG_HOME/tch-distributed/config.toml, else ~/.config/tch-distributed/con
 /// ranks: when one fails the others are stopped and tchrun exits with 1, or,
 /// with --max-restarts, all are started again; SIGINT/SIGTERM are forwarded to
 /// the ranks; if tchrun dies, its ranks are killed. It shows rank 0's standard
-/// output (every rank's with --all-ranks-stdout) and every rank's standard error.
+/// output (every rank's with --all-ranks-stdout) and every rank's standard error,
+/// line by line, each line whole (after `[rank N]` with --rank-prefix).
 #[derive(Debug, Parser)]
 #[command(
     name = "tchrun",
@@ -155,6 +156,7 @@ fn launch_config(run: &Settings, stop_grace_seconds: f64) -> Option<LaunchConfig
         stop_grace,
         max_restarts: run.max_restarts.unwrap_or(defaults.max_restarts),
         all_ranks_stdout: run.all_ranks_stdout.unwrap_or(defaults.all_ranks_stdout),
+        rank_prefix: run.rank_prefix.unwrap_or(defaults.rank_prefix),
         launcher: Launcher::Tchrun,
     })
 }

@@ -12,7 +12,8 @@
 //! launchers of several nodes tell each other (a rank that failed); `error_file`:
 //! torchrun's `TORCHELASTIC_ERROR_FILE`, which failing ranks write and the
 //! launcher reports; `output`: where each rank's standard output goes (rank 0's
-//! alone, or every rank's line by line after `[rank N] `).
+//! alone, or every rank's line by line after `[rank N] `) and how its standard error
+//! is copied (line by line, each line whole).
 
 use std::ffi::{OsStr, OsString};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -67,6 +68,10 @@ pub struct LaunchConfig {
     /// rank 0's does, as torchrun's `--local-ranks-filter 0` shows (the other ranks' goes
     /// to `/dev/null`). Standard error is every rank's either way.
     pub all_ranks_stdout: bool,
+    /// Whether each line of every rank's standard error goes after `[rank N] `
+    /// (`--rank-prefix`, the `rank_prefix` setting), as torchrun's `--tee` prefixes each
+    /// line. Either way each line is copied whole, so that two ranks' lines never mix.
+    pub rank_prefix: bool,
     /// Who launches: what starts the launcher's own lines on stderr and how they name
     /// its settings.
     pub launcher: Launcher,
@@ -107,8 +112,8 @@ impl Launcher {
 
 impl Default for LaunchConfig {
     /// One rank on one node, rank 0, master at `127.0.0.1` on a free port,
-    /// 5 s stop grace period, no restarts, rank 0's standard output only, launched by
-    /// `tchrun`.
+    /// 5 s stop grace period, no restarts, rank 0's standard output only, standard error
+    /// without prefixes, launched by `tchrun`.
     fn default() -> Self {
         Self {
             nproc_per_node: 1,
@@ -119,6 +124,7 @@ impl Default for LaunchConfig {
             stop_grace: Duration::from_secs(5),
             max_restarts: 0,
             all_ranks_stdout: false,
+            rank_prefix: false,
             launcher: Launcher::Tchrun,
         }
     }
@@ -168,8 +174,9 @@ impl LaunchConfig {
 /// `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `ROLE_RANK`,
 /// `ROLE_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, `TORCHELASTIC_*`) plus
 /// `TCHRUN=1`; `OMP_NUM_THREADS=1` is added (with a warning on stderr) when
-/// it is unset and more than one rank runs per node. Every rank inherits stderr and
-/// stdin is null. Global rank 0 inherits stdout and the other ranks' goes to
+/// it is unset and more than one rank runs per node. Every rank's stderr is piped and
+/// copied to the launcher's line by line, each line in one write (after `[rank N] ` with
+/// [`LaunchConfig::rank_prefix`]), so that two ranks' lines never mix; stdin is null. Global rank 0 inherits stdout and the other ranks' goes to
 /// `/dev/null`, as torchrun's `--local-ranks-filter 0` shows it, so that a `println!`
 /// the attribute cannot see (in a helper function) appears once; with
 /// [`LaunchConfig::all_ranks_stdout`], every rank's stdout is piped and copied to the

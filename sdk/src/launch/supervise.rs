@@ -11,7 +11,7 @@ use signal_hook::consts::{SIGKILL, SIGTERM};
 use signal_hook::iterator::Signals;
 
 use super::error_file::{self, ErrorDir, ERROR_FILE_ENV};
-use super::output::RankOutput;
+use super::output::{RankOutput, DRAIN_GRACE};
 use super::remote::{Failure, Remote};
 use super::LaunchConfig;
 use crate::error::{Error, Result};
@@ -59,7 +59,8 @@ impl Attempt<'_> {
         let mut cmd = Command::new(self.program);
         cmd.args(self.args)
             .stdin(Stdio::null())
-            .stdout(output.stdio(rank))
+            .stdout(output.stdout(rank))
+            .stderr(output.stderr())
             .envs(self.extra_env.iter().map(|(k, v)| (k, v)))
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", local_rank.to_string())
@@ -81,6 +82,11 @@ impl Attempt<'_> {
         if self.set_omp {
             cmd.env("OMP_NUM_THREADS", "1");
         }
+        // The rank's stderr is a pipe to ours: say when ours is a terminal, for rank 0's
+        // progress bar.
+        if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+            cmd.env(crate::protocol::STDERR_TERMINAL_ENV, "1");
+        }
         own_session_dying_with_launcher(&mut cmd);
         cmd
     }
@@ -99,17 +105,18 @@ impl Attempt<'_> {
     /// connection (and say so) before they are stopped: [`Outcome::Failed`].
     ///
     /// Each rank's standard output goes where [`RankOutput`] says (rank 0's alone, or
-    /// every rank's copied line by line); every line the ranks wrote has been copied
-    /// when this returns.
+    /// every rank's copied line by line), and its standard error is copied line by line;
+    /// every line the ranks wrote has been copied when this returns, and a failed rank's
+    /// before the launcher says it failed.
     ///
     /// Errors with [`Error::Io`] when a rank cannot be started (the ranks already
     /// started are stopped first) or its status cannot be read.
     pub(super) fn run(&self, signals: &mut Signals, remote: &mut Remote) -> Result<Outcome> {
         let mut ranks = Ranks::default();
-        let mut output = RankOutput::new(self.config.all_ranks_stdout);
+        let mut output = RankOutput::new(self.config.all_ranks_stdout, self.config.rank_prefix);
         let outcome = self
             .start(&mut ranks, &mut output, signals)
-            .and_then(|()| self.supervise(&mut ranks, signals, remote));
+            .and_then(|()| self.supervise(&mut ranks, &mut output, signals, remote));
         // Every rank has exited by now, but on an error: then they are killed here.
         drop(ranks);
         output.finish();
@@ -159,6 +166,7 @@ impl Attempt<'_> {
     fn supervise(
         &self,
         ranks: &mut Ranks,
+        output: &mut RankOutput,
         signals: &mut Signals,
         remote: &mut Remote,
     ) -> Result<Outcome> {
@@ -181,6 +189,8 @@ impl Attempt<'_> {
                 };
                 if !status.success() {
                     failed.push((r.rank, r.local_rank, r.child.id()));
+                    // Its last lines (its `Error: …`) come before the launcher's.
+                    output.drain(r.rank, DRAIN_GRACE);
                     let how = describe_failure(status);
                     crate::eprintln_whole!(
                         "{}: rank {} (local rank {}, pid {}) {how}",

@@ -38,12 +38,23 @@ fn last_metrics() -> String {
         .clone()
 }
 
-/// Whether this process draws bars: rank 0, standard error a terminal, and not
-/// turned off by `TCH_DISTRIBUTED_PROGRESS=0`.
+/// Whether this process draws bars: rank 0, standard error a terminal (its own, or the
+/// launcher's that it is copied to), and not turned off by `TCH_DISTRIBUTED_PROGRESS=0`.
 fn enabled() -> bool {
     let off = crate::settings::var("progress")
         .is_some_and(|v| <bool as crate::settings::Value>::parse(&v) == Ok(false));
-    !off && init::rank_and_world_size().0 == 0 && std::io::stderr().is_terminal()
+    let terminal = std::io::stderr().is_terminal() || crate::protocol::stderr_reaches_terminal();
+    !off && init::rank_and_world_size().0 == 0 && terminal
+}
+
+/// Where a bar is drawn: standard error; through the launcher (a pipe that it copies to
+/// its terminal), drawn as on a terminal, which indicatif's `stderr` target would hide.
+fn draw_target() -> ProgressDrawTarget {
+    if std::io::stderr().is_terminal() {
+        ProgressDrawTarget::stderr()
+    } else {
+        ProgressDrawTarget::term_like(Box::new(console::Term::buffered_stderr()))
+    }
 }
 
 /// One epoch's bar; draws nothing where [`enabled`] is false. A step is counted
@@ -74,7 +85,7 @@ impl Progress {
                 "{prefix} {spinner} step {pos} [{elapsed_precise}, {per_sec}] {msg}",
             ),
         };
-        bar.set_draw_target(ProgressDrawTarget::stderr());
+        bar.set_draw_target(draw_target());
         bar.set_style(ProgressStyle::with_template(template).expect("a valid template"));
         bar.set_prefix(prefix);
         bar.set_position(done);

@@ -152,7 +152,7 @@ fn banner(ctx: &Context) -> String {
 }
 
 /// Starts `ranks` ranks of this program through the launcher behind `tchrun`, with the
-/// launcher's settings (`max_restarts`, `all_ranks_stdout`), and returns the exit code
+/// launcher's settings (`max_restarts`, `all_ranks_stdout`, `rank_prefix`), and returns the exit code
 /// to exit with.
 fn self_launch(ranks: usize, settings: &Settings) -> i32 {
     let exe = std::env::current_exe()
@@ -162,6 +162,7 @@ fn self_launch(ranks: usize, settings: &Settings) -> i32 {
         nproc_per_node: ranks,
         max_restarts: settings.max_restarts.unwrap_or(0),
         all_ranks_stdout: settings.all_ranks_stdout.unwrap_or(false),
+        rank_prefix: settings.rank_prefix.unwrap_or(false),
         launcher: crate::launch::Launcher::SelfLaunch,
         ..Default::default()
     };

@@ -475,6 +475,12 @@ settings! {
         var: "TCH_DISTRIBUTED_ALL_RANKS_STDOUT", file: true, value_name: "BOOL",
         values: "true or false", default: "false: rank 0's only, as torchrun's --local-ranks-filter 0",
     }
+    /// Whether tchrun, or a program that starts its own ranks, puts `[rank N]` before each line of every rank's standard error (as torchrun's --tee prefixes each line); each line arrives whole either way.
+    rank_prefix: bool [any] {
+        attribute: false, flag: Some("rank-prefix"), alias: None,
+        var: "TCH_DISTRIBUTED_RANK_PREFIX", file: true, value_name: "BOOL",
+        values: "true or false", default: "false",
+    }
     /// The job's secret: the rendezvous store's keys go under a prefix derived from it and its values are sealed with it; tchrun makes a fresh one per job.
     job_token: Secret [any] {
         attribute: false, flag: None, alias: None,
