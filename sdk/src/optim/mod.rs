@@ -3,7 +3,7 @@
 //! as tensors in `torch.optim`'s layout, its updates in ATen's multi-tensor or fused
 //! kernels ([`kernels`]), and the DDP it steps through.
 
-use std::cell::Cell;
+use std::cell::{Cell, OnceCell};
 use std::sync::{Arc, Mutex};
 
 use tch::nn::{self, VarStore, Variables};
@@ -141,14 +141,10 @@ pub struct Optimizer {
     groups_of: Vec<usize>,
     state: Vec<Option<ParamState>>,
     implementation: Implementation,
-    /// ZeRO stage 1: each parameter's rows on each rank ([`zero`](Self::zero)).
-    zero: Option<zero::Zero>,
-    /// ZeRO stages 2 and 3: the parameters, gradients and state sharded
-    /// ([`zero`](Self::zero)).
-    sharding: Option<crate::shard::Sharding>,
-    /// Set by [`distributed`](Self::distributed), or by `#[distributed]` at the first
-    /// step of an optimizer the function did not build.
-    ddp: std::cell::OnceCell<DistributedDataParallel>,
+    /// How the gradients are averaged and the state is held over the ranks.
+    mode: Mode,
+    /// The usage error that the next call returns: a DDP given to a sharded optimizer.
+    refused: Option<Error>,
     /// Micro-batches per optimizer step, and how many of the current cycle are done.
     accumulation_steps: usize,
     micro_step: usize,
@@ -161,6 +157,59 @@ pub struct Optimizer {
 
 // The tensors are used from one thread at a time (`&mut self`).
 unsafe impl Send for Optimizer {}
+
+/// How an [`Optimizer`] averages the gradients and holds its state over the ranks: one
+/// of these, never two.
+enum Mode {
+    /// Every rank holds the whole state and steps on whole gradients, averaged by the
+    /// DDP when there is one: set by [`Optimizer::distributed`], or by `#[distributed]`
+    /// at the first step of an optimizer the function did not build (none in a
+    /// process of its own).
+    Replicated(OnceCell<DistributedDataParallel>),
+    /// ZeRO stage 1: the gradients as [`Mode::Replicated`] (averaged by the DDP), the
+    /// state of this rank's rows of each parameter only ([`Optimizer::zero`]).
+    Zero1 {
+        zero: zero::Zero,
+        ddp: OnceCell<DistributedDataParallel>,
+    },
+    /// ZeRO stages 2 and 3: the parameters, gradients and state sharded, the gradients
+    /// reduce-scattered by the sharding itself (no DDP).
+    Sharded(crate::shard::Sharding),
+}
+
+/// The error for a DDP and ZeRO stage `stage` (2 or 3) on one optimizer.
+fn sharded_with_ddp(stage: u8) -> Error {
+    Error::Usage(format!(
+        "ZeRO stage {stage} reduce-scatters the gradients itself: build the optimizer \
+         without a DistributedDataParallel (no .distributed(ddp))"
+    ))
+}
+
+impl Mode {
+    /// The DDP the gradients are averaged by, if any.
+    fn ddp(&self) -> Option<&DistributedDataParallel> {
+        match self {
+            Mode::Replicated(ddp) | Mode::Zero1 { ddp, .. } => ddp.get(),
+            Mode::Sharded(_) => None,
+        }
+    }
+
+    /// The sharding at ZeRO stages 2 and 3.
+    fn sharding(&self) -> Option<&crate::shard::Sharding> {
+        match self {
+            Mode::Sharded(sharding) => Some(sharding),
+            Mode::Replicated(_) | Mode::Zero1 { .. } => None,
+        }
+    }
+
+    /// The rows of each parameter at ZeRO stage 1.
+    fn zero1(&self) -> Option<&zero::Zero> {
+        match self {
+            Mode::Zero1 { zero, .. } => Some(zero),
+            Mode::Replicated(_) | Mode::Sharded(_) => None,
+        }
+    }
+}
 
 impl Optimizer {
     /// Builds `config` with learning rate `lr` over `vs`'s trainable variables, as
@@ -183,9 +232,8 @@ impl Optimizer {
             groups_of: Vec::new(),
             state: Vec::new(),
             implementation: Implementation::preferred(&algorithm),
-            zero: None,
-            sharding: None,
-            ddp: std::cell::OnceCell::new(),
+            mode: Mode::Replicated(OnceCell::new()),
+            refused: None,
             accumulation_steps: 1,
             micro_step: 0,
             sync_next: false,
@@ -245,9 +293,9 @@ impl Optimizer {
     /// is taken in another order). Every rank gets rank 0's variables and buffers at
     /// stages 2 and 3, as DDP's construction gives them.
     ///
-    /// Errors with [`Error::Usage`] for a stage other than 1, 2 and 3, or for stages 2
-    /// and 3 on an optimizer that steps through a DDP; with [`Error::Collective`] when
-    /// the ranks' models differ.
+    /// Errors with [`Error::Usage`] for a stage other than 1, 2 and 3, for stages 2
+    /// and 3 on an optimizer that steps through a DDP, or on one already at stage 2 or
+    /// 3; with [`Error::Collective`] when the ranks' models differ.
     pub fn zero(mut self, stage: u8) -> Result<Self> {
         if !(1..=3).contains(&stage) {
             return Err(Error::Usage(format!(
@@ -258,22 +306,32 @@ impl Optimizer {
         let Some(ctx) = crate::init::current().filter(|c| c.world_size() > 1) else {
             return Ok(self);
         };
+        let ddp = match std::mem::replace(&mut self.mode, Mode::Replicated(OnceCell::new())) {
+            Mode::Replicated(ddp) | Mode::Zero1 { ddp, .. } => ddp,
+            Mode::Sharded(sharding) => {
+                let was = sharding.stage();
+                self.mode = Mode::Sharded(sharding);
+                return Err(Error::Usage(format!(
+                    "ZeRO stage {stage} asked of an optimizer already at stage {was}: call \
+                     .zero(stage) once"
+                )));
+            }
+        };
         if stage == 1 {
-            self.zero = Some(zero::Zero::new(ctx));
+            let zero = zero::Zero::new(ctx);
+            self.mode = Mode::Zero1 { zero, ddp };
             self.repartition();
             return Ok(self);
         }
-        if self.ddp.get().is_some() {
-            return Err(Error::Usage(format!(
-                "ZeRO stage {stage} reduce-scatters the gradients itself: build the optimizer \
-                 without a DistributedDataParallel (no .distributed(ddp))"
-            )));
+        if ddp.get().is_some() {
+            self.mode = Mode::Replicated(ddp);
+            return Err(sharded_with_ddp(stage));
         }
         let (params, all) = {
             let v = self.variables.lock().expect("variable store lock");
             crate::shard::named(&self.params, &v.named_variables)
         };
-        self.sharding = Some(crate::shard::Sharding::new(
+        self.mode = Mode::Sharded(crate::shard::Sharding::new(
             ctx.process_group(),
             stage,
             params,
@@ -290,30 +348,31 @@ impl Optimizer {
     /// to 3: `(rank, world_size)`, the rows `torch.chunk` gives rank `rank` of
     /// `world_size`.
     pub(crate) fn dim0_shard(&self) -> Option<(usize, usize)> {
-        match (&self.sharding, &self.zero) {
-            (Some(sharding), _) => Some(sharding.rank_and_world_size()),
-            (None, Some(zero)) => Some(zero.rank_and_world_size()),
-            (None, None) => None,
+        match &self.mode {
+            Mode::Sharded(sharding) => Some(sharding.rank_and_world_size()),
+            Mode::Zero1 { zero, .. } => Some(zero.rank_and_world_size()),
+            Mode::Replicated(_) => None,
         }
     }
 
     /// What the sharded parameters' collectives did so far, at ZeRO stages 2 and 3.
     pub fn sharding_stats(&self) -> Option<crate::ShardingStats> {
-        self.sharding.as_ref().map(|sharding| sharding.stats())
+        self.mode.sharding().map(|sharding| sharding.stats())
     }
 
     /// The ZeRO stage, when the state is sharded over several ranks.
     pub fn zero_stage(&self) -> Option<u8> {
-        match &self.sharding {
-            Some(sharding) => Some(sharding.stage()),
-            None => self.zero.as_ref().map(|_| 1),
+        match &self.mode {
+            Mode::Sharded(sharding) => Some(sharding.stage()),
+            Mode::Zero1 { .. } => Some(1),
+            Mode::Replicated(_) => None,
         }
     }
 
     /// The tensors whose gradients the step updates from: the trainable variables, or
     /// at ZeRO stages 2 and 3 this rank's shards of them.
     pub(crate) fn stepped_tensors(&self) -> Vec<Tensor> {
-        match &self.sharding {
+        match self.mode.sharding() {
             Some(sharding) => sharding.shards(),
             None => self.trainable_variables(),
         }
@@ -321,7 +380,7 @@ impl Optimizer {
 
     /// At ZeRO stages 2 and 3, the gradients of the cycle complete on the shards.
     pub(crate) fn finish_gradients(&self) -> Result<()> {
-        match &self.sharding {
+        match self.mode.sharding() {
             Some(sharding) => sharding.finish_gradients(),
             None => Ok(()),
         }
@@ -330,7 +389,9 @@ impl Optimizer {
     /// With ZeRO stage 1, cuts the parameters not cut yet (added since) and keeps this
     /// rank's rows of any state they have.
     fn repartition(&mut self) {
-        let Some(zero) = &mut self.zero else { return };
+        let Mode::Zero1 { zero, .. } = &mut self.mode else {
+            return;
+        };
         let cut = zero.cut();
         zero.partition(&self.params);
         for i in cut..self.params.len() {
@@ -366,9 +427,14 @@ impl Optimizer {
     /// Steps through `ddp`: backward steps all-reduce the gradients first. Over several
     /// ranks, trainable variables created on the store after this point are an error
     /// ([`Error::Usage`]) at the optimizer's next call: DDP would not average their
-    /// gradients.
+    /// gradients. At ZeRO stage 1 the DDP averages the gradients as without it; at
+    /// stages 2 and 3, which reduce-scatter the gradients themselves, `ddp` is not used
+    /// and the optimizer's next call is an [`Error::Usage`] saying so.
     pub fn distributed(mut self, ddp: DistributedDataParallel) -> Self {
-        self.ddp = std::cell::OnceCell::from(ddp);
+        match &mut self.mode {
+            Mode::Replicated(slot) | Mode::Zero1 { ddp: slot, .. } => *slot = OnceCell::from(ddp),
+            Mode::Sharded(sharding) => self.refused = Some(sharded_with_ddp(sharding.stage())),
+        }
         self
     }
 
@@ -426,12 +492,14 @@ impl Optimizer {
     /// yet (one it has stays): `#[distributed]`, at the first step of an optimizer the
     /// function did not build.
     pub(crate) fn distributed_from_now(&self, ddp: DistributedDataParallel) {
-        let _ = self.ddp.set(ddp);
+        if let Mode::Replicated(slot) | Mode::Zero1 { ddp: slot, .. } = &self.mode {
+            let _ = slot.set(ddp);
+        }
     }
 
     /// The DDP this optimizer steps through, if any.
     pub fn ddp(&self) -> Option<&DistributedDataParallel> {
-        self.ddp.get()
+        self.mode.ddp()
     }
 
     /// Variables created after the optimizer join it, as in tch: in the store's order,
@@ -439,17 +507,20 @@ impl Optimizer {
     ///
     /// Errors with [`Error::Usage`] when it steps through DDP over several ranks:
     /// DDP averages the gradients of the variables that existed when it wrapped the
-    /// model, so new ones would train apart on each rank.
+    /// model, so new ones would train apart on each rank; once, after a DDP was given
+    /// to a sharded optimizer ([`distributed`](Self::distributed)).
     fn add_missing_variables(&mut self) -> Result<()> {
+        if let Some(refused) = self.refused.take() {
+            return Err(refused);
+        }
         let added = {
             let v = self.variables.lock().expect("variable store lock");
             let before = self.params.len();
             let new = v.trainable_variables.len().saturating_sub(before);
-            let distributed = self.sharding.is_some()
-                || self
-                    .ddp
-                    .get()
-                    .is_some_and(|d| d.process_group().world_size() > 1);
+            let distributed = match &self.mode {
+                Mode::Sharded(_) => true,
+                mode => mode.ddp().is_some_and(|d| d.process_group().world_size() > 1),
+            };
             if new > 0 && distributed {
                 let late: std::collections::HashSet<usize> = v.trainable_variables[before..]
                     .iter()
@@ -502,9 +573,9 @@ impl Optimizer {
         self.add_missing_variables()?;
         // What the kernels step: the shards (stages 2 and 3), this rank's rows of each
         // parameter (stage 1: none of some), or the parameters.
-        let (stepped, owned) = match (&self.sharding, &self.zero) {
-            (Some(sharding), _) => (sharding.shards(), None),
-            (None, Some(zero)) => {
+        let (stepped, owned) = match &self.mode {
+            Mode::Sharded(sharding) => (sharding.shards(), None),
+            Mode::Zero1 { zero, .. } => {
                 let views = zero.views(&self.params)?;
                 let owned: Vec<bool> = views.iter().map(Option::is_some).collect();
                 let stepped = views
@@ -514,7 +585,7 @@ impl Optimizer {
                     .collect();
                 (stepped, Some(owned))
             }
-            (None, None) => (
+            Mode::Replicated(_) => (
                 self.params.iter().map(Tensor::shallow_clone).collect(),
                 None,
             ),
@@ -527,7 +598,7 @@ impl Optimizer {
             self.implementation,
             owned.as_deref(),
         )?;
-        match &self.zero {
+        match self.mode.zero1() {
             Some(zero) => zero.share(&self.params),
             None => Ok(()),
         }
@@ -562,7 +633,7 @@ impl Optimizer {
                 stepped
             }
         }?;
-        if let Some(sharding) = &self.sharding {
+        if let Some(sharding) = self.mode.sharding() {
             sharding.after_step()?;
         }
         Ok(stepped)
@@ -602,7 +673,7 @@ impl Optimizer {
     /// recipe does with `scaler.unscale_`.
     pub fn clip_grad_norm(&mut self, max: f64) -> Result<f64> {
         self.unscale_for_clipping()?;
-        if let Some(sharding) = &self.sharding {
+        if let Some(sharding) = self.mode.sharding() {
             return sharding.clip_grad_norm(max);
         }
         Ok(tch::no_grad(|| {
@@ -649,19 +720,21 @@ impl Optimizer {
             scaled = scaler.scale(loss);
             loss = &scaled;
         }
-        match (self.ddp.get(), &self.sharding) {
-            (Some(ddp), _) if last => ddp.backward(loss)?,
-            (Some(ddp), _) => {
-                let _local = ddp.no_sync();
-                ddp.backward(loss)?
-            }
-            (None, Some(sharding)) => {
+        match &self.mode {
+            Mode::Sharded(sharding) => {
                 sharding.begin_backward(loss, last)?;
                 // A hook's own failure (a collective) is the cause, not autograd's text.
                 loss.f_backward()
                     .map_err(|e| sharding.take_failure().unwrap_or(Error::from(e)))?
             }
-            (None, None) => loss.f_backward()?,
+            mode => match mode.ddp() {
+                Some(ddp) if last => ddp.backward(loss)?,
+                Some(ddp) => {
+                    let _local = ddp.no_sync();
+                    ddp.backward(loss)?
+                }
+                None => loss.f_backward()?,
+            },
         }
         if last {
             self.micro_step = 0;
@@ -843,7 +916,8 @@ impl std::fmt::Debug for Optimizer {
             .field("algorithm", &self.defaults.algorithm)
             .field("variables", &self.params.len())
             .field("implementation", &self.implementation)
-            .field("distributed", &self.ddp.get().is_some())
+            .field("distributed", &self.mode.ddp().is_some())
+            .field("zero_stage", &self.zero_stage())
             .finish()
     }
 }

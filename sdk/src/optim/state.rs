@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 use tch::{Device, Tensor};
 
 use super::kernels::{Algorithm, Group, Implementation, ParamState};
-use super::Optimizer;
+use super::{Mode, Optimizer};
 use crate::error::{checkpoint, checkpoint_from, Result};
 use crate::ffi;
 
@@ -211,7 +211,7 @@ pub(super) fn to_safetensors(opt: &Optimizer) -> Result<Vec<u8>> {
         for (name, t) in names.iter().zip(&state.tensors) {
             if let Some(t) = t {
                 // A shard's own rows, without its padding.
-                let t = match &opt.sharding {
+                let t = match opt.mode.sharding() {
                     Some(sharding) => sharding.unpadded(i, t),
                     None => t.shallow_clone(),
                 };
@@ -345,17 +345,17 @@ pub(super) fn from_safetensors(opt: &mut Optimizer, shards: &[&[u8]]) -> Result<
                 )));
             }
             let full = full.to_device(p.device());
-            tensors[k] = match (&opt.sharding, &opt.zero) {
-                (Some(sharding), _) => Some(sharding.chunk(i, &full)),
+            tensors[k] = match &opt.mode {
+                Mode::Sharded(sharding) => Some(sharding.chunk(i, &full)),
                 // Stage 1: this rank's rows, none past the last.
-                (None, Some(zero)) => zero.rows(i, &full).map(|rows| rows.copy()),
-                (None, None) => Some(full),
+                Mode::Zero1 { zero, .. } => zero.rows(i, &full).map(|rows| rows.copy()),
+                Mode::Replicated(_) => Some(full),
             };
         }
         // Stage 1 keeps no state for a parameter of which this rank holds no rows.
         if opt
-            .zero
-            .as_ref()
+            .mode
+            .zero1()
             .is_some_and(|zero| zero.rows(i, p).is_none())
         {
             continue;
