@@ -698,7 +698,7 @@ fn main() -> Result<()> {
     if args.check {
         let check = serde_json::json!({
             "cuda_devices": tch::Cuda::device_count(),
-            "nccl": tch_distributed::Backend::nccl_available(),
+            "nccl": tch_distributed::nccl_available(),
         });
         println!("CHECK {check}");
         return Ok(());

@@ -161,7 +161,7 @@ fn main() -> anyhow::Result<()> {
                 state_bytes = opt.state_bytes();
             }
             // The default: fused for SGD and Adam.
-            let default = match Implementation::preferred(&config.kind()) {
+            let default = match config.kind().preferred_implementation() {
                 Implementation::Tch => ours[0],
                 Implementation::Foreach => ours[1],
                 Implementation::Fused => ours[2],

@@ -42,7 +42,7 @@ FILE[optim_zero]=sdk/src/optim/zero.rs;        TESTS[optim_zero]="zero parity"
 FILE[optim_scaler]=sdk/src/optim/scaler.rs;    TESTS[optim_scaler]="grad_scaler amp accumulation"
 # The run's settings: the table's parsers, precedence, the file, the ranks' variables,
 # the attribute's overrides, and the settings' effect on a run.
-FILE[settings]=sdk/src/settings/mod.rs;    TESTS[settings]="run_config settings tracker shakespeare error_hints"
+FILE[settings]=settings/src/lib.rs;        TESTS[settings]="run_config settings tracker shakespeare error_hints"; PACKAGE[settings]=tch-distributed-settings
 # Replacing a file whole (checkpoints, the run configuration, the tracker's config).
 FILE[files]=sdk/src/files.rs;              TESTS[files]="checkpoint run_config tracker"
 # Autocast and the loss scaler; the main job's LSTM under fp16 and bf16 (shakespeare)
@@ -146,6 +146,7 @@ for name in "${names[@]}"; do
   # those.
   args=(--dir "$TREE" --file "$file" --package "${PACKAGE[$name]:-tch-distributed}"
     --test-package tch-distributed --test-package tch-distributed-tests
+    --test-package tch-distributed-settings
     --cargo-arg=--lib)
   for t in ${TESTS[$name]}; do
     args+=("--cargo-arg=--test=$t")

@@ -385,57 +385,13 @@ pub fn expand(
         Some(path) => quote!(#path),
         None => quote!(::tch_distributed),
     };
-    // The options written, as typed values spanned at the user's literals: nothing
-    // is parsed at run time. The rest of the run's settings come from the environment
-    // (`tch_distributed::settings`).
-    let mut given: Vec<TokenStream> = Vec::new();
-    let mut give = |key: &str, value: TokenStream| {
-        let key = syn::Ident::new(key, proc_macro2::Span::call_site());
-        given.push(quote!(#key: ::std::option::Option::Some(#value)));
-    };
-    if let Some(b) = &options.backend {
-        give("backend", quote!(#krate::__private::Backend::#b));
-    }
-    if let Some(n) = options.nproc_per_node {
-        give("nproc_per_node", quote!(#n));
-    }
-    if let Some(mb) = options.bucket_cap_mb {
-        give("bucket_cap_mb", quote!(#mb));
-    }
-    if let Some(f) = options.find_unused_parameters {
-        give("find_unused_parameters", quote!(#f));
-    }
-    if let Some(s) = options.static_graph {
-        give("static_graph", quote!(#s));
-    }
-    if let Some(h) = &options.comm_hook {
-        give("comm_hook", quote!(#krate::__private::CommHook::#h));
-    }
-    if let Some(t) = options.timeout {
-        give("timeout", quote!(#t));
-    }
-    if let Some(t) = options.deadlock_check {
-        give("deadlock_check", quote!(#t));
-    }
-    if let Some(p) = &options.mixed_precision {
-        give(
-            "mixed_precision",
-            if p == "Auto" {
-                quote!(#krate::__private::MixedPrecisionMode::#p)
-            } else {
-                quote!(#krate::__private::MixedPrecisionMode::Exactly(#krate::__private::MixedPrecision::#p))
-            },
-        );
-    }
-    if let Some(n) = options.grad_accum {
-        give("grad_accum", quote!(#n));
-    }
-    if let Some(z) = options.zero {
-        give("zero", quote!(#z));
-    }
-    if let Some(i) = &options.optimizer {
-        give("optimizer", quote!(#krate::__private::Implementation::#i));
-    }
+    // The settings written, as `(key, text)`: checked by their rows already (attr.rs),
+    // read by the same rows at run time (`Settings::from_attribute`). The rest of the
+    // run's settings come from the environment (`tch_distributed::settings`).
+    let given = options
+        .settings
+        .iter()
+        .map(|(key, value)| quote!((#key, #value)));
 
     let mut rewrite = Rewrite {
         krate: krate.clone(),
@@ -471,10 +427,7 @@ pub fn expand(
             StepKnown as _, StepOther as _, Steps as _, VarStoreMutKnown as _,
             VarStoreMutOther as _, VarStoreRefKnown as _, VarStoreRefOther as _,
         };
-        let __tchd_session = #krate::__private::enter(#krate::__private::Settings {
-            #(#given,)*
-            ..::std::default::Default::default()
-        });
+        let __tchd_session = #krate::__private::enter(&[#(#given),*]);
         let __tchd_out = #block;
         #finish
         __tchd_out

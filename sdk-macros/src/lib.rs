@@ -17,15 +17,6 @@ pub fn distributed(args: TokenStream, item: TokenStream) -> TokenStream {
     entry(args.into(), item.into()).into()
 }
 
-/// The attribute's options, as `&[&str]`: what `tch_distributed::settings::TABLE`
-/// is tested against (its rows that say `attribute`), so that the two cannot drift.
-#[doc(hidden)]
-#[proc_macro]
-pub fn __attribute_options(_: TokenStream) -> TokenStream {
-    let names = attr::VALID.split(", ");
-    quote::quote!(&[#(#names),*]).into()
-}
-
 fn entry(
     args: proc_macro2::TokenStream,
     item: proc_macro2::TokenStream,

@@ -5,73 +5,9 @@ use tch::{Device, Kind, Tensor};
 use crate::error::{Error, Result};
 use crate::ffi;
 use crate::init;
+use crate::precision::onednn_lacks;
 use crate::process_group::ReduceOp;
 pub use crate::settings::{MixedPrecision, MixedPrecisionMode};
-
-impl MixedPrecisionMode {
-    /// The precision for `device`, and why, for the banner.
-    ///
-    /// Errors with [`Error::Torch`] when `Auto` cannot read the device's properties.
-    pub fn resolve(self, device: Device) -> Result<(MixedPrecision, String)> {
-        match self {
-            MixedPrecisionMode::Exactly(p) => match onednn_lacks(p) {
-                Some(isa) if p != MixedPrecision::No && !device.is_cuda() => {
-                    Ok((p, format!("asked for; oneDNN off: this CPU has no {isa}")))
-                }
-                _ => Ok((p, "asked for".into())),
-            },
-            MixedPrecisionMode::Auto => MixedPrecision::auto(device),
-        }
-    }
-}
-
-impl MixedPrecision {
-    /// `"no"`, `"bf16"`, `"fp16"` or `"auto"` ([`auto`](Self::auto)) for `device`;
-    /// returns the choice and why, for the banner.
-    ///
-    /// Errors with [`Error::Config`] for any other value.
-    pub fn parse(value: &str, device: Device) -> Result<(Self, String)> {
-        value.parse::<MixedPrecisionMode>()?.resolve(device)
-    }
-
-    /// What `"auto"` picks: bf16 on CUDA devices of compute capability 8.0 or more
-    /// (A100, H100, RTX 30 and 40 series), fp16 on older ones, and on the CPU no mixed
-    /// precision (bf16 autocast on the CPU only when asked for: it is slower on most
-    /// CPUs). Returns the choice and why.
-    ///
-    /// Errors with [`Error::Torch`] when the device's properties cannot be read.
-    pub fn auto(device: Device) -> Result<(Self, String)> {
-        let Device::Cuda(index) = device else {
-            return Ok((MixedPrecision::No, "auto: CPU".into()));
-        };
-        let (mut major, mut minor) = (0, 0);
-        ffi::check(unsafe { ffi::tdc_cuda_capability(index as i32, &mut major, &mut minor) })
-            .map_err(Error::Torch)?;
-        Ok((
-            Self::for_compute_capability(major),
-            format!("auto: compute capability {major}.{minor}"),
-        ))
-    }
-
-    /// bf16 from compute capability 8.0 on (Ampere: A100, RTX 30), whose tensor cores
-    /// run it at fp16's speed; fp16 before.
-    fn for_compute_capability(major: i32) -> Self {
-        if major >= 8 {
-            MixedPrecision::Bf16
-        } else {
-            MixedPrecision::Fp16
-        }
-    }
-
-    /// The autocast dtype, if any.
-    pub fn kind(self) -> Option<Kind> {
-        match self {
-            MixedPrecision::No => None,
-            MixedPrecision::Bf16 => Some(Kind::BFloat16),
-            MixedPrecision::Fp16 => Some(Kind::Half),
-        }
-    }
-}
 
 /// Runs `f` (the forward pass) under libtorch's autocast for `device`'s type at
 /// `precision`, as `torch.autocast(device_type, dtype)`: eligible ops (matmuls,
@@ -141,47 +77,6 @@ impl init::Context {
     pub fn autocast(&self) -> Result<Autocast> {
         Autocast::enter(self.device(), self.mixed_precision())
     }
-}
-
-/// The instruction set that oneDNN's kernels in `precision` (bf16 or fp16) need and
-/// this CPU lacks, if it lacks one (read once a process). oneDNN's
-/// LSTM (which libtorch's CPU autocast casts to the lower precision,
-/// `mkldnn_rnn_layer`) needs AVX-512 for bf16, and AVX512-FP16 (Intel Sapphire Rapids
-/// and later) for fp16: elsewhere it fails with "could not create a primitive
-/// descriptor for the LSTM forward propagation primitive", in PyTorch too (measured:
-/// fp16 on an AMD EPYC with AVX-512 and bf16 but no AVX512-FP16). Where it cannot,
-/// [`Autocast::enter`] turns oneDNN off for the process on its first CPU entry (as
-/// `torch.backends.mkldnn.enabled = False`): the LSTM then runs libtorch's own kernels
-/// in float32, and the matmuls and convolutions autocast as usual.
-pub(crate) fn onednn_lacks(precision: MixedPrecision) -> Option<&'static str> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        // Not `is_x86_feature_detected!("avx512fp16")`: stable from Rust 1.89 only.
-        static AVX512_FP16: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let (isa, present) = match precision {
-            MixedPrecision::Fp16 => (
-                "AVX512-FP16",
-                *AVX512_FP16.get_or_init(|| cpu_flag("avx512_fp16")),
-            ),
-            _ => ("AVX-512", std::arch::is_x86_feature_detected!("avx512bw")),
-        };
-        (!present).then_some(isa)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = precision;
-        None
-    }
-}
-
-/// Whether `/proc/cpuinfo`'s flags name `flag` (false where it cannot be read).
-#[cfg(target_arch = "x86_64")]
-fn cpu_flag(flag: &str) -> bool {
-    std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|info| {
-        info.lines()
-            .filter(|l| l.starts_with("flags"))
-            .any(|l| l.split_whitespace().any(|f| f == flag))
-    })
 }
 
 impl Drop for Autocast {
@@ -419,22 +314,6 @@ mod tests {
     use super::*;
     use tch::nn::{self, Module};
 
-    /// The banner's reason names the instruction set that turns oneDNN off, on the CPU
-    /// only and for a lower precision only.
-    #[test]
-    fn the_reason_says_when_onednn_is_off() {
-        let why = |p, device| MixedPrecisionMode::Exactly(p).resolve(device).unwrap().1;
-        for p in [MixedPrecision::Bf16, MixedPrecision::Fp16] {
-            let expected = match onednn_lacks(p) {
-                Some(isa) => format!("asked for; oneDNN off: this CPU has no {isa}"),
-                None => "asked for".into(),
-            };
-            assert_eq!(why(p, Device::Cpu), expected, "{p:?}");
-            assert_eq!(why(p, Device::Cuda(0)), "asked for", "{p:?}");
-        }
-        assert_eq!(why(MixedPrecision::No, Device::Cpu), "asked for");
-    }
-
     #[test]
     fn bf16_autocast_on_the_cpu_casts_the_matmul_not_the_parameters() {
         let vs = nn::VarStore::new(Device::Cpu);
@@ -464,61 +343,5 @@ mod tests {
         assert_eq!(lin.forward(&x).kind(), Kind::Float);
         let no = autocast(Device::Cpu, MixedPrecision::No, || lin.forward(&x)).unwrap();
         assert_eq!(no.kind(), Kind::Float);
-    }
-
-    #[test]
-    fn auto_picks_bf16_from_ampere_on_and_each_mode_names_its_dtype() {
-        for (major, choice) in [
-            (6, MixedPrecision::Fp16),
-            (7, MixedPrecision::Fp16),
-            (8, MixedPrecision::Bf16),
-            (9, MixedPrecision::Bf16),
-        ] {
-            assert_eq!(
-                MixedPrecision::for_compute_capability(major),
-                choice,
-                "{major}"
-            );
-        }
-        for (mode, kind) in [
-            (MixedPrecision::No, None),
-            (MixedPrecision::Bf16, Some(Kind::BFloat16)),
-            (MixedPrecision::Fp16, Some(Kind::Half)),
-        ] {
-            assert_eq!(mode.kind(), kind);
-            // Displayed as the attribute spells it, so it parses back.
-            let shown = mode.to_string();
-            assert_eq!(
-                MixedPrecision::parse(&shown, Device::Cpu).unwrap().0,
-                mode,
-                "{shown}"
-            );
-        }
-    }
-
-    #[test]
-    fn each_mode_displays_as_the_attribute_spells_it() {
-        // The note that an environment variable overrides the attribute's value
-        // quotes the attribute's value with this.
-        for spelled in ["no", "bf16", "fp16", "auto"] {
-            let mode: MixedPrecisionMode = spelled.parse().unwrap();
-            assert_eq!(mode.to_string(), spelled);
-        }
-    }
-
-    #[test]
-    fn auto_and_parsing() {
-        assert_eq!(
-            MixedPrecision::auto(Device::Cpu).unwrap().0,
-            MixedPrecision::No
-        );
-        assert_eq!(
-            MixedPrecision::parse("bf16", Device::Cpu).unwrap().0,
-            MixedPrecision::Bf16
-        );
-        let e = MixedPrecision::parse("fp8", Device::Cpu)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("\"auto\""), "{e}");
     }
 }

@@ -25,6 +25,12 @@ pub const TCH_VERSION: &str = "0.26";
 /// as its headers give it.
 pub const LIBTORCH_VERSION: &str = env!("TDC_LIBTORCH_VERSION");
 
+/// Whether the NCCL backend was compiled into this build (libtorch with CUDA, and the
+/// CUDA and NCCL headers found by `build.rs`).
+pub fn nccl_available() -> bool {
+    unsafe { crate::ffi::tdc_nccl_compiled() != 0 }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -348,6 +348,18 @@ pub(crate) fn without_cpp_frames(message: &str) -> String {
 /// `Result` with [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// A setting's error is the SDK's variant of the same name and text.
+impl From<tch_distributed_settings::Error> for Error {
+    fn from(e: tch_distributed_settings::Error) -> Error {
+        use tch_distributed_settings::Error as E;
+        match e {
+            E::Config(message) => Error::Config(message),
+            E::Setting { given, allowed } => Error::Setting { given, allowed },
+            E::Io { context, source } => Error::Io { context, source },
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -246,13 +246,15 @@ impl Context {
         let (backend, note) = choose_backend(
             settings.backend,
             device,
-            Backend::nccl_available(),
+            crate::compat::nccl_available(),
             env.world_size,
         )?;
-        let precision = settings
-            .mixed_precision
-            .unwrap_or(MixedPrecisionMode::Exactly(MixedPrecision::No))
-            .resolve(device)?;
+        let precision = crate::precision::resolve_mixed_precision(
+            settings
+                .mixed_precision
+                .unwrap_or(MixedPrecisionMode::Exactly(MixedPrecision::No)),
+            device,
+        )?;
         if let (Some(note), 0) = (note, env.rank) {
             crate::log::warn(note);
         }

@@ -33,6 +33,7 @@ mod log;
 mod loop_position;
 mod observe;
 mod optim;
+mod precision;
 mod process_group;
 mod protocol;
 mod random_state;
@@ -46,12 +47,12 @@ pub mod settings;
 mod shard;
 mod unit_registry;
 
-pub use amp::{autocast, Autocast, GradScaler, MixedPrecision, MixedPrecisionMode};
+pub use amp::{autocast, Autocast, GradScaler};
 pub use checkpoint::{
-    load_var_store, preempted_exit_code, save_trainable, save_var_store, Checkpointer,
-    Preemption, TrainState,
+    load_var_store, preempted_exit_code, save_trainable, save_var_store, Checkpointer, Preemption,
+    TrainState,
 };
-pub use compat::{LIBTORCH_VERSION, TCH_VERSION};
+pub use compat::{nccl_available, LIBTORCH_VERSION, TCH_VERSION};
 pub use data::{
     find_executable_batch_size, global_batch_size, per_rank_batch_size, shard,
     split_between_processes, split_between_processes_padded, Batch, Batches, DataLoader, Dataset,
@@ -65,6 +66,7 @@ pub use init::{current, init, init_with, Context, InitOptions, DEFAULT_TIMEOUT};
 pub use loop_position::LoopPosition;
 pub use observe::{Tracker, PROGRESS_ENV};
 pub use optim::{Algorithm, Implementation, Optimizer, OptimizerKind};
+pub use precision::{resolve_mixed_precision, MixedPrecision, MixedPrecisionMode};
 pub use process_group::{Backend, ProcessGroup, ReduceOp};
 pub use rank_helpers::{any_rank, local_main_process_first, main_process_first};
 pub use recompute::{

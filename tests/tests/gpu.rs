@@ -110,7 +110,7 @@ const CUDA: (&str, &str) = (TEST_DEVICE_VAR, "cuda");
 fn a_cuda_is_available_and_nccl_is_built_in() {
     require_gpu();
     assert!(
-        tch_distributed::Backend::nccl_available(),
+        tch_distributed::nccl_available(),
         "the binaries were built without the NCCL backend (the CUDA headers were not found \
          when sdk/ compiled: see scripts/env.sh)"
     );

@@ -779,7 +779,11 @@ fn every_line_a_rank_writes_to_stderr_arrives_whole() {
     const LINES: usize = 10_000;
     let worker = env!("CARGO_BIN_EXE_stderr_lines_worker");
     for prefix in [false, true] {
-        let dir = scratch_dir(if prefix { "stderr-prefix" } else { "stderr-lines" });
+        let dir = scratch_dir(if prefix {
+            "stderr-prefix"
+        } else {
+            "stderr-lines"
+        });
         let mut args = vec!["--nproc-per-node", "2"];
         if prefix {
             args.push("--rank-prefix");
@@ -806,12 +810,16 @@ fn every_line_a_rank_writes_to_stderr_arrives_whole() {
                     let (i, rest) = rest.split_once(" of ")?;
                     let (n, pad) = rest.split_once(": ")?;
                     let rank: usize = rank.parse().ok()?;
-                    let ok = n == lines && pad.len() == 20 + 7 * rank && pad.bytes().all(|b| b == b'x');
+                    let ok =
+                        n == lines && pad.len() == 20 + 7 * rank && pad.bytes().all(|b| b == b'x');
                     ok.then_some((rank, i.parse::<usize>().ok()?))
                 });
             let (rank, i) = whole.unwrap_or_else(|| panic!("a line was not whole: {line:?}"));
             assert_eq!(from.unwrap_or(rank), rank, "{line:?}");
-            assert_eq!(i, next[rank], "rank {rank}'s lines out of order at {line:?}");
+            assert_eq!(
+                i, next[rank],
+                "rank {rank}'s lines out of order at {line:?}"
+            );
             next[rank] += 1;
         }
         assert_eq!(next, [LINES, LINES], "lines that arrived, per rank");

@@ -283,7 +283,7 @@ fn write_config(args: ConfigArgs) -> ExitCode {
     } else {
         flags
     };
-    if let Err(err) = config.save(&path) {
+    if let Err(err) = tch_distributed::settings::save(&config, &path) {
         return fail(&err);
     }
     print!(

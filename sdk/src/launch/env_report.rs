@@ -58,7 +58,7 @@ pub fn env_report() -> Result<String> {
     );
     line(
         "backends",
-        if crate::process_group::Backend::nccl_available() {
+        if crate::compat::nccl_available() {
             "gloo, nccl"
         } else {
             "gloo (nccl not compiled in: no CUDA headers at build time)"

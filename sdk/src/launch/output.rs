@@ -110,7 +110,11 @@ impl RankOutput {
             })?;
         }
         if let Some(pipe) = child.stderr.take() {
-            let prefix = if self.rank_prefix { prefix } else { String::new() };
+            let prefix = if self.rank_prefix {
+                prefix
+            } else {
+                String::new()
+            };
             self.spawn(rank, "stderr", prefix, pipe, |line| {
                 write_whole(&mut io::stderr().lock(), line)
             })?;
@@ -259,7 +263,10 @@ mod tests {
         assert_eq!(copied("", b"a b\nc"), [&b"a b\n"[..], b"c\n"]);
         assert!(copied("", b"").is_empty());
         // Bytes that are not UTF-8 are copied as they are.
-        assert_eq!(copied("[rank 12] ", b"\xff\xfe\n"), [&b"[rank 12] \xff\xfe\n"[..]]);
+        assert_eq!(
+            copied("[rank 12] ", b"\xff\xfe\n"),
+            [&b"[rank 12] \xff\xfe\n"[..]]
+        );
     }
 
     #[test]

@@ -43,39 +43,40 @@ pub enum Algorithm {
     },
 }
 
-impl Implementation {
-    /// Fused where libtorch has a fused kernel for `algorithm` (SGD, Adam, AdamW),
-    /// else foreach (RMSprop): the fastest update, and `torch.optim`'s own with the
-    /// same option.
-    pub fn preferred(algorithm: &Algorithm) -> Implementation {
-        match algorithm {
+impl Algorithm {
+    /// The implementation an optimizer of this algorithm starts with: fused where
+    /// libtorch has a fused kernel (SGD, Adam, AdamW), else foreach (RMSprop), the
+    /// fastest update, and `torch.optim`'s own with the same option.
+    pub fn preferred_implementation(&self) -> Implementation {
+        match self {
             Algorithm::RmsProp { .. } => Implementation::Foreach,
             _ => Implementation::Fused,
         }
     }
+}
 
-    /// The implementation that updates a parameter on `device` of dtype `kind`: as
-    /// `torch.optim` defaults, a fused kernel serves floating-point parameters on the
-    /// CPU, CUDA and MPS; any other parameter falls back to the foreach kernels.
-    fn serving(self, device: Device, kind: Kind) -> Implementation {
-        let floating = matches!(
-            kind,
-            Kind::Half | Kind::Float | Kind::Double | Kind::BFloat16
-        );
-        let device_served = matches!(device, Device::Cpu | Device::Cuda(_) | Device::Mps);
-        match self {
-            Implementation::Fused if !(floating && device_served) => Implementation::Foreach,
-            other => other,
-        }
+/// The implementation that updates a parameter on `device` of dtype `kind` with
+/// `implementation` asked for: as `torch.optim` defaults, a fused kernel serves
+/// floating-point parameters on the CPU, CUDA and MPS; any other parameter falls back
+/// to the foreach kernels.
+fn serving(implementation: Implementation, device: Device, kind: Kind) -> Implementation {
+    let floating = matches!(
+        kind,
+        Kind::Half | Kind::Float | Kind::Double | Kind::BFloat16
+    );
+    let device_served = matches!(device, Device::Cpu | Device::Cuda(_) | Device::Mps);
+    match implementation {
+        Implementation::Fused if !(floating && device_served) => Implementation::Foreach,
+        other => other,
     }
+}
 
-    /// The shim's `mode`.
-    fn mode(self) -> c_int {
-        match self {
-            Implementation::Tch => 0,
-            Implementation::Foreach => 1,
-            Implementation::Fused => 2,
-        }
+/// The shim's `mode` for `implementation`.
+fn shim_mode(implementation: Implementation) -> c_int {
+    match implementation {
+        Implementation::Tch => 0,
+        Implementation::Foreach => 1,
+        Implementation::Fused => 2,
     }
 }
 
@@ -293,7 +294,7 @@ pub(crate) fn update(
                 s.tensors[1] = Some(p.zeros_like());
             }
         }
-        let serving = implementation.serving(p.device(), p.kind());
+        let serving = serving(implementation, p.device(), p.kind());
         if serving == Implementation::Fused && s.step_tensor.is_none() {
             s.step_tensor = Some(Tensor::full([], s.step as f64, (Kind::Float, p.device())));
         }
@@ -314,7 +315,7 @@ pub(crate) fn update(
     for (key, members) in batches {
         let Group { lr, algorithm } = groups[key.group];
         let n = members.len() as c_int;
-        let mode = key.implementation.mode();
+        let mode = shim_mode(key.implementation);
         let ptrs: Vec<ffi::Tensor> = members.iter().map(|&i| ffi::tensor(&params[i])).collect();
         let slot = |k: usize, state: &[Option<ParamState>]| -> Vec<ffi::Tensor> {
             members
@@ -444,15 +445,15 @@ mod tests {
         use Implementation::*;
         for kind in [Kind::Half, Kind::Float, Kind::Double, Kind::BFloat16] {
             for device in [Device::Cpu, Device::Cuda(1), Device::Mps] {
-                assert_eq!(Fused.serving(device, kind), Fused, "{device:?} {kind:?}");
+                assert_eq!(serving(Fused, device, kind), Fused, "{device:?} {kind:?}");
             }
-            assert_eq!(Fused.serving(Device::Vulkan, kind), Foreach);
+            assert_eq!(serving(Fused, Device::Vulkan, kind), Foreach);
         }
-        assert_eq!(Fused.serving(Device::Cpu, Kind::Int64), Foreach);
-        assert_eq!(Fused.serving(Device::Cpu, Kind::ComplexFloat), Foreach);
+        assert_eq!(serving(Fused, Device::Cpu, Kind::Int64), Foreach);
+        assert_eq!(serving(Fused, Device::Cpu, Kind::ComplexFloat), Foreach);
         // Asked for, the others stay what they are.
         for other in [Foreach, Tch] {
-            assert_eq!(other.serving(Device::Vulkan, Kind::Int64), other);
+            assert_eq!(serving(other, Device::Vulkan, Kind::Int64), other);
         }
     }
 
@@ -583,8 +584,8 @@ mod tests {
             momentum: 0.0,
             centered: false,
         };
-        assert_eq!(Implementation::preferred(&sgd), Implementation::Fused);
-        assert_eq!(Implementation::preferred(&adam), Implementation::Fused);
-        assert_eq!(Implementation::preferred(&rms), Implementation::Foreach);
+        assert_eq!(sgd.preferred_implementation(), Implementation::Fused);
+        assert_eq!(adam.preferred_implementation(), Implementation::Fused);
+        assert_eq!(rms.preferred_implementation(), Implementation::Foreach);
     }
 }

@@ -231,7 +231,7 @@ impl Optimizer {
             params: Vec::new(),
             groups_of: Vec::new(),
             state: Vec::new(),
-            implementation: Implementation::preferred(&algorithm),
+            implementation: algorithm.preferred_implementation(),
             mode: Mode::Replicated(OnceCell::new()),
             refused: None,
             accumulation_steps: 1,
@@ -337,7 +337,7 @@ impl Optimizer {
             params,
             &all,
             ctx.units(),
-            ctx.mixed_precision().kind(),
+            crate::precision::autocast_kind(ctx.mixed_precision()),
             // DeepSpeed ZeRO-2's `reduce_bucket_size`.
             crate::shard::bucket_bytes(&ctx),
         )?);
@@ -519,7 +519,9 @@ impl Optimizer {
             let new = v.trainable_variables.len().saturating_sub(before);
             let distributed = match &self.mode {
                 Mode::Sharded(_) => true,
-                mode => mode.ddp().is_some_and(|d| d.process_group().world_size() > 1),
+                mode => mode
+                    .ddp()
+                    .is_some_and(|d| d.process_group().world_size() > 1),
             };
             if new > 0 && distributed {
                 let late: std::collections::HashSet<usize> = v.trainable_variables[before..]

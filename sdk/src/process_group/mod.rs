@@ -20,14 +20,6 @@ mod mismatch;
 pub use crate::settings::Backend;
 use collective_record::CollectiveRecord;
 
-impl Backend {
-    /// Whether the NCCL backend was compiled into this build (libtorch with CUDA and
-    /// the CUDA/NCCL headers found by `build.rs`).
-    pub fn nccl_available() -> bool {
-        unsafe { ffi::tdc_nccl_compiled() != 0 }
-    }
-}
-
 /// A reduction for [`ProcessGroup::all_reduce`] and [`ProcessGroup::reduce_scatter`],
 /// as `torch.distributed.ReduceOp`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -156,7 +148,7 @@ impl ProcessGroup {
             )));
         }
         let cuda_device = match (backend, device) {
-            (Backend::Nccl, _) if !Backend::nccl_available() => {
+            (Backend::Nccl, _) if !crate::compat::nccl_available() => {
                 return Err(Error::BackendUnavailable(
                     "the NCCL backend was not compiled into tch-distributed: build against a libtorch with CUDA \
                      with the CUDA headers installed (the README's setup does this), or use the gloo backend"

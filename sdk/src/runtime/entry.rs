@@ -42,8 +42,10 @@ fn record_panics() {
 
 /// Function entry: joins the job (or, with no launcher and more than one rank
 /// asked for, launches the ranks and exits with their result), then prints the
-/// banner on rank 0. Returns a guard whose drop is the exit barrier.
-pub fn enter(attribute: Settings) -> Session {
+/// banner on rank 0. Returns a guard whose drop is the exit barrier. `attribute` is
+/// the settings written in `#[distributed(…)]`, `(key, value as text)`, read by
+/// `Settings::from_attribute` (as the macro checked them).
+pub fn enter(attribute: &[(&str, &str)]) -> Session {
     let depth = DEPTH.with(|d| d.replace(d.get() + 1));
     if depth > 0 {
         // A #[distributed] function called from another: already joined.
@@ -52,6 +54,9 @@ pub fn enter(attribute: Settings) -> Session {
             finished: Cell::new(false),
         };
     }
+    // Checked when the attribute was expanded, by the same rows.
+    let attribute = Settings::from_attribute(attribute.iter().copied())
+        .unwrap_or_else(|e| fail("reading the attribute's settings", e));
     let (settings, overridden) = Settings::over_attribute(attribute)
         .unwrap_or_else(|e| fail("reading the run's settings", e));
     let env = LaunchEnv::from_env().unwrap_or_else(|e| fail("reading the launch environment", e));

@@ -20,12 +20,7 @@ mod entry;
 mod probes;
 mod rewrites;
 
-pub use crate::amp::{MixedPrecision, MixedPrecisionMode};
 pub use crate::error::Error;
-pub use crate::optim::Implementation;
-pub use crate::process_group::Backend;
-pub use crate::settings::CommHook;
-pub use crate::settings::Settings;
 pub use agreement::{agree_exit, agreed_ends, AgreedEnds};
 pub use entry::{enter, Session};
 pub use probes::*;

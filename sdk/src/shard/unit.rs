@@ -92,7 +92,7 @@ fn shard_now(ctx: &crate::init::Context, slot: &Slot, path: &Path) -> crate::Res
         group,
         names,
         params,
-        ctx.mixed_precision().kind(),
+        crate::precision::autocast_kind(ctx.mixed_precision()),
         super::engine::bucket_bytes(ctx),
         true,
     )?);

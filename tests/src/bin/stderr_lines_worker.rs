@@ -10,7 +10,11 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 fn main() {
-    let var = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<usize>().ok());
+    let var = |name: &str| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+    };
     let (rank, world) = (var("RANK").unwrap_or(0), var("WORLD_SIZE").unwrap_or(1));
     let mut args = std::env::args().skip(1);
     let dir = PathBuf::from(args.next().expect("usage: stderr_lines_worker DIR N"));
@@ -26,7 +30,14 @@ fn main() {
         if i % 2 == 0 {
             eprintln!("rank {} line {} of {}: {} end", rank, i, n, pad);
         } else {
-            let _ = writeln!(std::io::stderr(), "rank {} line {} of {}: {} end", rank, i, n, pad);
+            let _ = writeln!(
+                std::io::stderr(),
+                "rank {} line {} of {}: {} end",
+                rank,
+                i,
+                n,
+                pad
+            );
         }
     }
 }

@@ -5,8 +5,8 @@
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
 use tch_distributed::{
-    autocast, DataLoader, DdpOptions, DistributedDataParallel, GradScaler, MixedPrecision,
-    Optimizer, TensorDataset,
+    autocast, resolve_mixed_precision, DataLoader, DdpOptions, DistributedDataParallel, GradScaler,
+    MixedPrecision, MixedPrecisionMode, Optimizer, TensorDataset,
 };
 
 fn main() -> anyhow::Result<()> {
@@ -14,7 +14,8 @@ fn main() -> anyhow::Result<()> {
     let device = ctx.device();
     // ANCHOR: choose
     let asked = std::env::args().nth(1).unwrap_or_else(|| "auto".into());
-    let (precision, why) = MixedPrecision::parse(&asked, device)?;
+    let mode: MixedPrecisionMode = asked.parse()?;
+    let (precision, why) = resolve_mixed_precision(mode, device)?;
     if ctx.is_main_process() {
         println!("mixed precision {precision:?} ({why})");
     }

@@ -1,8 +1,8 @@
-//! The value types of settings that several modules share: the backend, the mixed
-//! precision and the optimizer implementation, with their spellings. Their behaviour
-//! lives with their modules (`Backend::nccl_available` in the process group,
-//! `MixedPrecisionMode::resolve` in `amp`, `Implementation::preferred` in `optim`),
-//! so that the settings depend on nothing of the SDK but its errors.
+//! The value types of settings that several of the SDK's modules share: the backend,
+//! the mixed precision and the optimizer implementation, with their spellings. What
+//! needs libtorch lives with the SDK's modules (`nccl_available` in the process group,
+//! `resolve_mixed_precision` in `amp`, `Algorithm::preferred_implementation` in
+//! `optim`): this crate has no libtorch, so that the attribute's macro can read it.
 
 use std::fmt;
 
@@ -97,8 +97,20 @@ pub enum MixedPrecision {
     No,
     /// bfloat16 autocast: float32's range, so no loss scaling.
     Bf16,
-    /// float16 autocast, with a [`GradScaler`](crate::GradScaler) against underflowing gradients.
+    /// float16 autocast, with a `GradScaler` (tch-distributed's) against underflowing gradients.
     Fp16,
+}
+
+impl MixedPrecision {
+    /// What `auto` picks on a CUDA device of compute capability `major`.x: bf16 from 8.0
+    /// on (Ampere: A100, RTX 30), whose tensor cores run it at fp16's speed; fp16 before.
+    pub fn for_compute_capability(major: i32) -> Self {
+        if major >= 8 {
+            MixedPrecision::Bf16
+        } else {
+            MixedPrecision::Fp16
+        }
+    }
 }
 
 /// `no`, `bf16` or `fp16`, as the attribute's `mixed_precision` spells them.
@@ -114,7 +126,7 @@ impl fmt::Display for MixedPrecision {
 
 /// What a run asks for (the attribute's `mixed_precision`,
 /// `TCH_DISTRIBUTED_MIXED_PRECISION`): one precision, or `Auto`, which each rank
-/// resolves on its device ([`MixedPrecision::auto`]).
+/// resolves on its device (tch-distributed's `resolve_mixed_precision`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MixedPrecisionMode {
     /// This precision on every device.
@@ -157,7 +169,7 @@ impl std::str::FromStr for MixedPrecisionMode {
 /// Which kernels and arithmetic run the update. Each runs one ATen kernel per
 /// operation, or one for the whole update (fused), over all the parameters of a group
 /// that share a device and dtype; none is a loop of per-parameter kernels. An optimizer
-/// starts with [`Implementation::preferred`]: fused where libtorch has a fused kernel
+/// starts with its algorithm's preferred implementation: fused where libtorch has a fused kernel
 /// (SGD, Adam, AdamW), else foreach (RMSprop).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Implementation {

@@ -1,6 +1,5 @@
 use super::file::HEADER;
 use super::*;
-use crate::amp::MixedPrecision;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -44,25 +43,6 @@ fn every_row_has_its_names_once_and_a_variable_under_the_prefix() {
     }
 }
 
-/// The attribute's options, as the macro crate validates them at compile time, are
-/// the rows that say `attribute` (and `crate`, which is not a setting).
-#[test]
-fn the_attributes_options_are_the_tables() {
-    let mut macro_options: Vec<&str> = tch_distributed_macros::__attribute_options!()
-        .iter()
-        .copied()
-        .filter(|o| *o != "crate")
-        .collect();
-    let mut rows: Vec<&str> = TABLE
-        .iter()
-        .filter(|r| r.attribute)
-        .map(|r| r.key)
-        .collect();
-    macro_options.sort();
-    rows.sort();
-    assert_eq!(macro_options, rows);
-}
-
 #[test]
 fn every_value_written_back_reads_the_same() {
     let mut all = full();
@@ -82,8 +62,8 @@ fn every_value_written_back_reads_the_same() {
     let env: HashMap<String, String> = all.rank_env().into_iter().collect();
     assert_eq!(Settings::from_vars(|k| env.get(k).cloned()).unwrap(), all);
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("sub").join("config.toml");
-    all.save(&path).unwrap();
+    let path = dir.path().join("config.toml");
+    std::fs::write(&path, all.to_toml()).unwrap();
     // The file leaves out the rows it does not take.
     let mut in_file = Settings::default();
     for row in TABLE.iter().filter(|r| r.file) {
@@ -96,7 +76,7 @@ fn every_value_written_back_reads_the_same() {
 #[test]
 fn the_file_round_trips() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("sub").join("config.toml");
+    let path = dir.path().join("config.toml");
     for config in [
         full(),
         Settings::default(),
@@ -105,7 +85,7 @@ fn the_file_round_trips() {
             ..Settings::default()
         },
     ] {
-        config.save(&path).unwrap();
+        std::fs::write(&path, config.to_toml()).unwrap();
         assert_eq!(Settings::load(&path).unwrap(), config);
     }
     assert_eq!(
@@ -291,4 +271,139 @@ fn questions() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("the input ended"), "{e}");
+}
+
+/// A value that `row` takes, for the tests that walk the table.
+fn good(row: &Setting) -> &'static str {
+    match row.value_name {
+        "BOOL" => "true",
+        "SECONDS" | "MIB" => "2.5",
+        "IMPL" => "foreach",
+        "LEVEL" => "detail",
+        "HOOK" => "bf16",
+        "BACKEND" => "nccl",
+        "MODE" => "bf16",
+        "IDS" => "0,1",
+        "ADDR" => "10.0.0.1",
+        _ => "3",
+    }
+}
+
+/// A value that `row` refuses, if any (a free-text row takes every value).
+fn bad(row: &Setting) -> Option<&'static str> {
+    ["bogus value", "0", "-1"]
+        .into_iter()
+        .find(|text| row.set(&mut Settings::default(), text).is_err())
+}
+
+/// The `allowed` part of a setting's error.
+fn allowed(e: Error) -> String {
+    match e {
+        Error::Setting { allowed, .. } => allowed,
+        other => panic!("not a setting's error: {other}"),
+    }
+}
+
+/// Every row, through every place that gives it: the attribute (what its macro checks at
+/// compile time and the entry reads at run time, `Settings::from_attribute`), `tchrun`'s
+/// flag, the variable and the configuration file's key. Each reads the same value from
+/// the same text, and refuses the same bad text with the same message, the row's.
+#[test]
+fn every_row_reads_alike_and_fails_alike_wherever_it_is_given() {
+    use clap::{Args, FromArgMatches};
+    let cli = |args: &[String]| -> std::result::Result<Settings, String> {
+        let cmd = Settings::augment_args(clap::Command::new("tchrun").no_binary_name(true));
+        let matches = cmd.try_get_matches_from(args).map_err(|e| e.to_string())?;
+        Settings::from_arg_matches(&matches).map_err(|e| e.to_string())
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let file = |key: &str, text: &str| -> Result<Settings> {
+        let path = dir.path().join("config.toml");
+        std::fs::write(&path, format!("{key} = {text:?}\n")).unwrap();
+        Settings::load(&path)
+    };
+    let mut free_text = Vec::new();
+    for row in TABLE {
+        let text = good(row);
+        let mut want = Settings::default();
+        row.set(&mut want, text)
+            .unwrap_or_else(|e| panic!("{}: {text:?}: {e}", row.key));
+        assert_eq!(
+            Settings::from_vars(vars(&[(row.var, text)])).unwrap(),
+            want,
+            "{}",
+            row.key
+        );
+        if row.attribute {
+            assert_eq!(
+                Settings::from_attribute([(row.key, text)]).unwrap(),
+                want,
+                "{}",
+                row.key
+            );
+        }
+        if row.file {
+            assert_eq!(file(row.key, text).unwrap(), want, "{}", row.key);
+        }
+        if let Some(flag) = row.flag {
+            assert_eq!(
+                cli(&[format!("--{flag}={text}")]).unwrap(),
+                want,
+                "{}",
+                row.key
+            );
+        }
+
+        let Some(text) = bad(row) else {
+            free_text.push(row.key);
+            continue;
+        };
+        let why = row.set(&mut Settings::default(), text).unwrap_err();
+        let from_var = Settings::from_vars(vars(&[(row.var, text)])).unwrap_err();
+        assert_eq!(
+            from_var.to_string(),
+            format!("{}={text:?}: {why}", row.var),
+            "{}",
+            row.key
+        );
+        if row.attribute {
+            let e = Settings::from_attribute([(row.key, text)]).unwrap_err();
+            assert_eq!(allowed(e), why, "{}", row.key);
+        }
+        if row.file {
+            assert_eq!(
+                allowed(file(row.key, text).unwrap_err()),
+                why,
+                "{}",
+                row.key
+            );
+        }
+        if let Some(flag) = row.flag {
+            let e = cli(&[format!("--{flag}={text}")]).unwrap_err();
+            assert!(e.contains(&why), "--{flag}={text}: {e}");
+        }
+    }
+    // Text of any kind: the address (a blank one is refused where it is given, and a
+    // blank variable is unset), the job's secret, the record directory.
+    assert_eq!(free_text, ["master_addr", "job_token", "record"]);
+}
+
+#[test]
+fn an_option_the_attribute_does_not_take_is_named_with_the_valid_ones() {
+    let e = Settings::from_attribute([("nnodes", "2")])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("unknown option `nnodes`; valid options: nproc_per_node, "),
+        "{e}"
+    );
+    assert!(e.ends_with(", crate"), "{e}");
+    let e = Settings::from_attribute([("zero", "4")])
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("zero = 4: use 1 "), "{e}");
+    let e = Settings::from_attribute([("backend", "mpi")])
+        .unwrap_err()
+        .to_string();
+    assert_eq!(e, "backend = \"mpi\": use gloo or nccl");
 }

@@ -74,10 +74,6 @@ pub(super) fn to_toml(settings: &Settings) -> String {
     out
 }
 
-pub(super) fn save(settings: &Settings, path: &Path) -> Result<()> {
-    crate::files::replace_with_bytes(path, settings.to_toml().as_bytes())
-}
-
 /// Where `tchrun` looks for its configuration file when `--config` is not given, read
 /// through `var`: `TCH_DISTRIBUTED_CONFIG`, else
 /// `$XDG_CONFIG_HOME/tch-distributed/config.toml`, else

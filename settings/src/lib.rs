@@ -26,11 +26,12 @@
 use std::fmt;
 use std::path::Path;
 
-use crate::error::{Error, Result};
-
 mod ask;
+mod error;
 mod file;
 mod values;
+
+pub use error::{Error, Result};
 
 pub use values::{
     Backend, CommHook, DebugLevel, Implementation, MixedPrecision, MixedPrecisionMode,
@@ -38,11 +39,26 @@ pub use values::{
 
 pub use file::{config_named_by_env, default_path, default_path_from, CONFIG_ENV};
 
+/// How a setting's value is written in Rust source (the attribute's options): the
+/// kind of literal its row takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Literal {
+    /// A string: `backend = "nccl"`.
+    String,
+    /// An integer or a float: `grad_accum = 4`, `timeout = 600`.
+    Number,
+    /// `true` or `false`: `static_graph = true`.
+    Bool,
+}
+
 /// A setting's type: how a flag's, a variable's or the file's text becomes the value,
 /// and how the value is written back (for the ranks' variables and the file).
 pub trait Value: Sized + Clone + fmt::Display {
     /// Parses `text` (trimmed). The error says what is allowed, e.g. `use gloo or nccl`.
     fn parse(text: &str) -> std::result::Result<Self, String>;
+
+    /// How the attribute writes it: a string literal, unless a number or a bool.
+    const LITERAL: Literal = Literal::String;
 
     /// How the configuration file writes it: a TOML string, unless a number or a bool.
     fn to_toml(&self) -> toml::Value {
@@ -59,6 +75,7 @@ macro_rules! integer_value {
                     max => format!("a whole number from 0 to {max} is needed"),
                 })
             }
+            const LITERAL: Literal = Literal::Number;
             fn to_toml(&self) -> toml::Value {
                 toml::Value::Integer(*self as i64)
             }
@@ -74,6 +91,7 @@ impl Value for f64 {
             .filter(|v: &f64| v.is_finite())
             .ok_or_else(|| "a number is needed".to_string())
     }
+    const LITERAL: Literal = Literal::Number;
     fn to_toml(&self) -> toml::Value {
         toml::Value::Float(*self)
     }
@@ -88,6 +106,7 @@ impl Value for bool {
             _ => Err("use true or false".into()),
         }
     }
+    const LITERAL: Literal = Literal::Bool;
     fn to_toml(&self) -> toml::Value {
         toml::Value::Boolean(*self)
     }
@@ -107,9 +126,11 @@ impl Value for Backend {
 
 impl Value for MixedPrecisionMode {
     fn parse(text: &str) -> std::result::Result<Self, String> {
-        text.to_ascii_lowercase()
-            .parse()
-            .map_err(|_| "use no, bf16, fp16 or auto".into())
+        text.to_ascii_lowercase().parse().map_err(|_| {
+            "use no, bf16, fp16 or auto (bf16 on GPUs of compute capability 8.0 or more, \
+                 fp16 below, none on the CPU)"
+                .into()
+        })
     }
 }
 
@@ -119,7 +140,11 @@ impl Value for CommHook {
             "none" => Ok(CommHook::None),
             "fp16" => Ok(CommHook::Fp16),
             "bf16" => Ok(CommHook::Bf16),
-            _ => Err("use none, fp16 or bf16".into()),
+            _ => Err(
+                "use none, fp16 or bf16 (gradients all-reduced in half precision, as \
+                      PyTorch's fp16_compress_hook and bf16_compress_hook)"
+                    .into(),
+            ),
         }
     }
 }
@@ -136,9 +161,11 @@ impl Value for DebugLevel {
 
 impl Value for Implementation {
     fn parse(text: &str) -> std::result::Result<Self, String> {
-        text.to_ascii_lowercase()
-            .parse()
-            .map_err(|_| "use fused, foreach or tch".into())
+        text.to_ascii_lowercase().parse().map_err(|_| {
+            "use fused (ATen's fused kernels, as torch.optim's fused=True), foreach \
+                 (torch.optim's foreach=True) or tch (tch's own arithmetic, bit for bit)"
+                .into()
+        })
     }
 }
 
@@ -271,6 +298,8 @@ pub struct Setting {
     pub default: &'static str,
     /// What it does.
     pub doc: &'static str,
+    /// The literal the attribute writes its value as.
+    pub literal: Literal,
     set: fn(&mut Settings, &str) -> std::result::Result<(), String>,
     text: fn(&Settings) -> Option<String>,
     toml: fn(&Settings) -> Option<toml::Value>,
@@ -324,6 +353,7 @@ macro_rules! settings {
             values: $values,
             default: $default,
             doc: concat!($($doc),+),
+            literal: <$ty as Value>::LITERAL,
             set: |s, text| {
                 let value = <$ty as Value>::parse(text)?;
                 let check: Check<$ty> = $check;
@@ -505,6 +535,8 @@ pub enum Origin {
     /// A configuration file, and the setting's line in it (`grad_accum in FILE,
     /// line 2`).
     File(std::path::PathBuf, usize),
+    /// An option of `#[distributed(…)]` (`grad_accum = 0`).
+    Attribute,
 }
 
 impl Origin {
@@ -517,6 +549,10 @@ impl Origin {
             Origin::File(path, line) => {
                 format!("{} = {value:?} in {}, line {line}", row.key, path.display())
             }
+            Origin::Attribute if row.literal == Literal::String => {
+                format!("{} = {value:?}", row.key)
+            }
+            Origin::Attribute => format!("{} = {value}", row.key),
         }
     }
 
@@ -531,7 +567,7 @@ impl Origin {
 
 /// The value of the variable of the row whose key is `key`, when set and not empty
 /// (for the settings read before, or apart from, the function's entry).
-pub(crate) fn var(key: &str) -> Option<String> {
+pub fn var(key: &str) -> Option<String> {
     let row = row(key)?;
     std::env::var(row.var)
         .ok()
@@ -542,6 +578,12 @@ pub(crate) fn var(key: &str) -> Option<String> {
 /// The row whose key is `key`.
 pub fn row(key: &str) -> Option<&'static Setting> {
     TABLE.iter().find(|r| r.key == key)
+}
+
+/// The options that `#[distributed(…)]` takes: the keys of the rows whose
+/// [`attribute`](Setting::attribute) is true, in the table's order.
+pub fn attribute_options() -> impl Iterator<Item = &'static str> {
+    TABLE.iter().filter(|r| r.attribute).map(|r| r.key)
 }
 
 impl Settings {
@@ -557,6 +599,35 @@ impl Settings {
                 row.set(&mut settings, &text)
                     .map_err(|why| Origin::Env.bad(row, &text, &why))?;
             }
+        }
+        Ok(settings)
+    }
+
+    /// The options written in `#[distributed(…)]`, each `(key, value)` with the value as
+    /// text: a string literal's contents, a number's or a bool's digits or word. Each
+    /// goes through its row's parser and check, as a flag, a variable or the file's key
+    /// does: the attribute's macro calls this at compile time (an error is the compile
+    /// error, at the option) and the function's entry again at run time, on values that
+    /// passed then.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a key that is not an option of the attribute (naming the
+    /// valid ones); [`Error::Setting`] naming the option and what it takes, for a value
+    /// its row does not allow.
+    pub fn from_attribute<'a>(
+        options: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> Result<Settings> {
+        let mut settings = Settings::default();
+        for (key, text) in options {
+            let Some(row) = row(key).filter(|r| r.attribute) else {
+                let valid: Vec<&str> = attribute_options().chain(["crate"]).collect();
+                return Err(Error::Config(format!(
+                    "unknown option `{key}`; valid options: {}",
+                    valid.join(", ")
+                )));
+            };
+            row.set(&mut settings, text)
+                .map_err(|why| Origin::Attribute.bad(row, text, &why))?;
         }
         Ok(settings)
     }
@@ -659,15 +730,6 @@ impl Settings {
     /// per setting that is given.
     pub fn to_toml(&self) -> String {
         file::to_toml(self)
-    }
-
-    /// Writes the configuration file (and its directory), replacing it whole: a
-    /// reader sees the old file or the new one.
-    ///
-    /// # Errors
-    /// [`Error::Io`] when the directory or the file cannot be written.
-    pub fn save(&self, path: &Path) -> Result<()> {
-        file::save(self, path)
     }
 
     /// Asks for the launch settings on `output`, reading the answers from `input`, as
