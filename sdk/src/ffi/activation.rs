@@ -9,7 +9,7 @@ use tch::Tensor;
 
 use super::check;
 use super::sys;
-use super::tensor::{ptr, take, take_optional, TensorArray};
+use super::tensor::{ptr, take, take_all, TensorArray};
 
 /// The block, called from the thread that runs the forward pass and from autograd's
 /// in the backward pass (one at a time, under the lock).
@@ -60,10 +60,7 @@ pub(crate) fn checkpoint(
     // What the shim wrote is Rust's, whatever the status: take every pointer once.
     // SAFETY: `outputs` holds NULL or `torch::Tensor*`s that the shim allocated for the
     // caller (`new at::Tensor`), each taken once here.
-    let written: Vec<Option<Tensor>> = outputs
-        .into_iter()
-        .map(|p| unsafe { take_optional(p) })
-        .collect();
+    let written = unsafe { take_all(outputs) };
     if let Err(message) = check(status) {
         return Err(match status {
             sys::TDC_USAGE_ERROR => CheckpointError::Usage(message),

@@ -9,7 +9,7 @@ use tch::Tensor;
 
 use super::check_text;
 use super::sys;
-use super::tensor::{take_optional, TensorArray};
+use super::tensor::{take_all, TensorArray};
 use crate::error::TorchText;
 
 /// Which arithmetic an update runs (`optim.cpp`'s `mode`).
@@ -71,10 +71,7 @@ pub(crate) fn sgd_step(
     // The buffers the shim handed out are Rust's, whatever the status.
     // SAFETY: `made` holds NULL or `torch::Tensor*`s the shim allocated for the caller,
     // each taken once here.
-    let made: Vec<Tensor> = made
-        .into_iter()
-        .filter_map(|p| unsafe { take_optional(p) })
-        .collect();
+    let made: Vec<Tensor> = unsafe { take_all(made) }.into_iter().flatten().collect();
     check_text(status)?;
     Ok(if first { made } else { Vec::new() })
 }
@@ -252,10 +249,7 @@ pub(crate) fn archive_state(
     // The tensors the shim handed out are Rust's, whatever the status.
     // SAFETY: `out` holds NULL or `torch::Tensor*`s the shim allocated for the caller,
     // each taken once here.
-    let out: Vec<Option<Tensor>> = out
-        .into_iter()
-        .map(|p| unsafe { take_optional(p) })
-        .collect();
+    let out = unsafe { take_all(out) };
     check_text(status)?;
     Ok((out, steps))
 }

@@ -185,9 +185,10 @@ pub(crate) fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
 /// # Errors
 /// The system's error.
 pub(crate) fn redirect_stderr(fd: BorrowedFd<'_>) -> io::Result<()> {
-    // SAFETY: `fd` is open for the call; fd 2 stays open (now a copy of `fd`), so
-    // whatever writes to stderr, the standard library's handle included, still
-    // writes to an open descriptor.
+    // SAFETY: `fd` is open for the call. fd 2 is the standard library's stderr, open
+    // for the whole process (std opens /dev/null at startup for a closed one), so no
+    // other Rust owner holds that number; it stays open (now a copy of `fd`), and
+    // whatever writes to stderr still writes to an open descriptor.
     if unsafe { libc::dup2(fd.as_raw_fd(), 2) } == -1 {
         Err(io::Error::last_os_error())
     } else {

@@ -34,9 +34,21 @@ pub(super) unsafe fn take(p: sys::Tensor) -> Tensor {
 ///
 /// # Safety
 /// As [`take`] when `p` is not NULL.
-pub(super) unsafe fn take_optional(p: sys::Tensor) -> Option<Tensor> {
+unsafe fn take_optional(p: sys::Tensor) -> Option<Tensor> {
     // SAFETY: the caller's contract, for a pointer that is not NULL.
     (!p.is_null()).then(|| unsafe { take(p) })
+}
+
+/// [`take_optional`] for each pointer of an array the shim filled: its tensors, in
+/// order, `None` for each NULL.
+///
+/// # Safety
+/// As [`take`] for each pointer that is not NULL.
+pub(super) unsafe fn take_all(ptrs: Vec<sys::Tensor>) -> Vec<Option<Tensor>> {
+    ptrs.into_iter()
+        // SAFETY: the caller's contract, for each pointer.
+        .map(|p| unsafe { take_optional(p) })
+        .collect()
 }
 
 /// The raw pointers of borrowed tensors, for the shim's array arguments (`tdc_tensor*`
