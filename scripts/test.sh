@@ -80,6 +80,15 @@ else
 fi
 if [ "$TCH" = 0.24 ]; then
   python3 scripts/modules.py --check  # no import cycle among sdk/src's modules (it names each)
+  # Every C call goes through sdk/src/ffi/, the one module with `unsafe` code, and each
+  # of its `unsafe` blocks and impls says why it is sound (only these lints as errors).
+  cargo clippy -p tch-distributed --lib -- -D clippy::undocumented_unsafe_blocks -D unsafe_op_in_unsafe_fn
+  outside_ffi="$(grep -rnE '^\s*[^/]*\bunsafe\b' sdk/src --include=*.rs | grep -v '^sdk/src/ffi/' || true)"
+  if [ -n "$outside_ffi" ]; then
+    echo "error: \`unsafe\` outside sdk/src/ffi/ (move the call behind a safe wrapper there):" >&2
+    echo "$outside_ffi" >&2
+    exit 1
+  fi
   scripts/book.sh  # the guide: mdBook (pinned, installed on first use), fails on a broken include or link
 fi
 echo "test.sh: tch $TCH, torch $TORCH_VERSION: passed in $((SECONDS - start)) s" >&2

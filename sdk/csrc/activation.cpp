@@ -59,12 +59,12 @@ struct Block {
     for (const auto& x : inputs) in.push_back(new at::Tensor(x));
     std::vector<tdc_tensor> out(max_outputs, nullptr);
     int n = fn(ctx.get(), in.data(), static_cast<int>(in.size()), out.data(), max_outputs);
-    if (n == -2) {
+    if (n == TDC_BLOCK_TOO_MANY_OUTPUTS) {
       throw std::invalid_argument(
           "the checkpointed block returned more outputs than the limit of " +
           std::to_string(max_outputs));
     }
-    if (n < 0) throw std::runtime_error("the checkpointed block panicked");
+    if (n < 0) throw std::runtime_error("the checkpointed block panicked");  // TDC_BLOCK_PANICKED
     variable_list outputs;
     for (int i = 0; i < n; i++) {
       auto* t = static_cast<at::Tensor*>(out[i]);
@@ -380,10 +380,10 @@ int tdc_checkpoint(
     tdc_tensor* outputs, int cap, int* n_out) {
   // The context is the Rust side's until the node holds it.
   auto held = tdc::context(ctx, drop);
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     try {
       *n_out = run_checkpoint(Block{fn, held, cap}, tdc::tensors(inputs, n), outputs);
-      return 0;
+      return TDC_OK;
     } catch (const std::invalid_argument& e) {
       tdc::set_last_error(e.what());
       return TDC_USAGE_ERROR;

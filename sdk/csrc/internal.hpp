@@ -58,12 +58,8 @@ inline std::shared_ptr<void> context(void* ctx, tdc_drop drop) {
 }
 } // namespace tdc
 
-// The status of a usage error (std::invalid_argument) where a function tells it
-// apart from a failure (1).
-#define TDC_USAGE_ERROR 2
-
 // Wraps a function body: any C++ exception becomes this thread's last error and
-// the function returns `fail`.
+// the function returns `fail` (NULL, TDC_ERROR, or TDC_NO_PORT).
 #define TDC_PROTECT(fail, ...)                   \
   try {                                          \
     __VA_ARGS__                                  \

@@ -11,12 +11,12 @@
 #endif
 
 extern "C" int tdc_cuda_capability(int device, int* major, int* minor) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
 #ifdef TDC_WITH_NCCL
     const cudaDeviceProp* props = at::cuda::getDeviceProperties(device);
     *major = props->major;
     *minor = props->minor;
-    return 0;
+    return TDC_OK;
 #else
     (void)device, (void)major, (void)minor;
     throw std::runtime_error(

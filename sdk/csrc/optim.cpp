@@ -62,7 +62,7 @@ int tdc_sgd_step(
     tdc_tensor* params_, tdc_tensor* bufs_, tdc_tensor* new_bufs, int n,
     double lr, double momentum, double dampening, double weight_decay,
     int nesterov, int mode) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     // tch's and torch.optim's foreach SGD are the same operations.
     const bool fused = mode == 2;
     at::NoGradGuard no_grad;
@@ -82,7 +82,7 @@ int tdc_sgd_step(
       at::_fused_sgd_(
           params, grads, bufs, weight_decay, momentum, lr, dampening,
           nesterov != 0, /*maximize=*/false, first);
-      return 0;
+      return TDC_OK;
     }
     // d_p = grad (+ weight_decay * p)
     std::vector<at::Tensor> d_p = grads;
@@ -105,7 +105,7 @@ int tdc_sgd_step(
       }
     }
     at::_foreach_add_(params, d_p, -1 * lr);
-    return 0;
+    return TDC_OK;
   })
 }
 
@@ -114,7 +114,7 @@ int tdc_adam_step(
     tdc_tensor* max_exp_avg_sqs_, tdc_tensor* steps_, int n, int64_t step,
     double lr, double beta1, double beta2, double eps, double weight_decay,
     int amsgrad, int decoupled, int mode) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     const bool fused = mode == 2;
     const bool python = mode == 1;
     at::NoGradGuard no_grad;
@@ -136,7 +136,7 @@ int tdc_adam_step(
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr,
             beta1, beta2, weight_decay, eps, amsgrad != 0, /*maximize=*/false);
       }
-      return 0;
+      return TDC_OK;
     }
     // AdamW decays the parameters first; Adam adds the decay to the gradients.
     if (weight_decay != 0) {
@@ -169,7 +169,7 @@ int tdc_adam_step(
     at::_foreach_add_(denom, eps);
     const double step_size = lr / bias_correction1;
     at::_foreach_addcdiv_(params, exp_avgs, denom, python ? step_size * -1 : -step_size);
-    return 0;
+    return TDC_OK;
   })
 }
 
@@ -177,7 +177,7 @@ int tdc_rmsprop_step(
     tdc_tensor* params_, tdc_tensor* square_avgs_, tdc_tensor* momentum_bufs_,
     tdc_tensor* grad_avgs_, int n, double lr, double alpha, double eps,
     double weight_decay, double momentum, int centered, int mode) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     at::NoGradGuard no_grad;
     auto params = list(params_, n);
     auto grads = grads_of(params);
@@ -209,14 +209,14 @@ int tdc_rmsprop_step(
     } else {
       at::_foreach_addcdiv_(params, grads, avg, -lr);
     }
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_zero_grad(tdc_tensor* params_, int n) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     for (auto& p : list(params_, n)) p.mutable_grad().reset();
-    return 0;
+    return TDC_OK;
   })
 }
 
@@ -233,7 +233,7 @@ int tdc_zero_grad(tdc_tensor* params_, int n) {
 int tdc_optimizer_archive_state(
     int kind, tdc_tensor* params_, const int64_t* groups, int n,
     const uint8_t* data, size_t len, tdc_tensor* out, int64_t* steps) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     auto params = list(params_, n);
     std::unique_ptr<torch::optim::Optimizer> opt;
     std::vector<at::Tensor> none;
@@ -286,7 +286,7 @@ int tdc_optimizer_archive_state(
         steps[i] = rms->step();
       }
     }
-    return 0;
+    return TDC_OK;
   })
 }
 

@@ -129,7 +129,7 @@ class SealedStore : public c10d::Store {
 
   Bytes sealed(const std::string& full, const Bytes& plain) const {
     Bytes out(plain.size() + overhead_);
-    if (seal_(secret_.data(), full.c_str(), plain.data(), plain.size(), out.data()) != 0) {
+    if (seal_(secret_.data(), full.c_str(), plain.data(), plain.size(), out.data()) != TDC_OK) {
       throw std::runtime_error("cannot seal the value of store key " + full);
     }
     return out;
@@ -138,7 +138,7 @@ class SealedStore : public c10d::Store {
   std::optional<Bytes> opened(const std::string& full, const Bytes& raw) const {
     if (raw.size() < overhead_) return std::nullopt;
     Bytes out(raw.size() - overhead_);
-    if (open_(secret_.data(), full.c_str(), raw.data(), raw.size(), out.data()) != 0) {
+    if (open_(secret_.data(), full.c_str(), raw.data(), raw.size(), out.data()) != TDC_OK) {
       return std::nullopt;
     }
     return out;

@@ -40,7 +40,7 @@ using tdc::context;
 using tdc::tensor;
 
 void call(tdc_callback callback, void* ctx, int index) {
-  if (callback(ctx, index) != 0) {
+  if (callback(ctx, index) != TDC_OK) {
     // The cause was kept on the Rust side, which reports it after `backward` fails.
     throw std::runtime_error("tch-distributed: a sharded unit's gradient hook failed");
   }
@@ -76,12 +76,12 @@ template struct Private<RefreshCheck, &c10::StorageImpl::refresh_has_data_ptr_ch
 } // namespace
 
 int tdc_storage_free(tdc_tensor t, const char* message) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     auto* storage = tensor(t).storage().unsafeGetStorageImpl();
     storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
     storage->set_nbytes(0);
     storage->release_data_and_set_meta_custom_data_ptr_error_msg_(std::string(message));
-    return 0;
+    return TDC_OK;
   })
 }
 
@@ -111,27 +111,27 @@ uintptr_t tdc_tensor_key(tdc_tensor t) {
 }
 
 int tdc_storage_bytes(tdc_tensor t, size_t* out) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     *out = tensor(t).storage().nbytes();
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_set_grad(tdc_tensor t, tdc_tensor grad) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     tensor(t).mutable_grad() = grad == nullptr ? at::Tensor() : tensor(grad);
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_hook_gradient(
     tdc_tensor t, tdc_callback callback, void* ctx, tdc_drop drop, int index) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     auto held = context(ctx, drop);
     tensor(t).register_hook([callback, held, index](const at::Tensor&) {
       call(callback, held.get(), index);
     });
-    return 0;
+    return TDC_OK;
   })
 }
 
@@ -165,7 +165,7 @@ tdc_grad_hooks* tdc_grad_hooks_new(
 }
 
 int tdc_grad_hooks_reachable(tdc_grad_hooks* hooks, tdc_tensor* roots, int n, int* out) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     using torch::autograd::Node;
     std::unordered_set<Node*> seen;
     std::vector<Node*> stack;
@@ -190,7 +190,7 @@ int tdc_grad_hooks_reachable(tdc_grad_hooks* hooks, tdc_tensor* roots, int n, in
     for (size_t i = 0; i < hooks->accumulators.size(); i++) {
       out[i] = seen.count(hooks->accumulators[i].get()) ? 1 : 0;
     }
-    return 0;
+    return TDC_OK;
   })
 }
 

@@ -97,7 +97,7 @@ int tdc_nccl_compiled(void) {
 }
 
 int tdc_runtime_report(char** data, size_t* len) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     std::string lines;
     auto& cuda = at::detail::getCUDAHooks();
     lines += std::string("cpu capability\t") + at::get_cpu_capability() + "\n";
@@ -115,7 +115,7 @@ int tdc_runtime_report(char** data, size_t* len) {
     *len = lines.size();
     *data = static_cast<char*>(malloc(lines.empty() ? 1 : lines.size()));
     if (!lines.empty()) memcpy(*data, lines.data(), lines.size());
-    return 0;
+    return TDC_OK;
   })
 }
 
@@ -188,48 +188,48 @@ tdc_store* tdc_store_clone(tdc_store* store) {
 }
 
 int tdc_store_set_timeout(tdc_store* store, int64_t timeout_ms) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     store->store->setTimeout(ms(timeout_ms));
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_store_port(tdc_store* store) {
-  TDC_PROTECT(-1, {
+  TDC_PROTECT(TDC_NO_PORT, {
     auto* tcp = dynamic_cast<c10d::TCPStore*>(store->store.get());
-    return tcp == nullptr ? -1 : static_cast<int>(tcp->getPort());
+    return tcp == nullptr ? TDC_NO_PORT : static_cast<int>(tcp->getPort());
   })
 }
 
 int tdc_store_set(tdc_store* store, const char* key, const uint8_t* data, size_t len) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     QuietStoreWarnings quiet;
     store->store->set(key, std::vector<uint8_t>(data, data + len));
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_store_get(tdc_store* store, const char* key, uint8_t** data, size_t* len) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     QuietStoreWarnings quiet;
     auto value = store->store->get(key);
     *len = value.size();
     *data = static_cast<uint8_t*>(malloc(value.size() == 0 ? 1 : value.size()));
     if (!value.empty()) memcpy(*data, value.data(), value.size());
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_store_add(tdc_store* store, const char* key, int64_t delta, int64_t* result) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     QuietStoreWarnings quiet;
     *result = store->store->add(key, delta);
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_store_list_keys(tdc_store* store, char** data, size_t* len) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     QuietStoreWarnings quiet;
     std::string all;
     for (const auto& key : store->store->listKeys()) {
@@ -239,7 +239,7 @@ int tdc_store_list_keys(tdc_store* store, char** data, size_t* len) {
     *len = all.size();
     *data = static_cast<char*>(malloc(all.empty() ? 1 : all.size()));
     if (!all.empty()) memcpy(*data, all.data(), all.size());
-    return 0;
+    return TDC_OK;
   })
 }
 
@@ -317,7 +317,7 @@ void tdc_pg_free(tdc_pg* pg) {
 }
 
 int tdc_all_reduce(tdc_pg* pg, tdc_tensor t, int op, int64_t timeout_ms) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     auto& x = tensor(t);
     std::vector<at::Tensor> ts{x};
     c10d::AllreduceOptions opts;
@@ -330,18 +330,18 @@ int tdc_all_reduce(tdc_pg* pg, tdc_tensor t, int op, int64_t timeout_ms) {
       at::NoGradGuard no_grad;
       x.div_(pg->pg->getSize());
     }
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_broadcast(tdc_pg* pg, tdc_tensor t, int root, int64_t timeout_ms) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     std::vector<at::Tensor> ts{tensor(t)};
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
     opts.timeout = ms(timeout_ms);
     wait(pg->pg->broadcast(ts, opts), timeout_ms);
-    return 0;
+    return TDC_OK;
   })
 }
 
@@ -357,9 +357,9 @@ tdc_work* tdc_all_gather_start(
 }
 
 int tdc_work_wait(tdc_work* work, int64_t timeout_ms) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     wait(work->work, timeout_ms);
-    return 0;
+    return TDC_OK;
   })
 }
 
@@ -370,7 +370,7 @@ void tdc_work_free(tdc_work* work) {
 int tdc_reduce_scatter(
     tdc_pg* pg, tdc_tensor output, tdc_tensor* inputs, int n, int op,
     int64_t timeout_ms) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     auto& x = tensor(output);
     bool gloo = is_gloo(pg->pg, x);
     // Gloo reduce-scatters CPU tensors only: CUDA ones go through the host (as its
@@ -395,35 +395,35 @@ int tdc_reduce_scatter(
     if (staged) {
       x.copy_(result);
     }
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_barrier(tdc_pg* pg, int64_t timeout_ms) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     c10d::BarrierOptions opts;
     opts.timeout = ms(timeout_ms);
     wait(pg->pg->barrier(opts), timeout_ms);
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_broadcast_coalesced(
     tdc_pg* pg, tdc_tensor* ts, int n, size_t buffer_bytes, int root) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     at::NoGradGuard no_grad;
     std::vector<at::Tensor> detached;
     detached.reserve(n);
     for (int i = 0; i < n; i++) detached.push_back(tensor(ts[i]).detach());
     c10d::broadcast_coalesced(pg->pg, detached, buffer_bytes, root);
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_verify_params(tdc_pg* pg, tdc_tensor* params, int n) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     c10d::verify_params_across_processes(pg->pg, tensors(params, n), std::nullopt);
-    return 0;
+    return TDC_OK;
   })
 }
 
@@ -497,7 +497,7 @@ class Bf16CompressCommHook
 } // namespace
 
 int tdc_reducer_register_comm_hook(tdc_reducer* reducer, int kind) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     switch (kind) {
       case 1:
         reducer->reducer->register_builtin_comm_hook(c10d::BuiltinCommHookType::FP16_COMPRESS);
@@ -509,65 +509,65 @@ int tdc_reducer_register_comm_hook(tdc_reducer* reducer, int kind) {
       default:
         throw std::invalid_argument("unknown comm hook " + std::to_string(kind));
     }
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_reducer_prepare_for_forward(tdc_reducer* reducer) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     reducer->reducer->prepare_for_forward();
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_reducer_set_static_graph(tdc_reducer* reducer) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     reducer->reducer->set_static_graph();
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_reducer_delay_all_reduce(tdc_reducer* reducer) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     reducer->reducer->delay_all_reduce();
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_reducer_rebuild_buckets(tdc_reducer* reducer, int* rebuilt) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     *rebuilt = reducer->reducer->rebuild_buckets() ? 1 : 0;
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_reducer_prepare_for_backward(tdc_reducer* reducer, tdc_tensor* outputs, int n) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     reducer->reducer->prepare_for_backward(tensors(outputs, n));
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_reducer_buckets(tdc_reducer* reducer, int64_t* sizes, int cap, int* count) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     auto buckets = reducer->reducer->get_grad_buckets(/*return_zero_tensors=*/false);
     *count = static_cast<int>(buckets.size());
     for (int i = 0; i < *count && i < cap; i++) {
       sizes[i] = static_cast<int64_t>(buckets[i].getParameters().size());
     }
-    return 0;
+    return TDC_OK;
   })
 }
 
 } // extern "C"
 
 int tdc_randperm(int64_t n, uint64_t seed, tdc_tensor out) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     // A generator of its own, as DistributedSampler's `torch.Generator()`: the
     // global generators are left untouched.
     auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
     tensor(out).copy_(at::randperm(n, gen, at::TensorOptions().dtype(at::kLong)));
-    return 0;
+    return TDC_OK;
   })
 }
 
@@ -578,76 +578,76 @@ static at::Generator default_generator(int cuda_index) {
 }
 
 int tdc_rng_state(int cuda_index, tdc_tensor* out) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     auto gen = default_generator(cuda_index);
     std::lock_guard<std::mutex> lock(gen.mutex());
     *out = new torch::Tensor(gen.get_state());
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_set_rng_state(int cuda_index, tdc_tensor state) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     auto gen = default_generator(cuda_index);
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_state(tensor(state));
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_rng_current_seed(int cuda_index, uint64_t* out) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     auto gen = default_generator(cuda_index);
     std::lock_guard<std::mutex> lock(gen.mutex());
     *out = gen.current_seed();
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_seed_rng(int cuda_index, uint64_t seed) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     auto gen = default_generator(cuda_index);
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_current_seed(seed);
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_amp_unscale(tdc_tensor* grads, int n, tdc_tensor found_inf, tdc_tensor inv_scale) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     std::vector<at::Tensor> ts;
     ts.reserve(n);
     for (int i = 0; i < n; i++) ts.push_back(tensor(grads[i]));
     at::_amp_foreach_non_finite_check_and_unscale_(ts, tensor(found_inf), tensor(inv_scale));
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_autocast_enter(int device_type, int dtype, int* prev_enabled, int* prev_dtype) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     const auto device = device_type == 1 ? at::kCUDA : at::kCPU;
     *prev_enabled = at::autocast::is_autocast_enabled(device);
     *prev_dtype = static_cast<int>(at::autocast::get_autocast_dtype(device));
     at::autocast::set_autocast_enabled(device, true);
     at::autocast::set_autocast_dtype(device, static_cast<at::ScalarType>(dtype));
     at::autocast::increment_nesting();
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_set_onednn_enabled(int enabled) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     at::globalContext().setUserEnabledMkldnn(enabled != 0);
-    return 0;
+    return TDC_OK;
   })
 }
 
 int tdc_autocast_exit(int device_type, int prev_enabled, int prev_dtype) {
-  TDC_PROTECT(1, {
+  TDC_PROTECT(TDC_ERROR, {
     const auto device = device_type == 1 ? at::kCUDA : at::kCPU;
     if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
     at::autocast::set_autocast_enabled(device, prev_enabled != 0);
     at::autocast::set_autocast_dtype(device, static_cast<at::ScalarType>(prev_dtype));
-    return 0;
+    return TDC_OK;
   })
 }

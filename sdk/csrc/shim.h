@@ -2,8 +2,10 @@
 //
 // One error convention, as torch-sys does: every function catches every C++
 // exception, stores its message in a thread-local and returns a failure value
-// (NULL for constructors, non-zero for the rest). `tdc_last_error` hands the
-// message to Rust, which frees it with `free`. No C++ exception crosses into Rust.
+// (NULL for constructors, TDC_ERROR, or another status named below, for the rest).
+// `tdc_last_error` hands the message to Rust, which frees it with `free`. No C++
+// exception crosses into Rust. Rust mirrors these names in `sdk/src/ffi/sys.rs`
+// (`Status`) and matches on them by name.
 //
 // Tensors cross as tch's `C_tensor*`, which is a `torch::Tensor*`.
 #pragma once
@@ -20,6 +22,24 @@ typedef struct tdc_reducer tdc_reducer;
 // A collective started and not waited for yet.
 typedef struct tdc_work tdc_work;
 typedef void* tdc_tensor;
+
+// ---- status codes ----
+// What the functions that return an `int` status return.
+// Success (also what Rust's callbacks return when they went well: tdc_callback,
+// tdc_seal_fn, tdc_open_fn).
+#define TDC_OK 0
+// A failure, whose message is this thread's last error (tdc_last_error).
+#define TDC_ERROR 1
+// A usage error (the caller's mistake, a std::invalid_argument), where a function
+// tells it apart from a failure (tdc_checkpoint); its message is the last error too.
+#define TDC_USAGE_ERROR 2
+// What a checkpointed block (tdc_block_fn) returns instead of its output count: it
+// panicked (any other negative value counts as this too), or it returned more
+// outputs than the room it was given.
+#define TDC_BLOCK_PANICKED (-1)
+#define TDC_BLOCK_TOO_MANY_OUTPUTS (-2)
+// What tdc_store_port returns for a store without a port (not a TCP store).
+#define TDC_NO_PORT (-1)
 
 // The last error message of this thread (malloc'ed, or NULL when none); resets it.
 char* tdc_last_error(void);
@@ -43,8 +63,9 @@ tdc_store* tdc_prefix_store_new(const char* prefix, tdc_store* base);
 // A job's sealed view of `base` (sealed_store.cpp): keys under `prefix` (joined with
 // '/', as PrefixStore), each value sealed by `seal` with the TDC_SECRET_BYTES-byte
 // `secret`, the full key as associated data, into `len + overhead` bytes at `out`;
-// `open` reverses it into `len - overhead` bytes. Both return 0, or non-zero when the
-// value cannot be sealed or does not open (not sealed with this secret and key).
+// `open` reverses it into `len - overhead` bytes. Both return TDC_OK, or another value
+// when the value cannot be sealed or does not open (not sealed with this secret and
+// key).
 #define TDC_SECRET_BYTES 32
 typedef int (*tdc_seal_fn)(
     const uint8_t* secret, const char* key, const uint8_t* plain, size_t len, uint8_t* out);
@@ -60,7 +81,7 @@ void tdc_store_free(tdc_store* store);
 tdc_store* tdc_store_clone(tdc_store* store);
 // How long get/wait on this store handle wait for a key.
 int tdc_store_set_timeout(tdc_store* store, int64_t timeout_ms);
-// The port the store listens on or connects to (useful after port 0), or -1.
+// The port the store listens on or connects to (useful after port 0), or TDC_NO_PORT.
 int tdc_store_port(tdc_store* store);
 int tdc_store_set(tdc_store* store, const char* key, const uint8_t* data, size_t len);
 // *data is malloc'ed; the caller frees it.
@@ -190,8 +211,8 @@ int tdc_cuda_capability(int device, int* major, int* minor);
 
 
 // ---- fully sharded training (sharding.cpp) ----
-// Called by a hook with the index it was registered with; returns 0, or non-zero to
-// fail the backward pass (the cause stays on the caller's side).
+// Called by a hook with the index it was registered with; returns TDC_OK, or another
+// value to fail the backward pass (the cause stays on the caller's side).
 typedef int (*tdc_callback)(void* ctx, int index);
 // Releases a hook's context, when the last hook holding it is gone.
 typedef void (*tdc_drop)(void* ctx);
@@ -226,14 +247,15 @@ void tdc_grad_hooks_free(tdc_grad_hooks* hooks);
 
 // ---- activation checkpointing (activation.cpp) ----
 // Runs a block on `n` inputs (handles the callee frees) and writes at most `cap`
-// outputs (handles the caller frees) to `outputs`; returns their count, -1 when it
-// failed, -2 for more than `cap`.
+// outputs (handles the caller frees) to `outputs`; returns their count,
+// TDC_BLOCK_PANICKED when it failed, TDC_BLOCK_TOO_MANY_OUTPUTS for more than `cap`.
 typedef int (*tdc_block_fn)(void* ctx, tdc_tensor* inputs, int n, tdc_tensor* outputs, int cap);
 // Runs the block without autograd and gives its outputs (at most `cap`, their count in
 // `n_out`) one autograd node that runs it again in the backward pass, with the
 // random generators' and autocast's states of this run. The context is released
-// (`drop`) with the node, or before returning when there is none. Returns 2 for a
-// usage error (a block that returns its input, or more than `cap` outputs).
+// (`drop`) with the node, or before returning when there is none. Returns
+// TDC_USAGE_ERROR for a usage error (a block that returns its input, or more than
+// `cap` outputs).
 int tdc_checkpoint(
     tdc_block_fn fn, void* ctx, tdc_drop drop, tdc_tensor* inputs, int n,
     tdc_tensor* outputs, int cap, int* n_out);

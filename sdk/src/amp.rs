@@ -25,7 +25,7 @@ pub fn autocast<T>(device: Device, precision: MixedPrecision, f: impl FnOnce() -
 /// [`MixedPrecision::No`]), dropping restores the previous setting.
 #[must_use = "autocast ends when the guard is dropped"]
 pub struct Autocast {
-    restore: Option<(i32, i32, i32)>,
+    restore: Option<(i32, ffi::amp::AutocastState)>,
 }
 
 impl Autocast {
@@ -51,17 +51,13 @@ impl Autocast {
             static ONEDNN_OFF: std::sync::OnceLock<std::result::Result<(), String>> =
                 std::sync::OnceLock::new();
             ONEDNN_OFF
-                .get_or_init(|| ffi::check(unsafe { ffi::tdc_set_onednn_enabled(0) }))
+                .get_or_init(|| ffi::amp::set_onednn_enabled(false))
                 .clone()
                 .map_err(Error::Torch)?;
         }
-        let (mut enabled, mut dtype) = (0, 0);
-        ffi::check(unsafe {
-            ffi::tdc_autocast_enter(device_type, dtype_code, &mut enabled, &mut dtype)
-        })
-        .map_err(Error::Torch)?;
+        let previous = ffi::amp::autocast_enter(device_type, dtype_code).map_err(Error::Torch)?;
         Ok(Autocast {
-            restore: Some((device_type, enabled, dtype)),
+            restore: Some((device_type, previous)),
         })
     }
 }
@@ -81,8 +77,8 @@ impl init::Context {
 
 impl Drop for Autocast {
     fn drop(&mut self) {
-        if let Some((device_type, enabled, dtype)) = self.restore {
-            unsafe { ffi::tdc_autocast_exit(device_type, enabled, dtype) };
+        if let Some((device_type, previous)) = self.restore {
+            let _ = ffi::amp::autocast_exit(device_type, previous);
         }
     }
 }
@@ -231,16 +227,8 @@ impl GradScaler {
             }
         }
         for (_, group) in &groups {
-            let ptrs = ffi::tensors(group);
-            ffi::check(unsafe {
-                ffi::tdc_amp_unscale(
-                    ptrs.as_ptr(),
-                    ptrs.len() as i32,
-                    ffi::tensor(&found),
-                    ffi::tensor(&inv_scale),
-                )
-            })
-            .map_err(|e| Error::Torch(format!("unscaling the gradients: {e}")))?;
+            ffi::amp::unscale(&ffi::TensorArray::new(group), &found, &inv_scale)
+                .map_err(|e| Error::Torch(format!("unscaling the gradients: {e}")))?;
         }
         if let Some(ctx) = init::current().filter(|c| c.world_size() > 1) {
             let mut flag = found.to_device(ctx.device());

@@ -28,7 +28,7 @@ pub const LIBTORCH_VERSION: &str = env!("TDC_LIBTORCH_VERSION");
 /// Whether the NCCL backend was compiled into this build (libtorch with CUDA, and the
 /// CUDA and NCCL headers found by `build.rs`).
 pub fn nccl_available() -> bool {
-    unsafe { crate::ffi::tdc_nccl_compiled() != 0 }
+    crate::ffi::process_group::nccl_compiled()
 }
 
 #[cfg(test)]

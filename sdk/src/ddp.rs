@@ -9,7 +9,8 @@ use tch::nn::{Optimizer, VarStore};
 use tch::Tensor;
 
 use crate::error::{ranks_text, Error, Result, TorchText};
-use crate::ffi;
+use crate::ffi::reducer::{CommHookKind, ReducerHandle, ReducerOptions};
+use crate::ffi::TensorArray;
 use crate::process_group::ProcessGroup;
 pub use crate::settings::CommHook;
 
@@ -78,16 +79,6 @@ pub struct DdpStats {
     pub bucket_rebuilds: u64,
 }
 
-struct Reducer(*mut ffi::Reducer);
-impl Drop for Reducer {
-    fn drop(&mut self) {
-        unsafe { ffi::tdc_reducer_free(self.0) }
-    }
-}
-// The Reducer is used from one thread at a time (DistributedDataParallel is !Sync);
-// its autograd hooks run on autograd's threads, which c10d's Reducer locks for.
-unsafe impl Send for Reducer {}
-
 /// Data-parallel training of the trainable variables of a `VarStore`, as PyTorch's
 /// `torch.nn.parallel.DistributedDataParallel`.
 ///
@@ -112,7 +103,7 @@ unsafe impl Send for Reducer {}
 /// # Ok(()) }
 /// ```
 pub struct DistributedDataParallel {
-    reducer: Option<Reducer>,
+    reducer: Option<ReducerHandle>,
     group: ProcessGroup,
     buffers: Vec<Tensor>,
     options: DdpOptions,
@@ -251,34 +242,34 @@ impl DistributedDataParallel {
                 .iter()
                 .map(|n| CString::new(n.as_str()).unwrap_or_default())
                 .collect();
-            let name_ptrs: Vec<_> = cnames.iter().map(|n| n.as_ptr()).collect();
-            let ptrs = ffi::tensors(&params);
-            let raw = unsafe {
-                ffi::tdc_reducer_new(
-                    group.raw(),
-                    ptrs.as_ptr(),
-                    name_ptrs.as_ptr(),
-                    ptrs.len() as i32,
-                    (options.bucket_cap_mb * MIB) as i64,
-                    (options.first_bucket_cap_mb * MIB) as i64,
-                    options.find_unused_parameters as i32,
-                    // `true` would make gradients views, which tch's zero_grad cannot detach.
-                    0,
-                )
+            let reducer_options = ReducerOptions {
+                bucket_bytes_cap: (options.bucket_cap_mb * MIB) as i64,
+                first_bucket_bytes_cap: (options.first_bucket_cap_mb * MIB) as i64,
+                find_unused_parameters: options.find_unused_parameters,
+                // `true` would make gradients views, which tch's zero_grad cannot detach.
+                gradient_as_bucket_view: false,
             };
-            let reducer = Reducer(ffi::check_ptr(raw).map_err(Error::Torch)?);
+            let reducer = ReducerHandle::new(
+                group.raw(),
+                &TensorArray::new(&params),
+                &cnames,
+                &reducer_options,
+            )
+            .map_err(|t| Error::Torch(t.message()))?;
             if options.static_graph {
-                ffi::check(unsafe { ffi::tdc_reducer_set_static_graph(reducer.0) })
-                    .map_err(Error::Torch)?;
+                reducer
+                    .set_static_graph()
+                    .map_err(|t| Error::Torch(t.message()))?;
             }
             let hook = match options.comm_hook {
-                CommHook::None => 0,
-                CommHook::Fp16 => 1,
-                CommHook::Bf16 => 2,
+                CommHook::None => None,
+                CommHook::Fp16 => Some(CommHookKind::Fp16),
+                CommHook::Bf16 => Some(CommHookKind::Bf16),
             };
-            if hook != 0 {
-                ffi::check(unsafe { ffi::tdc_reducer_register_comm_hook(reducer.0, hook) })
-                    .map_err(Error::Torch)?;
+            if let Some(hook) = hook {
+                reducer
+                    .register_comm_hook(hook)
+                    .map_err(|t| Error::Torch(t.message()))?;
             }
             Some(reducer)
         } else {
@@ -351,8 +342,8 @@ impl DistributedDataParallel {
         let passes = self.stats.get().synced_backward_passes;
         if synced && self.options.static_graph && passes == 1 {
             // The first pass of a static graph only recorded the gradients' order.
-            let r = self.reducer.as_ref().expect("synced with a reducer").0;
-            self.reducer_call(unsafe { ffi::tdc_reducer_delay_all_reduce(r) })?;
+            let r = self.reducer.as_ref().expect("synced with a reducer");
+            self.reducer_call(r.delay_all_reduce())?;
         }
         // After the backward pass, never between a forward pass and its backward:
         // autograd saved the buffers (batch norm's running statistics) at the forward
@@ -400,23 +391,19 @@ impl DistributedDataParallel {
                 if loss.is_some() {
                     entered = Some((self.group.enter(&what), what));
                 }
-                let r = reducer.0;
-                self.reducer_call(unsafe { ffi::tdc_reducer_prepare_for_forward(r) })?;
-                let mut rebuilt = 0;
-                self.reducer_call(unsafe { ffi::tdc_reducer_rebuild_buckets(r, &mut rebuilt) })?;
-                stats.bucket_rebuilds += rebuilt as u64;
+                self.reducer_call(reducer.prepare_for_forward())?;
+                let rebuilt = self.reducer_call(reducer.rebuild_buckets())?;
+                stats.bucket_rebuilds += u64::from(rebuilt);
                 // As PyTorch's DDP: a static graph finds its unused variables itself.
                 let outputs = match loss {
                     Some(loss)
                         if self.options.find_unused_parameters && !self.options.static_graph =>
                     {
-                        vec![ffi::tensor(loss)]
+                        TensorArray::of([loss])
                     }
-                    _ => vec![],
+                    _ => TensorArray::of([]),
                 };
-                self.reducer_call(unsafe {
-                    ffi::tdc_reducer_prepare_for_backward(r, outputs.as_ptr(), outputs.len() as i32)
-                })?;
+                self.reducer_call(reducer.prepare_for_backward(&outputs))?;
                 stats.synced_backward_passes += 1;
                 self.group.count_gradient_average();
                 true
@@ -507,14 +494,7 @@ impl DistributedDataParallel {
         let Some(reducer) = &self.reducer else {
             return Ok(vec![]);
         };
-        let mut count = 0;
-        self.reducer_call(unsafe {
-            ffi::tdc_reducer_buckets(reducer.0, std::ptr::null_mut(), 0, &mut count)
-        })?;
-        let mut sizes = vec![0i64; count as usize];
-        self.reducer_call(unsafe {
-            ffi::tdc_reducer_buckets(reducer.0, sizes.as_mut_ptr(), count, &mut count)
-        })?;
+        let sizes = self.reducer_call(reducer.bucket_sizes())?;
         Ok(sizes.into_iter().map(|s| s as usize).collect())
     }
 }
@@ -642,8 +622,9 @@ const MODELS_HINT: &str = "hint: every rank must create the same variables, with
      look for model sizes that depend on the rank or on rank-local data";
 
 impl DistributedDataParallel {
-    fn reducer_call(&self, status: i32) -> Result<()> {
-        ffi::check_text(status).map_err(|text| self.reducer_error(text))
+    /// A Reducer call's result, its error as [`reducer_error`](Self::reducer_error).
+    fn reducer_call<T>(&self, done: std::result::Result<T, TorchText>) -> Result<T> {
+        done.map_err(|text| self.reducer_error(text))
     }
 
     /// A Reducer error as the SDK's: variables that got no gradient named (their

@@ -13,12 +13,7 @@ use crate::rendezvous::store::Store;
 /// found as the program finds libtorch (its rpath, or `LD_LIBRARY_PATH`); with a
 /// CPU-only libtorch there is none to load, and no GPU.
 pub(crate) fn visible_gpus() -> usize {
-    unsafe {
-        libc::dlopen(
-            c"libtorch_cuda.so".as_ptr(),
-            libc::RTLD_NOW | libc::RTLD_GLOBAL,
-        )
-    };
+    crate::ffi::os::load_libtorch_cuda();
     if tch::Cuda::is_available() {
         tch::Cuda::device_count() as usize
     } else {
@@ -94,14 +89,7 @@ pub(crate) fn shared_gpu_error(
 }
 
 fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    let ok = unsafe { libc::gethostname(buf.as_mut_ptr() as *mut libc::c_char, buf.len()) } == 0;
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    if ok {
-        String::from_utf8_lossy(&buf[..end]).into_owned()
-    } else {
-        "?".into()
-    }
+    crate::ffi::os::hostname().unwrap_or_else(|| "?".into())
 }
 
 /// Before any NCCL call: every rank publishes the GPU it uses, and a rank whose node

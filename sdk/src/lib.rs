@@ -14,6 +14,11 @@
 //! Start several ranks with `tchrun --nproc-per-node N PROGRAM` or
 //! `torchrun --nproc-per-node N --no-python PROGRAM`.
 
+// Every call into C goes through the safe layer in `ffi/`, the only module with
+// `unsafe` code; each `unsafe` block there names the invariant it relies on.
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
 #[doc(hidden)]
 #[path = "runtime/mod.rs"]
 pub mod __private;
@@ -159,5 +164,23 @@ mod error_variants {
             ),
             "{e}"
         );
+    }
+}
+
+/// The thread-safety the public types had when each carried an `unsafe impl` of its
+/// own; they get it now from the handles of `ffi/` (whose `unsafe impl`s say why):
+/// checked at compile time. (The sharded optimizer's state needs `Send + Sync` where it
+/// is shared with autograd's threads, which the compiler checks there.)
+#[cfg(test)]
+mod thread_safety {
+    fn send<T: Send>() {}
+    fn send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn the_types_keep_their_send_and_sync() {
+        send_sync::<crate::Store>();
+        send_sync::<crate::ProcessGroup>();
+        send::<crate::DistributedDataParallel>();
+        send::<crate::Optimizer>();
     }
 }

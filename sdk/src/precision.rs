@@ -36,9 +36,7 @@ pub fn resolve_mixed_precision(
             let Device::Cuda(index) = device else {
                 return Ok((MixedPrecision::No, "auto: CPU".into()));
             };
-            let (mut major, mut minor) = (0, 0);
-            ffi::check(unsafe { ffi::tdc_cuda_capability(index as i32, &mut major, &mut minor) })
-                .map_err(Error::Torch)?;
+            let (major, minor) = ffi::amp::cuda_capability(index as i32).map_err(Error::Torch)?;
             return Ok((
                 MixedPrecision::for_compute_capability(major),
                 format!("auto: compute capability {major}.{minor}"),

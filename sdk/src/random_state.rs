@@ -21,25 +21,19 @@ pub(crate) fn generators(device: Device) -> Vec<(&'static str, i32)> {
 /// The state of the CPU's (`cuda_index < 0`) or CUDA device `cuda_index`'s default
 /// generator, as `torch.get_rng_state()`.
 pub(crate) fn rng_state(cuda_index: i32) -> Result<Tensor> {
-    let mut out: ffi::Tensor = std::ptr::null_mut();
-    ffi::check(unsafe { ffi::tdc_rng_state(cuda_index, &mut out) }).map_err(Error::Torch)?;
-    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+    ffi::random::rng_state(cuda_index).map_err(Error::Torch)
 }
 
 /// The seed the CPU's (`cuda_index < 0`) or a CUDA device's default generator was last
 /// seeded with (`tch::manual_seed`, or a state set since), as `torch.initial_seed()`;
 /// drawing numbers does not change it.
 pub(crate) fn current_seed(cuda_index: i32) -> Result<u64> {
-    let mut seed = 0;
-    ffi::check(unsafe { ffi::tdc_rng_current_seed(cuda_index, &mut seed) })
-        .map_err(Error::Torch)?;
-    Ok(seed)
+    ffi::random::current_seed(cuda_index).map_err(Error::Torch)
 }
 
 /// Restores a state from [`rng_state`], as `torch.set_rng_state()`.
 pub(crate) fn set_rng_state(cuda_index: i32, state: &Tensor) -> Result<()> {
-    ffi::check(unsafe { ffi::tdc_set_rng_state(cuda_index, ffi::tensor(state)) })
-        .map_err(Error::Torch)
+    ffi::random::set_rng_state(cuda_index, state).map_err(Error::Torch)
 }
 
 /// Rank 0's random state when the job formed, the same on every rank: each default

@@ -3,54 +3,16 @@
 //! differentiate it. The autograd node is the shim's (`csrc/activation.cpp`); the
 //! block is a Rust closure it calls back.
 
-use std::ffi::{c_int, c_void};
 use std::sync::{Arc, Mutex};
 
 use tch::nn::{Module, ModuleT};
 use tch::Tensor;
 
 use crate::error::{Error, Result};
-use crate::ffi;
+use crate::ffi::activation::{self, CheckpointError};
 
 /// The most outputs a checkpointed block may return.
 const MAX_OUTPUTS: usize = 64;
-
-/// The block, called from the thread that runs the forward pass and from autograd's
-/// in the backward pass (one at a time).
-type Block = Mutex<Box<dyn Fn(&[Tensor]) -> Vec<Tensor> + Send>>;
-
-unsafe extern "C" fn run(
-    ctx: *mut c_void,
-    inputs: *const ffi::Tensor,
-    n: c_int,
-    outputs: *mut ffi::Tensor,
-    cap: c_int,
-) -> c_int {
-    let block = &*(ctx as *const Block);
-    // Each input is a handle of its own for Rust to free; each output's handle goes
-    // to the shim, which frees it.
-    let xs: Vec<Tensor> = (0..n as usize)
-        .map(|i| Tensor::from_ptr(*inputs.add(i) as *mut torch_sys::C_tensor))
-        .collect();
-    // No panic may unwind into libtorch: it fails the backward pass instead.
-    let call = || block.lock().unwrap_or_else(|e| e.into_inner())(&xs);
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
-        Ok(ys) if ys.len() <= cap as usize => {
-            let count = ys.len() as c_int;
-            for (i, y) in ys.into_iter().enumerate() {
-                *outputs.add(i) = ffi::tensor(&y);
-                std::mem::forget(y);
-            }
-            count
-        }
-        Ok(_) => -2,
-        Err(_) => -1,
-    }
-}
-
-unsafe extern "C" fn drop_block(ctx: *mut c_void) {
-    drop(Box::from_raw(ctx as *mut Block));
-}
 
 /// A block [`checkpoint`] can run again in the backward pass: a closure from one tensor
 /// to one, that owns what it uses (`Fn(&Tensor) -> Tensor + Send + 'static`). The
@@ -97,33 +59,14 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor> + Send + 'static> BlockMany for F {}
 /// require a gradient, or that returns more than 64 tensors; [`Error::Torch`] for a
 /// failure of the forward pass.
 pub fn f_checkpoint_many(block: impl BlockMany, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-    let block: Block = Mutex::new(Box::new(block));
-    let ctx = Box::into_raw(Box::new(block)) as *mut c_void;
-    let ptrs = ffi::tensors(inputs);
-    let mut outputs = vec![std::ptr::null_mut(); MAX_OUTPUTS];
-    let mut n = 0;
-    let status = unsafe {
-        ffi::tdc_checkpoint(
-            run,
-            ctx,
-            drop_block,
-            ptrs.as_ptr(),
-            ptrs.len() as c_int,
-            outputs.as_mut_ptr(),
-            MAX_OUTPUTS as c_int,
-            &mut n,
-        )
-    };
-    // 2: the shim's usage error (a block that returns its input, or ignores the inputs
-    // that require a gradient, or too many outputs).
-    ffi::check(status).map_err(|e| match status {
-        2 => Error::Usage(format!("activation checkpointing: {e}")),
-        _ => Error::Torch(format!("a checkpointed block's forward pass: {e}")),
-    })?;
-    Ok(outputs[..n as usize]
-        .iter()
-        .map(|&p| unsafe { Tensor::from_ptr(p as *mut torch_sys::C_tensor) })
-        .collect())
+    activation::checkpoint(Box::new(block), inputs, MAX_OUTPUTS).map_err(|e| match e {
+        // The shim's usage error: a block that returns its input, or ignores the
+        // inputs that require a gradient, or too many outputs.
+        CheckpointError::Usage(e) => Error::Usage(format!("activation checkpointing: {e}")),
+        CheckpointError::Failed(e) => {
+            Error::Torch(format!("a checkpointed block's forward pass: {e}"))
+        }
+    })
 }
 
 /// Runs `block` on `inputs` without keeping its activations, as

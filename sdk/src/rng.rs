@@ -67,7 +67,7 @@ impl AgreedSeed {
         let mut saved = Vec::new();
         for (_, index) in generators(ctx.device()) {
             saved.push((index, rng_state(index)?));
-            ffi::check(unsafe { ffi::tdc_seed_rng(index, seed) }).map_err(Error::Torch)?;
+            ffi::random::seed_rng(index, seed).map_err(Error::Torch)?;
         }
         Ok(AgreedSeed { saved })
     }

@@ -1,11 +1,12 @@
 //! Preemption: `SIGTERM`/`SIGINT` become "checkpoint at the next step, then exit".
 
-use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use signal_hook::consts::{SIGINT, SIGTERM};
 
 use crate::error::{Error, Result};
+use crate::ffi::os::{self, Senders};
 use crate::init;
 use crate::process_group::ReduceOp;
 
@@ -51,37 +52,6 @@ pub struct Preemption {
     signal: Arc<AtomicUsize>,
 }
 
-/// How many distinct senders of the first signal are told apart; a further sender's
-/// signal counts as a second request.
-const SENDERS: usize = 4;
-
-/// The processes that sent the first signal so far (`si_pid`; 0 is the kernel, as for
-/// a terminal's Ctrl-C), shared by the handlers. Only atomics: it is read and written
-/// in signal handlers.
-struct Senders([AtomicI32; SENDERS]);
-
-/// Marks an empty slot of [`Senders`] (no process has pid -1).
-const NO_SENDER: i32 = -1;
-
-impl Senders {
-    fn new() -> Self {
-        Senders(std::array::from_fn(|_| AtomicI32::new(NO_SENDER)))
-    }
-
-    /// Records `pid` as a sender of the first signal; false when it had sent it
-    /// already (or no slot is left): a second request.
-    fn first_from(&self, pid: i32) -> bool {
-        for slot in &self.0 {
-            match slot.compare_exchange(NO_SENDER, pid, Ordering::SeqCst, Ordering::SeqCst) {
-                Ok(_) => return true,
-                Err(seen) if seen == pid => return false,
-                Err(_) => {}
-            }
-        }
-        false
-    }
-}
-
 impl Preemption {
     /// Installs the handlers (once per process is enough; each call adds its own).
     ///
@@ -96,21 +66,8 @@ impl Preemption {
                 context: format!("installing the signal {signo} handler"),
                 source,
             };
-            unsafe {
-                signal_hook_registry::register_sigaction(signo, move |info| {
-                    // SAFETY: SIGTERM and SIGINT sent by a process carry its pid.
-                    let sender = info.si_pid();
-                    let first = flag.load(Ordering::SeqCst);
-                    if first == 0 {
-                        senders.first_from(sender);
-                        flag.store(signo as usize, Ordering::SeqCst);
-                    } else if first != signo as usize || !senders.first_from(sender) {
-                        // A second request: exit at once, as a shell would.
-                        signal_hook::low_level::exit(preempted_exit_code(signo));
-                    }
-                })
-            }
-            .map_err(io)?;
+            os::on_preemption_signal(signo, flag, senders, preempted_exit_code(signo))
+                .map_err(io)?;
         }
         Ok(Preemption { signal })
     }
@@ -125,34 +82,5 @@ impl Preemption {
         let mine = self.signal.load(Ordering::SeqCst) as i64;
         let any = init::all_reduce_scalar(mine, ReduceOp::Max)?;
         Ok((any != 0).then_some(any as i32))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_sender_counts_once() {
-        let senders = Senders::new();
-        // SLURM's signal to the rank, then the launcher's forwarded copy: one request.
-        assert!(senders.first_from(4242));
-        assert!(senders.first_from(17));
-        // The scheduler again, or the launcher forwarding a second Ctrl-C: a second
-        // request.
-        assert!(!senders.first_from(4242));
-        assert!(!senders.first_from(17));
-        // A terminal's Ctrl-C comes from the kernel (pid 0), twice for a second one.
-        assert!(senders.first_from(0));
-        assert!(!senders.first_from(0));
-    }
-
-    #[test]
-    fn senders_beyond_the_slots_count_as_second_requests() {
-        let senders = Senders::new();
-        for pid in 0..SENDERS as i32 {
-            assert!(senders.first_from(pid), "sender {pid}");
-        }
-        assert!(!senders.first_from(1000));
     }
 }

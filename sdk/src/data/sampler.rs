@@ -141,13 +141,11 @@ impl DistributedSampler {
     fn epoch_order(&self) -> Result<Vec<usize>> {
         let mut order: Vec<usize> = if self.shuffle {
             let perm = Tensor::empty([self.len as i64], (Kind::Int64, Device::Cpu));
-            crate::ffi::check(unsafe {
-                crate::ffi::tdc_randperm(
-                    self.len as i64,
-                    self.seed.wrapping_add(self.epoch),
-                    crate::ffi::tensor(&perm),
-                )
-            })
+            crate::ffi::random::randperm(
+                self.len as i64,
+                self.seed.wrapping_add(self.epoch),
+                &perm,
+            )
             .map_err(|e| Error::Torch(format!("DistributedSampler's shuffle: {e}")))?;
             Vec::<i64>::try_from(&perm)?
                 .into_iter()

@@ -3,7 +3,6 @@
 //! CUDA and NCCL, the backends compiled in, the GPUs, the launch and SDK variables that
 //! are set, and the OS and Rust versions.
 
-use std::ffi::c_char;
 use std::fmt::Write as _;
 
 use crate::compat::{LIBTORCH_VERSION, TCH_VERSION};
@@ -98,12 +97,8 @@ pub fn env_report() -> Result<String> {
 
 /// libtorch's `key\tvalue` lines (`tdc_runtime_report`).
 fn runtime_report() -> Result<Vec<(String, String)>> {
-    let mut data: *mut c_char = std::ptr::null_mut();
-    let mut len = 0usize;
-    ffi::check(unsafe { ffi::tdc_runtime_report(&mut data, &mut len) }).map_err(Error::Torch)?;
-    let text = unsafe { std::slice::from_raw_parts(data as *const u8, len).to_vec() };
-    unsafe { libc::free(data as *mut libc::c_void) };
-    Ok(String::from_utf8_lossy(&text)
+    let text = ffi::runtime_report().map_err(Error::Torch)?;
+    Ok(String::from_utf8_lossy(text.as_bytes())
         .lines()
         .filter_map(|l| l.split_once('\t'))
         .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -147,24 +142,9 @@ fn loaded_libtorch() -> Option<String> {
 
 /// The kernel (`uname`) and, when there, the distribution's name.
 fn os() -> String {
-    let mut uts: libc::utsname = unsafe { std::mem::zeroed() };
-    let kernel = if unsafe { libc::uname(&mut uts) } == 0 {
-        let field = |f: &[c_char]| {
-            let bytes: Vec<u8> = f
-                .iter()
-                .take_while(|&&c| c != 0)
-                .map(|&c| c as u8)
-                .collect();
-            String::from_utf8_lossy(&bytes).into_owned()
-        };
-        format!(
-            "{} {} {}",
-            field(&uts.sysname),
-            field(&uts.release),
-            field(&uts.machine)
-        )
-    } else {
-        std::env::consts::OS.to_string()
+    let kernel = match ffi::os::uname() {
+        Some((sysname, release, machine)) => format!("{sysname} {release} {machine}"),
+        None => std::env::consts::OS.to_string(),
     };
     let distribution = std::fs::read_to_string("/etc/os-release")
         .ok()

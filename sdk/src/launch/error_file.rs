@@ -85,15 +85,19 @@ pub(crate) fn record_early_exit() {
 
 /// The stderr tee behind [`record_early_exit`].
 mod capture {
-    use std::sync::atomic::{AtomicI32, Ordering};
-    use std::sync::{Condvar, Mutex};
+    use std::fs::File;
+    use std::io::{Read, Write};
+    use std::os::fd::AsFd;
+    use std::sync::{Condvar, Mutex, OnceLock};
     use std::time::Duration;
+
+    use crate::ffi::os;
 
     /// The most of stderr's end that is kept.
     const KEEP: usize = 64 * 1024;
 
-    /// The original stderr, duplicated; -1 before the capture starts.
-    static SAVED: AtomicI32 = AtomicI32::new(-1);
+    /// The original stderr, duplicated; unset before the capture starts. Never closed.
+    static SAVED: OnceLock<File> = OnceLock::new();
     static CAPTURED: Mutex<Vec<u8>> = Mutex::new(Vec::new());
     /// Set when the reader has seen the pipe's end.
     static DONE: (Mutex<bool>, Condvar) = (Mutex::new(false), Condvar::new());
@@ -102,62 +106,46 @@ mod capture {
     /// and keeps the end of it; registers [`at_exit`]. Leaves stderr alone when any
     /// step fails.
     pub(super) fn start() {
-        // SAFETY: plain fd calls on fds this function owns; fd 2 is replaced
-        // atomically by dup2, so every write goes to the old or the new target.
-        unsafe {
-            let saved = libc::fcntl(2, libc::F_DUPFD_CLOEXEC, 3);
-            if saved < 0 {
-                return;
-            }
-            let mut fds = [0; 2];
-            if libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) != 0 {
-                libc::close(saved);
-                return;
-            }
-            let (reader, writer) = (fds[0], fds[1]);
-            let spawned = std::thread::Builder::new()
-                .name("tchd-stderr".into())
-                .spawn(move || copy(reader, saved));
-            if spawned.is_err() {
-                libc::close(reader);
-                libc::close(writer);
-                libc::close(saved);
-                return;
-            }
-            SAVED.store(saved, Ordering::SeqCst);
-            libc::dup2(writer, 2);
-            libc::close(writer);
-            libc::atexit(at_exit);
+        // A descriptor of its own (close-on-exec, 3 or above) for the original stderr.
+        let Ok(saved) = std::io::stderr().as_fd().try_clone_to_owned() else {
+            return;
+        };
+        let Ok((reader, writer)) = os::pipe() else {
+            return;
+        };
+        if SAVED.set(File::from(saved)).is_err() {
+            return;
         }
+        let Some(saved) = SAVED.get() else { return };
+        let spawned = std::thread::Builder::new()
+            .name("tchd-stderr".into())
+            .spawn(move || copy(File::from(reader), saved));
+        if spawned.is_err() {
+            return;
+        }
+        // fd 2 is replaced atomically by dup2, so every write goes to the old or the
+        // new target; the pipe's writer is then fd 2 alone.
+        let _ = os::redirect_stderr(writer.as_fd());
+        drop(writer);
+        os::at_exit(at_exit);
     }
 
     /// The reader: pipe → the original stderr, keeping the last [`KEEP`] bytes.
-    fn copy(reader: i32, saved: i32) {
+    fn copy(mut reader: File, mut saved: &File) {
         let mut buf = [0u8; 4096];
         loop {
-            // SAFETY: reading into a buffer we own from a pipe we own.
-            let n = unsafe { libc::read(reader, buf.as_mut_ptr().cast(), buf.len()) };
-            if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            if n <= 0 {
-                break;
-            }
-            let chunk = &buf[..n as usize];
+            let n = match reader.read(&mut buf) {
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let chunk = &buf[..n];
             let mut written = 0;
             while written < chunk.len() {
-                // SAFETY: writing bytes we own to the duplicated stderr.
-                let w = unsafe {
-                    libc::write(
-                        saved,
-                        chunk[written..].as_ptr().cast(),
-                        chunk.len() - written,
-                    )
-                };
-                if w <= 0 {
-                    break;
+                match saved.write(&chunk[written..]) {
+                    Ok(w) if w > 0 => written += w,
+                    _ => break,
                 }
-                written += w as usize;
             }
             if let Ok(mut kept) = CAPTURED.lock() {
                 kept.extend_from_slice(chunk);
@@ -167,8 +155,8 @@ mod capture {
                 }
             }
         }
-        // SAFETY: the reader's own fd.
-        unsafe { libc::close(reader) };
+        // The reader's own fd closes here.
+        drop(reader);
         if let Ok(mut done) = DONE.0.lock() {
             *done = true;
             DONE.1.notify_all();
@@ -179,12 +167,11 @@ mod capture {
     /// process inherited it), waits a moment for the reader to pass on the rest, and
     /// records the last `Error: …` printed, if any, as the error.
     extern "C" fn at_exit() {
-        let saved = SAVED.load(Ordering::SeqCst);
-        if saved < 0 {
+        let Some(saved) = SAVED.get() else {
             return;
-        }
-        // SAFETY: fd 2 goes back to the original stderr.
-        unsafe { libc::dup2(saved, 2) };
+        };
+        // fd 2 goes back to the original stderr.
+        let _ = os::redirect_stderr(saved.as_fd());
         if let Ok(done) = DONE.0.lock() {
             let _ = DONE
                 .1

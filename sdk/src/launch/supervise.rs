@@ -2,7 +2,6 @@
 //! watch them, and stop them all when one fails or the launcher gets a signal.
 
 use std::ffi::{OsStr, OsString};
-use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -313,30 +312,7 @@ fn announce(config: &LaunchConfig, failure: &Failure) {
 /// launcher starts its ranks from the thread that then supervises them until the
 /// process exits.
 fn own_session_dying_with_launcher(cmd: &mut Command) {
-    #[cfg(target_os = "linux")]
-    {
-        let launcher = std::process::id() as libc::pid_t;
-        // SAFETY: the closure runs in the child between fork and exec, where only
-        // async-signal-safe calls are allowed: setsid, prctl, getppid and _exit are,
-        // and `last_os_error` only reads errno (no allocation).
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::setsid() == -1 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                let (signal, unused) = (libc::SIGKILL as libc::c_ulong, 0 as libc::c_ulong);
-                if libc::prctl(libc::PR_SET_PDEATHSIG, signal, unused, unused, unused) == -1 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                if libc::getppid() != launcher {
-                    libc::_exit(1);
-                }
-                Ok(())
-            });
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = cmd;
+    crate::ffi::os::new_session_killed_with_parent(cmd);
 }
 
 /// One started rank and, once reaped, its exit status.
@@ -363,9 +339,8 @@ impl Rank {
     /// have been reused).
     fn signal(&self, signo: i32) {
         if self.status.is_none() {
-            // SAFETY: kill(2) has no memory-safety preconditions; the pid is a
-            // child we have not reaped yet.
-            unsafe { libc::kill(self.child.id() as libc::pid_t, signo) };
+            // The pid is a child not reaped yet, so not reused.
+            let _ = crate::ffi::os::kill(self.child.id(), signo);
         }
     }
 }

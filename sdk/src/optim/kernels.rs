@@ -2,12 +2,11 @@
 //! multi-tensor (`_foreach_*`) or fused kernels per group of parameters that share a
 //! device, a dtype, their options and their step count (`csrc/optim.cpp`).
 
-use std::ffi::c_int;
-
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
-use crate::ffi;
+use crate::ffi::optim::{self, AdamOptions, AdamState, KernelMode, RmsPropOptions, SgdOptions};
+use crate::ffi::TensorArray;
 pub use crate::settings::Implementation;
 
 /// An optimizer's update rule and its options, as tch's configurations give them
@@ -72,11 +71,11 @@ fn serving(implementation: Implementation, device: Device, kind: Kind) -> Implem
 }
 
 /// The shim's `mode` for `implementation`.
-fn shim_mode(implementation: Implementation) -> c_int {
+fn shim_mode(implementation: Implementation) -> KernelMode {
     match implementation {
-        Implementation::Tch => 0,
-        Implementation::Foreach => 1,
-        Implementation::Fused => 2,
+        Implementation::Tch => KernelMode::Tch,
+        Implementation::Foreach => KernelMode::Foreach,
+        Implementation::Fused => KernelMode::Fused,
     }
 }
 
@@ -261,6 +260,14 @@ struct Key {
     first: bool,
 }
 
+/// State tensor `k` of each of `members` (none where it has none yet).
+fn slot<'a>(members: &[usize], state: &'a [Option<ParamState>], k: usize) -> TensorArray<'a> {
+    TensorArray::optional(members.iter().map(|&i| {
+        let s = state[i].as_ref().expect("state made above");
+        s.tensors[k].as_ref()
+    }))
+}
+
 /// One update of every parameter that has a gradient (`params[i]` in group
 /// `groups_of[i]`) and, with ZeRO, that this rank owns (`owned[i]`), creating state at
 /// a parameter's first update, with one shim call per [`Key`].
@@ -314,55 +321,34 @@ pub(crate) fn update(
     }
     for (key, members) in batches {
         let Group { lr, algorithm } = groups[key.group];
-        let n = members.len() as c_int;
         let mode = shim_mode(key.implementation);
-        let ptrs: Vec<ffi::Tensor> = members.iter().map(|&i| ffi::tensor(&params[i])).collect();
-        let slot = |k: usize, state: &[Option<ParamState>]| -> Vec<ffi::Tensor> {
-            members
-                .iter()
-                .map(|&i| {
-                    let s = state[i].as_ref().expect("state made above");
-                    s.tensors[k]
-                        .as_ref()
-                        .map_or(std::ptr::null_mut(), ffi::tensor)
-                })
-                .collect()
-        };
-        let status = match algorithm {
+        let ps = TensorArray::of(members.iter().map(|&i| &params[i]));
+        let done = match algorithm {
             Algorithm::Sgd {
                 momentum,
                 dampening,
                 weight_decay,
                 nesterov,
             } => {
-                let bufs = slot(0, state);
-                let mut made = vec![std::ptr::null_mut(); members.len()];
-                let status = unsafe {
-                    ffi::tdc_sgd_step(
-                        ptrs.as_ptr(),
-                        if key.first {
-                            std::ptr::null()
-                        } else {
-                            bufs.as_ptr()
-                        },
-                        made.as_mut_ptr(),
-                        n,
-                        lr,
-                        momentum,
-                        dampening,
-                        weight_decay,
-                        nesterov as c_int,
-                        mode,
-                    )
+                let options = SgdOptions {
+                    lr,
+                    momentum,
+                    dampening,
+                    weight_decay,
+                    nesterov,
+                    mode,
                 };
-                if status == 0 && key.first {
-                    for (&i, ptr) in members.iter().zip(made) {
+                let made = if key.first {
+                    optim::sgd_step(&ps, None, &options)
+                } else {
+                    optim::sgd_step(&ps, Some(&slot(&members, state, 0)), &options)
+                };
+                made.map(|made| {
+                    for (&i, buf) in members.iter().zip(made) {
                         let s = state[i].as_mut().expect("state made above");
-                        s.tensors[0] =
-                            Some(unsafe { Tensor::from_ptr(ptr as *mut torch_sys::C_tensor) });
+                        s.tensors[0] = Some(buf);
                     }
-                }
-                status
+                })
             }
             Algorithm::Adam {
                 beta1,
@@ -372,35 +358,33 @@ pub(crate) fn update(
                 amsgrad,
                 decoupled,
             } => {
-                let steps: Vec<ffi::Tensor> = members
-                    .iter()
-                    .map(|&i| {
-                        let s = state[i].as_ref().expect("state made above");
-                        s.step_tensor
-                            .as_ref()
-                            .map_or(std::ptr::null_mut(), ffi::tensor)
-                    })
-                    .collect();
-                let (m, v, vmax) = (slot(0, state), slot(1, state), slot(2, state));
-                unsafe {
-                    ffi::tdc_adam_step(
-                        ptrs.as_ptr(),
-                        m.as_ptr(),
-                        v.as_ptr(),
-                        vmax.as_ptr(),
-                        steps.as_ptr(),
-                        n,
-                        key.step as i64 + 1,
-                        lr,
-                        beta1,
-                        beta2,
-                        eps,
-                        weight_decay,
-                        amsgrad as c_int,
-                        decoupled as c_int,
-                        mode,
-                    )
-                }
+                let steps = TensorArray::optional(members.iter().map(|&i| {
+                    let s = state[i].as_ref().expect("state made above");
+                    s.step_tensor.as_ref()
+                }));
+                let (m, v, vmax) = (
+                    slot(&members, state, 0),
+                    slot(&members, state, 1),
+                    slot(&members, state, 2),
+                );
+                let adam_state = AdamState {
+                    exp_avgs: &m,
+                    exp_avg_sqs: &v,
+                    max_exp_avg_sqs: &vmax,
+                    steps: &steps,
+                };
+                let options = AdamOptions {
+                    step: key.step as i64 + 1,
+                    lr,
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay,
+                    amsgrad,
+                    decoupled,
+                    mode,
+                };
+                optim::adam_step(&ps, &adam_state, &options)
             }
             Algorithm::RmsProp {
                 alpha,
@@ -409,26 +393,24 @@ pub(crate) fn update(
                 momentum,
                 centered,
             } => {
-                let (sq, buf, avg) = (slot(0, state), slot(1, state), slot(2, state));
-                unsafe {
-                    ffi::tdc_rmsprop_step(
-                        ptrs.as_ptr(),
-                        sq.as_ptr(),
-                        buf.as_ptr(),
-                        avg.as_ptr(),
-                        n,
-                        lr,
-                        alpha,
-                        eps,
-                        weight_decay,
-                        momentum,
-                        centered as c_int,
-                        mode,
-                    )
-                }
+                let (sq, buf, avg) = (
+                    slot(&members, state, 0),
+                    slot(&members, state, 1),
+                    slot(&members, state, 2),
+                );
+                let options = RmsPropOptions {
+                    lr,
+                    alpha,
+                    eps,
+                    weight_decay,
+                    momentum,
+                    centered,
+                    mode,
+                };
+                optim::rmsprop_step(&ps, &sq, &buf, &avg, &options)
             }
         };
-        ffi::check_text(status).map_err(|t| Error::Torch(t.message()))?;
+        done.map_err(|t| Error::Torch(t.message()))?;
         for &i in &members {
             state[i].as_mut().expect("state made above").step += 1;
         }

@@ -38,9 +38,7 @@ pub(crate) fn set_end_of_data(last: bool) {
 ///
 /// Errors with [`Error::Torch`] from libtorch.
 pub(crate) fn set_grads_to_none(params: &[Tensor]) -> Result<()> {
-    let ptrs = ffi::tensors(params);
-    ffi::check_text(unsafe { ffi::tdc_zero_grad(ptrs.as_ptr(), ptrs.len() as i32) })
-        .map_err(|t| Error::Torch(t.message()))
+    ffi::optim::zero_grad(&ffi::TensorArray::new(params)).map_err(|t| Error::Torch(t.message()))
 }
 
 /// An optimizer configuration of tch (`nn::Sgd`, `nn::Adam`, `nn::AdamW`,
@@ -154,9 +152,6 @@ pub struct Optimizer {
     cycle_complete: bool,
     scaler: Option<GradScaler>,
 }
-
-// The tensors are used from one thread at a time (`&mut self`).
-unsafe impl Send for Optimizer {}
 
 /// How an [`Optimizer`] averages the gradients and holds its state over the ranks: one
 /// of these, never two.

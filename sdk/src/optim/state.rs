@@ -474,33 +474,17 @@ pub(super) fn from_libtorch_archive(opt: &mut Optimizer, bytes: &[u8]) -> Result
         } => 2,
         Algorithm::RmsProp { .. } => 3,
     };
-    let n = opt.params.len();
-    let ptrs = ffi::tensors(&opt.params);
     let groups: Vec<i64> = opt.groups_of.iter().map(|&g| g as i64).collect();
-    let mut out = vec![std::ptr::null_mut(); n * 4];
-    let mut steps = vec![-1i64; n];
-    ffi::check_text(unsafe {
-        ffi::tdc_optimizer_archive_state(
-            kind,
-            ptrs.as_ptr(),
-            groups.as_ptr(),
-            n as i32,
-            bytes.as_ptr(),
-            bytes.len(),
-            out.as_mut_ptr(),
-            steps.as_mut_ptr(),
-        )
-    })
-    .map_err(|t| {
-        let message = format!(
-            "optimizer.pt (libtorch's optimizer archive): {}",
-            t.message()
-        );
-        checkpoint_from(None, message, t)
-    })?;
-    let mut taken = out.into_iter().map(|p| {
-        (!p.is_null()).then(|| unsafe { Tensor::from_ptr(p as *mut torch_sys::C_tensor) })
-    });
+    let (out, steps) =
+        ffi::optim::archive_state(kind, &ffi::TensorArray::new(&opt.params), &groups, bytes)
+            .map_err(|t| {
+                let message = format!(
+                    "optimizer.pt (libtorch's optimizer archive): {}",
+                    t.message()
+                );
+                checkpoint_from(None, message, t)
+            })?;
+    let mut taken = out.into_iter();
     opt.state = steps
         .iter()
         .map(|&step| {

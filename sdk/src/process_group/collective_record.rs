@@ -408,8 +408,7 @@ fn fail_now(rank: usize, e: &Error) -> ! {
     let line = format!("Error: rank {rank}: {e}\n");
     let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
     crate::launch::error_file::record(line.trim_end(), None);
-    // SAFETY: `_exit` ends the process without running any handler.
-    unsafe { libc::_exit(1) }
+    crate::ffi::os::exit_now(1)
 }
 
 /// `"{n} {what}"` as a record.

@@ -10,7 +10,8 @@ use std::time::Duration;
 use tch::{Device, Tensor};
 
 use crate::error::{Error, Result, TorchText};
-use crate::ffi;
+use crate::ffi::process_group::{PgHandle, PgOptions, WorkHandle};
+use crate::ffi::TensorArray;
 use crate::protocol;
 use crate::rendezvous::network::{self, GlooAddress};
 use crate::rendezvous::store::{millis, Store};
@@ -50,16 +51,6 @@ impl ReduceOp {
 /// under a prefix of its own (every rank creates its groups in the same order).
 static GROUPS: AtomicU64 = AtomicU64::new(0);
 
-struct Raw(*mut ffi::Pg);
-// c10d process groups are thread-safe; collectives are queued by the backends.
-unsafe impl Send for Raw {}
-unsafe impl Sync for Raw {}
-impl Drop for Raw {
-    fn drop(&mut self) {
-        unsafe { ffi::tdc_pg_free(self.0) }
-    }
-}
-
 /// A group of `world_size` processes that run collectives together, as
 /// `torch.distributed.ProcessGroup`. Clones share the same group.
 ///
@@ -83,7 +74,7 @@ pub struct ProcessGroup {
 struct Shared {
     /// Dropped before `raw`: stops the heartbeat.
     collectives: Option<CollectiveRecord>,
-    raw: Raw,
+    raw: PgHandle,
     /// Models wrapped in DDP over this group so far (their records' keys).
     models: AtomicU64,
     /// Gradient averages over this group so far: DDP's synchronized backward passes.
@@ -188,27 +179,24 @@ impl ProcessGroup {
         let interfaces = CString::new(gloo.interfaces())
             .map_err(|_| Error::Config(format!("{} contains a NUL byte", network::GLOO_IFNAME)))?;
         let address = CString::new(gloo.address()).expect("an address has no NUL byte");
-        let raw = unsafe {
-            ffi::tdc_pg_new(
-                store.raw(),
-                rank as i32,
-                world_size as i32,
-                millis(timeout),
-                1,
-                nccl as i32,
-                cuda_device,
-                interfaces.as_ptr(),
-                address.as_ptr(),
-                checks as i32,
-            )
+        let options = PgOptions {
+            rank: rank as i32,
+            world_size: world_size as i32,
+            timeout_ms: millis(timeout),
+            gloo: true,
+            nccl,
+            cuda_device,
+            gloo_interfaces: &interfaces,
+            gloo_address: &address,
+            checks,
         };
-        let raw = ffi::check_ptr(raw).map_err(|text| {
+        let raw = PgHandle::new(store.raw(), &options).map_err(|text| {
             rendezvous_error(network::connect_failure(rank, &text, store.endpoint()))
         })?;
         Ok(ProcessGroup {
             shared: Arc::new(Shared {
                 collectives,
-                raw: Raw(raw),
+                raw,
                 models: AtomicU64::new(0),
                 gradient_averages: AtomicU64::new(0),
             }),
@@ -245,8 +233,9 @@ impl ProcessGroup {
         self.timeout
     }
 
-    pub(crate) fn raw(&self) -> *mut ffi::Pg {
-        self.shared.raw.0
+    /// The group's handle, for the Reducer built over it.
+    pub(crate) fn raw(&self) -> &PgHandle {
+        &self.shared.raw
     }
 
     /// Records in the store that this rank enters its next collective, `what` (see
@@ -359,13 +348,16 @@ impl ProcessGroup {
             .fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Runs collective `op` (`call`, a shim call returning its status), recorded by
-    /// [`enter`](Self::enter).
-    fn run(&self, op: &'static str, call: impl FnOnce() -> i32) -> Result<()> {
+    /// Runs collective `op` (`call`, a shim call), recorded by [`enter`](Self::enter).
+    fn run(
+        &self,
+        op: &'static str,
+        call: impl FnOnce() -> std::result::Result<(), TorchText>,
+    ) -> Result<()> {
         let n = self.enter(op);
-        let status = call();
+        let done = call();
         self.leave(n);
-        ffi::check_text(status).map_err(|text| {
+        done.map_err(|text| {
             if text.is_timeout() {
                 self.timed_out(op, n, text)
             } else {
@@ -392,13 +384,9 @@ impl ProcessGroup {
                 tensor.kind()
             )));
         }
-        self.run("all_reduce", || unsafe {
-            ffi::tdc_all_reduce(
-                self.raw(),
-                ffi::tensor(tensor),
-                op.code(),
-                millis(self.timeout),
-            )
+        self.run("all_reduce", || {
+            self.raw()
+                .all_reduce(tensor, op.code(), millis(self.timeout))
         })
     }
 
@@ -406,13 +394,9 @@ impl ProcessGroup {
     /// `torch.distributed.broadcast`.
     pub fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<()> {
         self.check_root(root)?;
-        self.run("broadcast", || unsafe {
-            ffi::tdc_broadcast(
-                self.raw(),
-                ffi::tensor(tensor),
-                root as i32,
-                millis(self.timeout),
-            )
+        self.run("broadcast", || {
+            self.raw()
+                .broadcast(tensor, root as i32, millis(self.timeout))
         })
     }
 
@@ -432,20 +416,13 @@ impl ProcessGroup {
     ///
     /// Errors: [`Error::Collective`] when the backend cannot start it.
     pub(crate) fn all_gather_start(&self, outputs: &[Tensor], input: &Tensor) -> Result<Pending> {
-        let ptrs = ffi::tensors(outputs);
-        let raw = unsafe {
-            ffi::tdc_all_gather_start(
-                self.raw(),
-                ptrs.as_ptr(),
-                ptrs.len() as i32,
-                ffi::tensor(input),
-                millis(self.timeout),
-            )
-        };
-        let work = ffi::check_ptr(raw).map_err(|message| Error::Collective {
-            op: "all_gather",
-            message,
-        })?;
+        let work = self
+            .raw()
+            .all_gather_start(&TensorArray::new(outputs), input, millis(self.timeout))
+            .map_err(|message| Error::Collective {
+                op: "all_gather",
+                message,
+            })?;
         Ok(Pending {
             group: self.clone(),
             work,
@@ -486,24 +463,16 @@ impl ProcessGroup {
         inputs: &[Tensor],
         op: ReduceOp,
     ) -> Result<()> {
-        let ptrs = ffi::tensors(inputs);
-        self.run("reduce_scatter", || unsafe {
-            ffi::tdc_reduce_scatter(
-                self.raw(),
-                ffi::tensor(output),
-                ptrs.as_ptr(),
-                ptrs.len() as i32,
-                op.code(),
-                millis(self.timeout),
-            )
+        let inputs = TensorArray::new(inputs);
+        self.run("reduce_scatter", || {
+            self.raw()
+                .reduce_scatter(output, &inputs, op.code(), millis(self.timeout))
         })
     }
 
     /// Blocks until every rank has reached this barrier, as `torch.distributed.barrier`.
     pub fn barrier(&self) -> Result<()> {
-        self.run("barrier", || unsafe {
-            ffi::tdc_barrier(self.raw(), millis(self.timeout))
-        })
+        self.run("barrier", || self.raw().barrier(millis(self.timeout)))
     }
 
     /// Broadcasts `tensors` from `root` in flattened buffers of at most
@@ -516,15 +485,10 @@ impl ProcessGroup {
         root: usize,
     ) -> Result<()> {
         self.check_root(root)?;
-        let ptrs = ffi::tensors(tensors);
-        self.run("broadcast_coalesced", || unsafe {
-            ffi::tdc_broadcast_coalesced(
-                self.raw(),
-                ptrs.as_ptr(),
-                ptrs.len() as i32,
-                buffer_bytes,
-                root as i32,
-            )
+        let tensors = TensorArray::new(tensors);
+        self.run("broadcast_coalesced", || {
+            self.raw()
+                .broadcast_coalesced(&tensors, buffer_bytes, root as i32)
         })
     }
 
@@ -533,9 +497,9 @@ impl ProcessGroup {
     ///
     /// Errors: [`Error::Collective`] whose message names the first mismatch.
     pub fn verify_same_shapes(&self, tensors: &[Tensor]) -> Result<()> {
-        let ptrs = ffi::tensors(tensors);
-        self.run("verify_params_across_processes", || unsafe {
-            ffi::tdc_verify_params(self.raw(), ptrs.as_ptr(), ptrs.len() as i32)
+        let tensors = TensorArray::new(tensors);
+        self.run("verify_params_across_processes", || {
+            self.raw().verify_params(&tensors)
         })
     }
 
@@ -554,7 +518,7 @@ impl ProcessGroup {
 /// Dropped without a wait, it still completes (the backend keeps its tensors).
 pub(crate) struct Pending {
     group: ProcessGroup,
-    work: *mut ffi::Work,
+    work: WorkHandle,
 }
 
 impl Pending {
@@ -564,15 +528,7 @@ impl Pending {
     /// Errors: as the blocking collective's ([`Error::Collective`], [`Error::Timeout`]).
     pub(crate) fn wait(self) -> Result<()> {
         let timeout = millis(self.group.timeout);
-        self.group.run("all_gather", || unsafe {
-            ffi::tdc_work_wait(self.work, timeout)
-        })
-    }
-}
-
-impl Drop for Pending {
-    fn drop(&mut self) {
-        unsafe { ffi::tdc_work_free(self.work) }
+        self.group.run("all_gather", || self.work.wait(timeout))
     }
 }
 

@@ -14,7 +14,6 @@
 //! sizes, and a client can still delete keys or flood the port (the book's Security
 //! chapter).
 
-use std::ffi::{c_char, c_int};
 use std::io::Read;
 
 use chacha20poly1305::aead::{AeadCore, AeadInPlace, KeyInit, OsRng};
@@ -23,7 +22,8 @@ use sha2::{Digest, Sha256};
 
 use super::store::Store;
 use crate::error::{Error, Result};
-use crate::ffi::{self, SECRET_BYTES};
+use crate::ffi::store::Sealer;
+use crate::ffi::SECRET_BYTES;
 
 /// The variable that carries the job's token to its ranks.
 pub(crate) const JOB_TOKEN_ENV: &str = "TCH_DISTRIBUTED_JOB_TOKEN";
@@ -112,86 +112,59 @@ impl Store {
     pub(crate) fn sealed(&self, prefix: &str, token: &JobToken) -> Result<Store> {
         let cprefix = super::store::cstring(prefix, "prefix")?;
         let secret = token.secret();
-        let raw = unsafe {
-            ffi::tdc_sealed_store_new(
-                cprefix.as_ptr(),
-                self.raw(),
-                secret.as_ptr(),
-                SEAL_OVERHEAD,
-                seal,
-                open,
-            )
-        };
-        self.view(raw)
+        self.view(self.raw().sealed::<Cipher>(&cprefix, &secret))
     }
 }
 
 /// How many bytes sealing adds to a value: the random nonce and the tag.
 pub(crate) const SEAL_OVERHEAD: usize = 24 + 16;
 
-/// Seals a store value (`tdc_seal_fn`): `out` gets the nonce, the ciphertext and the
-/// tag. A fresh random nonce each time (192 bits, so random ones never repeat in
-/// practice).
-///
-/// # Safety
-/// `secret` holds [`SECRET_BYTES`] bytes, `key` is a C string, `plain` holds `len`
-/// bytes and `out` has room for `len + SEAL_OVERHEAD`.
-pub(crate) unsafe extern "C" fn seal(
-    secret: *const u8,
-    key: *const c_char,
-    plain: *const u8,
-    len: usize,
-    out: *mut u8,
-) -> c_int {
-    let cipher = cipher(secret);
-    let key = std::ffi::CStr::from_ptr(key).to_bytes();
-    let out = std::slice::from_raw_parts_mut(out, len + SEAL_OVERHEAD);
-    let (nonce, rest) = out.split_at_mut(24);
-    let (body, tag) = rest.split_at_mut(len);
-    body.copy_from_slice(std::slice::from_raw_parts(plain, len));
-    let fresh = XChaCha20Poly1305::generate_nonce(&mut OsRng);
-    nonce.copy_from_slice(&fresh);
-    match cipher.encrypt_in_place_detached(&fresh, key, body) {
-        Ok(t) => {
-            tag.copy_from_slice(&t);
-            0
+/// The sealed store's cipher (`sealed_store.cpp` calls it through
+/// [`Sealer`]'s trampolines): XChaCha20-Poly1305, the full key as associated data.
+struct Cipher;
+
+impl Sealer for Cipher {
+    const OVERHEAD: usize = SEAL_OVERHEAD;
+
+    /// Seals a store value: `out` gets the nonce, the ciphertext and the tag. A fresh
+    /// random nonce each time (192 bits, so random ones never repeat in practice).
+    fn seal(secret: &[u8; SECRET_BYTES], key: &[u8], plain: &[u8], out: &mut [u8]) -> bool {
+        let cipher = cipher(secret);
+        let (nonce, rest) = out.split_at_mut(24);
+        let (body, tag) = rest.split_at_mut(plain.len());
+        body.copy_from_slice(plain);
+        let fresh = XChaCha20Poly1305::generate_nonce(&mut OsRng);
+        nonce.copy_from_slice(&fresh);
+        match cipher.encrypt_in_place_detached(&fresh, key, body) {
+            Ok(t) => {
+                tag.copy_from_slice(&t);
+                true
+            }
+            Err(_) => false,
         }
-        Err(_) => 1,
+    }
+
+    /// Opens a sealed store value: whether it was sealed with this secret under this
+    /// key.
+    fn open(secret: &[u8; SECRET_BYTES], key: &[u8], sealed: &[u8], out: &mut [u8]) -> bool {
+        let Some(body_len) = sealed.len().checked_sub(SEAL_OVERHEAD) else {
+            return false;
+        };
+        let cipher = cipher(secret);
+        let (nonce, rest) = sealed.split_at(24);
+        let (body, tag) = rest.split_at(body_len);
+        out.copy_from_slice(body);
+        let opened = cipher.decrypt_in_place_detached(
+            XNonce::from_slice(nonce),
+            key,
+            out,
+            Tag::from_slice(tag),
+        );
+        opened.is_ok()
     }
 }
 
-/// Opens a sealed store value (`tdc_open_fn`): 0 when it was sealed with this secret
-/// under this key, 1 otherwise.
-///
-/// # Safety
-/// `secret` holds [`SECRET_BYTES`] bytes, `key` is a C string, `sealed` holds `len`
-/// bytes (at least `SEAL_OVERHEAD`) and `out` has room for `len - SEAL_OVERHEAD`.
-pub(crate) unsafe extern "C" fn open(
-    secret: *const u8,
-    key: *const c_char,
-    sealed: *const u8,
-    len: usize,
-    out: *mut u8,
-) -> c_int {
-    let Some(body_len) = len.checked_sub(SEAL_OVERHEAD) else {
-        return 1;
-    };
-    let cipher = cipher(secret);
-    let key = std::ffi::CStr::from_ptr(key).to_bytes();
-    let sealed = std::slice::from_raw_parts(sealed, len);
-    let (nonce, rest) = sealed.split_at(24);
-    let (body, tag) = rest.split_at(body_len);
-    let out = std::slice::from_raw_parts_mut(out, body_len);
-    out.copy_from_slice(body);
-    let opened =
-        cipher.decrypt_in_place_detached(XNonce::from_slice(nonce), key, out, Tag::from_slice(tag));
-    c_int::from(opened.is_err())
-}
-
-/// # Safety
-/// `secret` holds [`SECRET_BYTES`] bytes.
-unsafe fn cipher(secret: *const u8) -> XChaCha20Poly1305 {
-    let secret = std::slice::from_raw_parts(secret, SECRET_BYTES);
+fn cipher(secret: &[u8; SECRET_BYTES]) -> XChaCha20Poly1305 {
     XChaCha20Poly1305::new_from_slice(secret).expect("a 32-byte key")
 }
 

@@ -18,9 +18,10 @@
 //! With NCCL the same interface (`lo` on one host) is given to NCCL's bootstrap
 //! (`NCCL_SOCKET_IFNAME`), unless that is set.
 
-use std::ffi::CStr;
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs, UdpSocket};
+
+use crate::ffi::os::interface_with;
 
 /// The variable that names Gloo's interfaces, as PyTorch reads it.
 pub(crate) const GLOO_IFNAME: &str = "GLOO_SOCKET_IFNAME";
@@ -221,45 +222,6 @@ fn route_source(to: SocketAddr) -> std::io::Result<IpAddr> {
     let to = SocketAddr::new(to.ip(), to.port().max(1));
     socket.connect(to)?;
     Ok(socket.local_addr()?.ip())
-}
-
-/// The name of the interface that has `address`, from `getifaddrs(3)`.
-fn interface_with(address: IpAddr) -> Option<String> {
-    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `list` with a linked list that freeifaddrs releases;
-    // each entry's `ifa_addr` is null or points at a sockaddr of its family.
-    unsafe {
-        if libc::getifaddrs(&mut list) != 0 {
-            return None;
-        }
-        let mut found = None;
-        let mut entry = list;
-        while !entry.is_null() && found.is_none() {
-            let ifa = &*entry;
-            let addr = ifa.ifa_addr;
-            let this = if addr.is_null() {
-                None
-            } else {
-                match (*addr).sa_family as i32 {
-                    libc::AF_INET => {
-                        let sin = &*(addr as *const libc::sockaddr_in);
-                        Some(IpAddr::from(sin.sin_addr.s_addr.to_ne_bytes()))
-                    }
-                    libc::AF_INET6 => {
-                        let sin6 = &*(addr as *const libc::sockaddr_in6);
-                        Some(IpAddr::from(sin6.sin6_addr.s6_addr))
-                    }
-                    _ => None,
-                }
-            };
-            if this == Some(address) {
-                found = Some(CStr::from_ptr(ifa.ifa_name).to_string_lossy().into_owned());
-            }
-            entry = ifa.ifa_next;
-        }
-        libc::freeifaddrs(list);
-        found
-    }
 }
 
 #[cfg(test)]

@@ -3,17 +3,17 @@
 
 use std::ffi::CString;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener};
-use std::os::fd::IntoRawFd;
+use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use super::network::resolve_master;
 use crate::error::{Error, Result};
-use crate::ffi;
+use crate::ffi::store::StoreHandle;
 
 /// A c10d key-value store shared by all ranks; the process group rendezvous through
 /// it. Cheap to share: the C++ object is reference counted.
 pub struct Store {
-    raw: *mut ffi::Store,
+    raw: StoreHandle,
     host: Host,
     /// The address and port of a TCP store (the one its clients connect to).
     endpoint: Option<(String, u16)>,
@@ -49,10 +49,6 @@ pub(crate) enum Host {
     /// An in-process store.
     Local,
 }
-
-// c10d stores are thread-safe (they serve the process group's own threads).
-unsafe impl Send for Store {}
-unsafe impl Sync for Store {}
 
 pub(super) fn cstring(s: &str, what: &str) -> Result<CString> {
     CString::new(s).map_err(|_| Error::InvalidInput(format!("{what} {s:?} contains a NUL byte")))
@@ -150,48 +146,43 @@ impl Store {
         let chost = cstring(host, "host")?;
         let is_server = listener.is_some();
         // c10d owns the socket from here on (it closes it with the store).
-        let listen_fd = listener.map_or(-1, IntoRawFd::into_raw_fd);
-        let raw = unsafe {
-            ffi::tdc_tcp_store_new(
-                chost.as_ptr(),
-                port.into(),
-                world_size as i32,
-                listen_fd,
-                millis(timeout),
-            )
-        };
-        ffi::check_ptr(raw)
-            .map(|raw| Store {
-                raw,
-                host: Host::Rank0,
-                endpoint: Some((host.to_string(), port)),
-            })
-            .map_err(|message| {
-                if message.contains("EADDRINUSE") || message.contains("address already in use") {
-                    Error::PortInUse {
-                        addr: host.to_string(),
-                        port,
-                    }
-                } else {
-                    Error::Rendezvous {
-                        addr: host.to_string(),
-                        port,
-                        rank: None,
-                        world_size,
-                        message: if is_server {
-                            message
-                        } else {
-                            unreachable_store(host, port, timeout, &message)
-                        },
-                    }
+        StoreHandle::tcp(
+            &chost,
+            port,
+            world_size as i32,
+            listener.map(OwnedFd::from),
+            millis(timeout),
+        )
+        .map(|raw| Store {
+            raw,
+            host: Host::Rank0,
+            endpoint: Some((host.to_string(), port)),
+        })
+        .map_err(|message| {
+            if message.contains("EADDRINUSE") || message.contains("address already in use") {
+                Error::PortInUse {
+                    addr: host.to_string(),
+                    port,
                 }
-            })
+            } else {
+                Error::Rendezvous {
+                    addr: host.to_string(),
+                    port,
+                    rank: None,
+                    world_size,
+                    message: if is_server {
+                        message
+                    } else {
+                        unreachable_store(host, port, timeout, &message)
+                    },
+                }
+            }
+        })
     }
 
     /// An in-process `c10d::HashStore`, for a world of one process: no network.
     pub fn in_process() -> Result<Store> {
-        let raw = unsafe { ffi::tdc_hash_store_new() };
-        ffi::check_ptr(raw)
+        StoreHandle::hash()
             .map(|raw| Store {
                 raw,
                 host: Host::Local,
@@ -204,71 +195,55 @@ impl Store {
     /// (`c10d::PrefixStore`).
     pub fn with_prefix(&self, prefix: &str) -> Result<Store> {
         let cprefix = cstring(prefix, "prefix")?;
-        let raw = unsafe { ffi::tdc_prefix_store_new(cprefix.as_ptr(), self.raw) };
-        self.view(raw)
+        self.view(self.raw.prefixed(&cprefix))
     }
 
     /// A second connection to the same store (for a TCP store, a new client; keys and
     /// prefix are the same), so that a thread can wait on it, with a timeout of its
     /// own, without holding up the other users of this one.
     pub(crate) fn clone_connection(&self) -> Result<Store> {
-        let raw = unsafe { ffi::tdc_store_clone(self.raw) };
-        self.view(raw)
+        self.view(self.raw.clone_connection())
     }
 
-    /// `raw`, a view of this store that the shim made (NULL when it failed), served by
-    /// the same process at the same endpoint.
-    pub(super) fn view(&self, raw: *mut ffi::Store) -> Result<Store> {
-        ffi::check_ptr(raw)
-            .map(|raw| Store {
-                raw,
-                host: self.host,
-                endpoint: self.endpoint.clone(),
-            })
-            .map_err(Error::Torch)
+    /// `raw`, a view of this store that the shim made (or its failure), served by the
+    /// same process at the same endpoint.
+    pub(super) fn view(&self, raw: std::result::Result<StoreHandle, String>) -> Result<Store> {
+        raw.map(|raw| Store {
+            raw,
+            host: self.host,
+            endpoint: self.endpoint.clone(),
+        })
+        .map_err(Error::Torch)
     }
 
     /// How long [`get`](Self::get) waits for a key that is not there yet.
     pub(crate) fn set_timeout(&self, timeout: Duration) -> Result<()> {
-        ffi::check(unsafe { ffi::tdc_store_set_timeout(self.raw, millis(timeout)) })
-            .map_err(Error::Torch)
+        self.raw.set_timeout(millis(timeout)).map_err(Error::Torch)
     }
 
     /// The TCP port of a TCP store (the bound one when it was created with port 0);
     /// `None` for other stores.
     pub fn port(&self) -> Option<u16> {
-        let port = unsafe { ffi::tdc_store_port(self.raw) };
-        u16::try_from(port).ok()
+        self.raw.port()
     }
 
     /// Sets `key` to `value`.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         let ckey = cstring(key, "key")?;
-        ffi::check(unsafe {
-            ffi::tdc_store_set(self.raw, ckey.as_ptr(), value.as_ptr(), value.len())
-        })
-        .map_err(Error::Torch)
+        self.raw.set(&ckey, value).map_err(Error::Torch)
     }
 
     /// Gets `key`, waiting for it up to the store's timeout.
     pub fn get(&self, key: &str) -> Result<Vec<u8>> {
         let ckey = cstring(key, "key")?;
-        let mut data = std::ptr::null_mut();
-        let mut len = 0usize;
-        ffi::check(unsafe { ffi::tdc_store_get(self.raw, ckey.as_ptr(), &mut data, &mut len) })
-            .map_err(Error::Torch)?;
-        let value = unsafe { std::slice::from_raw_parts(data, len).to_vec() };
-        unsafe { libc::free(data as *mut libc::c_void) };
-        Ok(value)
+        let value = self.raw.get(&ckey).map_err(Error::Torch)?;
+        Ok(value.as_bytes().to_vec())
     }
 
     /// Atomically adds `delta` to the integer at `key` (0 when absent); returns the new value.
     pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
         let ckey = cstring(key, "key")?;
-        let mut result = 0;
-        ffi::check(unsafe { ffi::tdc_store_add(self.raw, ckey.as_ptr(), delta, &mut result) })
-            .map_err(Error::Torch)?;
-        Ok(result)
+        self.raw.add(&ckey, delta).map_err(Error::Torch)
     }
 
     /// Every key in the store, as the server holds them (prefixes included; c10d's
@@ -277,13 +252,9 @@ impl Store {
     ///
     /// Errors with [`Error::Torch`] when the store cannot be read.
     pub fn list_keys(&self) -> Result<Vec<String>> {
-        let mut data = std::ptr::null_mut();
-        let mut len = 0usize;
-        ffi::check(unsafe { ffi::tdc_store_list_keys(self.raw, &mut data, &mut len) })
-            .map_err(Error::Torch)?;
-        let bytes = unsafe { std::slice::from_raw_parts(data as *const u8, len).to_vec() };
-        unsafe { libc::free(data as *mut libc::c_void) };
+        let bytes = self.raw.list_keys().map_err(Error::Torch)?;
         Ok(bytes
+            .as_bytes()
             .split(|&b| b == 0)
             .filter(|k| !k.is_empty())
             .map(|k| String::from_utf8_lossy(k).into_owned())
@@ -307,14 +278,9 @@ impl Store {
         self.host
     }
 
-    pub(crate) fn raw(&self) -> *mut ffi::Store {
-        self.raw
-    }
-}
-
-impl Drop for Store {
-    fn drop(&mut self) {
-        unsafe { ffi::tdc_store_free(self.raw) }
+    /// The store's handle, for the process group built over it.
+    pub(crate) fn raw(&self) -> &StoreHandle {
+        &self.raw
     }
 }
 

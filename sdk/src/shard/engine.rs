@@ -23,6 +23,7 @@ use super::hooks::{self, GradHooks, Hook};
 use super::layout::{layout, Piece};
 use super::params::UnitParams;
 use crate::error::{Error, Result};
+use crate::ffi::tensor::SyncTensors;
 use crate::ffi::tensor_key;
 use crate::process_group::{ProcessGroup, ReduceOp};
 use crate::unit_registry::{ShardedParameters, Units};
@@ -66,8 +67,9 @@ pub(crate) struct Sharding {
 pub(crate) struct Inner {
     group: ProcessGroup,
     stage: u8,
-    /// The optimizer's parameters (whole), in its order.
-    params: Vec<Tensor>,
+    /// The optimizer's parameters (whole), in its order (read from autograd's threads
+    /// too: see [`SyncTensors`]).
+    params: SyncTensors,
     /// Per parameter, its unit and its place among the unit's members; none for a
     /// frozen variable that stays whole.
     unit_of: Vec<Option<(usize, usize)>>,
@@ -105,14 +107,6 @@ pub(crate) struct Inner {
     /// The hook that gathers a unit before its backward pass.
     gather_hook: Arc<Hook>,
 }
-
-// SAFETY: the tensors are handles to libtorch tensors, usable from any thread; what
-// writes through them (reduce-scatter, gather, free) runs under a bucket's or a unit's
-// lock or on the optimizer's `&mut self`, as the Reducer's hooks run on autograd's
-// threads.
-unsafe impl Sync for Inner {}
-// SAFETY: as for `Sync`.
-unsafe impl Send for Inner {}
 
 /// The reduce-scatters of a cycle run in one fixed order on every rank: the declared
 /// units' buckets from the last unit to the first (the order of a backward pass when
@@ -359,7 +353,7 @@ impl Sharding {
                 failure: Mutex::new(None),
                 gather_hook,
                 hooked,
-                params,
+                params: params.into(),
             }
         });
         for (u, slot) in slots.iter().enumerate() {
@@ -877,8 +871,7 @@ impl Inner {
 /// stays.
 pub(crate) fn return_freed_memory() {
     if !crate::protocol::malloc_mmap_threshold_set() {
-        // SAFETY: mallopt only sets an allocator parameter.
-        unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 10) };
+        crate::ffi::os::set_mmap_threshold(64 << 10);
     }
 }
 

@@ -82,13 +82,6 @@ pub(crate) struct Unit {
     pub in_pass: bool,
 }
 
-// SAFETY: the tensors are handles to libtorch tensors, which may be used from any
-// thread; every use of them goes through the `Mutex` around `Unit` (the hooks run on
-// autograd's threads), and `group` is a process group, itself `Send + Sync`.
-unsafe impl Send for UnitParams {}
-// SAFETY: as for `Send`: shared access reaches the tensors only under the lock.
-unsafe impl Sync for UnitParams {}
-
 impl UnitParams {
     /// Shards `params` (named `names`, whole and holding every rank's agreed values)
     /// over `group`: this rank keeps its rows of each. With `reshard`, the members'
