@@ -54,7 +54,10 @@ pub enum Literal {
 /// A setting's type: how a flag's, a variable's or the file's text becomes the value,
 /// and how the value is written back (for the ranks' variables and the file).
 pub trait Value: Sized + Clone + fmt::Display {
-    /// Parses `text` (trimmed). The error says what is allowed, e.g. `use gloo or nccl`.
+    /// Parses `text` (trimmed).
+    ///
+    /// # Errors
+    /// What is allowed, when `text` is not a value of this type: `use gloo or nccl`.
     fn parse(text: &str) -> std::result::Result<Self, String>;
 
     /// How the attribute writes it: a string literal, unless a number or a bool.
@@ -311,8 +314,12 @@ impl Setting {
         (self.text)(settings)
     }
 
-    /// Parses `text` into this row's field of `settings`; the error says what is
-    /// allowed.
+    /// Parses `text` into this row's field of `settings` with the row's type's parser
+    /// and the row's check.
+    ///
+    /// # Errors
+    /// What is allowed (the row's message, `at least 1 is needed`), when the parser or
+    /// the check refuses `text`; `settings` is left as it was.
     pub fn set(&self, settings: &mut Settings, text: &str) -> std::result::Result<(), String> {
         (self.set)(settings, text.trim())
     }
@@ -461,13 +468,17 @@ settings! {
         var: "TCH_DISTRIBUTED_ZERO", file: true, value_name: "STAGE",
         values: "0 (off), 1, 2 or 3", default: "0",
     }
-    /// Size cap of the gradient buckets, in MiB: DDP's all-reduce buckets (it also caps
-    /// the first bucket) and, at ZeRO stages 2 and 3, the reduce-scatter buckets of the
-    /// variables no `fully_shard` unit holds (DeepSpeed's `reduce_bucket_size`).
+    /// Size cap of DDP's gradient buckets, in MiB (it also caps the first bucket), as PyTorch's; at ZeRO stages 2 and 3, that of the reduce-scatter buckets too unless reduce_bucket_mb is given.
     bucket_cap_mb: f64 [positive] {
         attribute: true, flag: Some("bucket-cap-mb"), alias: None,
         var: "TCH_DISTRIBUTED_BUCKET_CAP_MB", file: true, value_name: "MIB",
         values: "a positive number of MiB", default: "25 (first bucket 1), as PyTorch's DDP",
+    }
+    /// Size cap of the buckets at ZeRO stages 2 and 3, in MiB: the gradients of the variables no `fully_shard` unit holds are reduce-scattered in buckets of at most this size, and an all-gather's buffer holds at most this much, as DeepSpeed's reduce_bucket_size (which counts elements).
+    reduce_bucket_mb: f64 [positive] {
+        attribute: true, flag: Some("reduce-bucket-mb"), alias: None,
+        var: "TCH_DISTRIBUTED_REDUCE_BUCKET_MB", file: true, value_name: "MIB",
+        values: "a positive number of MiB", default: "bucket_cap_mb's (25)",
     }
     /// Whether DDP looks for variables that the loss leaves out, each step.
     find_unused_parameters: bool [any] {

@@ -166,6 +166,28 @@ fn without_units_gradients_are_reduce_scattered_in_buckets_of_the_cap() {
             "{out}: all-gathers, reduce-scatters, at the step"
         );
     }
+    // `reduce_bucket_mb` caps the buckets of stages 2 and 3 apart from DDP's
+    // `bucket_cap_mb`: alone, as the tiny cap above; over a tiny `bucket_cap_mb`, one
+    // bucket a step.
+    for (cap, reduce_scatters) in [(None, 60), (Some("0.00001"), 10)] {
+        let out = format!("zero2-reduce-bucket-{reduce_scatters}.safetensors");
+        let mut cmd = Command::new(tchrun());
+        cmd.args(["--nproc-per-node", "2", WORKER])
+            .args([dir.to_str().unwrap(), &out])
+            .env("TCH_DISTRIBUTED_ZERO", "2")
+            .env("CLIP", "0.05");
+        match cap {
+            Some(cap) => cmd
+                .env("TCH_DISTRIBUTED_BUCKET_CAP_MB", cap)
+                .env("TCH_DISTRIBUTED_REDUCE_BUCKET_MB", "25"),
+            None => cmd.env("TCH_DISTRIBUTED_REDUCE_BUCKET_MB", "0.00001"),
+        };
+        run_with(cmd, &dir, TIMEOUT, |_, _| {}).assert_success();
+        let diff = compare(&dir.join("ddp.safetensors"), &dir.join(&out));
+        assert!(diff.max_abs < 1e-6, "{out}: {diff:?}");
+        let stats = stats(&dir, &out);
+        assert_eq!([stats[2], stats[4]], [reduce_scatters, 0], "{out}: reduce-scatters");
+    }
 }
 
 /// Clipping sees the global norm over every rank's shards (FSDP2's `clip_grad_norm_`),

@@ -875,12 +875,14 @@ pub(crate) fn return_freed_memory() {
     }
 }
 
-/// The run's bucket cap in bytes (`bucket_cap_mb`, DDP's 25 MiB by default): what caps
-/// the root's gradient buckets and every all-gather's buffer.
+/// The run's bucket cap at stages 2 and 3 in bytes (`reduce_bucket_mb`, else
+/// `bucket_cap_mb`, DDP's 25 MiB by default): what caps the root's gradient buckets
+/// and every all-gather's buffer.
 pub(crate) fn bucket_bytes(ctx: &crate::init::Context) -> usize {
-    let mib = ctx
-        .settings()
-        .bucket_cap_mb
+    let settings = ctx.settings();
+    let mib = settings
+        .reduce_bucket_mb
+        .or(settings.bucket_cap_mb)
         .unwrap_or(crate::ddp::DdpOptions::default().bucket_cap_mb);
     (mib * (1 << 20) as f64) as usize
 }
