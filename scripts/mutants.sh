@@ -74,7 +74,7 @@ FILE[collective_record]=sdk/src/process_group/collective_record.rs; TESTS[collec
 # which ZeRO-1 cuts its shards by too. The model's file, written a variable at a time
 # and read by rows.
 FILE[shard_engine]=sdk/src/shard/engine.rs; TESTS[shard_engine]="sharding frozen activation"
-FILE[shard_params]=sdk/src/shard/params.rs; TESTS[shard_params]="sharding frozen activation"
+FILE[shard_params]=sdk/src/shard/param_group.rs; TESTS[shard_params]="sharding frozen activation"
 FILE[shard_unit]=sdk/src/shard/unit.rs;     TESTS[shard_unit]="sharding frozen activation"
 FILE[model_file]=sdk/src/checkpoint/model_file.rs; TESTS[model_file]="sharding frozen checkpoint"
 FILE[shard_hooks]=sdk/src/shard/hooks.rs;   TESTS[shard_hooks]="sharding activation"

@@ -21,7 +21,7 @@ use tch::{Kind, Tensor};
 
 use super::hooks::{self, GradHooks, Hook};
 use super::layout::{layout, Piece};
-use super::params::UnitParams;
+use super::param_group::UnitParams;
 use crate::error::{Error, Result};
 use crate::ffi::tensor::SyncTensors;
 use crate::ffi::tensor_key;
@@ -105,7 +105,7 @@ pub(crate) struct Inner {
     /// The first failure inside a hook, which fails the backward pass.
     failure: Mutex<Option<Error>>,
     /// The hook that gathers a unit before its backward pass.
-    gather_hook: Arc<Hook>,
+    unshard_hook: Arc<Hook>,
 }
 
 /// The reduce-scatters of a cycle run in one fixed order on every rank: the declared
@@ -209,14 +209,14 @@ impl Sharding {
         let mut units = Vec::new();
         let mut frozen_members = Vec::new();
         for (u, (slot, members, before)) in claims.units.into_iter().enumerate() {
-            let reshard = stage == 3 && u > 0;
+            let reshard_after_forward = stage == 3 && u > 0;
             let unit = match before {
                 Some(unit) => {
                     // Sharded when it was declared: kept gathered from now on at stage 2.
                     let mut state = unit.lock();
-                    if !reshard && state.reshard {
-                        state.reshard = false;
-                        unit.gather_locked(&mut state, false)?;
+                    if !reshard_after_forward && state.reshard_after_forward {
+                        state.reshard_after_forward = false;
+                        unit.unshard_locked(&mut state, false)?;
                     }
                     drop(state);
                     unit
@@ -228,7 +228,7 @@ impl Sharding {
                         members.iter().map(|&i| params[i].shallow_clone()).collect(),
                         param_dtype,
                         bucket_bytes,
-                        reshard,
+                        reshard_after_forward,
                     )?);
                     registry.add_sharded(unit.clone() as Arc<dyn ShardedParameters>);
                     if let Some(slot) = slot {
@@ -328,8 +328,8 @@ impl Sharding {
         let slots: Vec<Option<usize>> = units.iter().map(|(slot, _)| *slot).collect();
         let inner = Arc::new_cyclic(|me: &Weak<Inner>| {
             let me = me.clone();
-            let gather_hook: Arc<Hook> = Arc::new(move |u| match me.upgrade() {
-                Some(inner) => inner.kept(inner.gather_ahead(u, false)),
+            let unshard_hook: Arc<Hook> = Arc::new(move |u| match me.upgrade() {
+                Some(inner) => inner.kept(inner.unshard_ahead(u, false)),
                 None => true,
             });
             Inner {
@@ -351,7 +351,7 @@ impl Sharding {
                 reduce_scatters: AtomicU64::new(0),
                 reduce_scatters_at_step: AtomicU64::new(0),
                 failure: Mutex::new(None),
-                gather_hook,
+                unshard_hook,
                 hooked,
                 params: params.into(),
             }
@@ -542,8 +542,8 @@ impl Sharding {
         order.next = inner.buckets.len();
         for unit in &inner.units {
             let mut state = unit.lock();
-            if state.reshard && state.gathered && !state.in_pass {
-                unit.free_locked(&mut state)?;
+            if state.reshard_after_forward && state.state.is_unsharded() && !state.in_pass {
+                unit.reshard_locked(&mut state)?;
             }
         }
         Ok(())
@@ -563,9 +563,11 @@ impl Sharding {
         }
         for unit in &self.inner.units {
             let mut state = unit.lock();
-            if !state.reshard {
-                state.gathered = false;
-                unit.gather_locked(&mut state, false)?;
+            if !state.reshard_after_forward {
+                // The step changed the shard: all-gathered again (after any all-gather
+                // still in flight, of the shard before).
+                unit.mark_sharded(&mut state)?;
+                unit.unshard_locked(&mut state, false)?;
             }
         }
         Ok(())
@@ -705,26 +707,26 @@ impl Inner {
         input: &Tensor,
         forward: impl FnOnce(&Tensor) -> Tensor,
     ) -> Result<Tensor> {
-        self.gather_ahead(u, true)?;
+        self.unshard_ahead(u, true)?;
         let unit = &self.units[u];
-        let reshard = {
+        let reshard_after_forward = {
             let mut state = unit.lock();
             if self.bucket_of_unit[u].is_some() {
                 state.grads_done = false;
             }
             state.in_pass = true;
-            state.reshard
+            state.reshard_after_forward
         };
-        let watch = reshard && self.frozen_members[u] && input.requires_grad();
+        let watch = reshard_after_forward && self.frozen_members[u] && input.requires_grad();
         let input = match watch {
             true => unit.watch_input(input)?,
             false => input.shallow_clone(),
         };
         let out = forward(&input);
         unit.lock().in_pass = false;
-        if reshard {
+        if reshard_after_forward {
             if out.requires_grad() {
-                hooks::on_gradient(&out, &self.gather_hook, u)?;
+                hooks::on_gradient(&out, &self.unshard_hook, u)?;
             }
             unit.reshard()?;
         }
@@ -735,8 +737,8 @@ impl Inner {
     /// all-gather of the unit whose pass comes next, so that it runs during this
     /// unit's compute: the next unit of the forward order in a forward pass, the
     /// previous one in a backward pass (FSDP's prefetch, one unit ahead).
-    fn gather_ahead(&self, u: usize, forward: bool) -> Result<()> {
-        self.units[u].gather()?;
+    fn unshard_ahead(&self, u: usize, forward: bool) -> Result<()> {
+        self.units[u].unshard()?;
         let next = {
             let mut order = self.forward_order.lock().expect("forward order lock");
             match order.iter().position(|&v| v == u) {

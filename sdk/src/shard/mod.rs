@@ -2,7 +2,10 @@
 //! FSDP2 (`fully_shard`), for the SDK's [`Optimizer`](crate::Optimizer).
 //!
 //! - [`layout`]: where each parameter's exact `1/N` shard lies (dim 0, padded);
-//! - [`params`]: one unit's parameters, their shard, gathers and reshards;
+//! - [`param_group`]: one unit's parameters (FSDP2's `FSDPParamGroup`): their shard,
+//!   their [`ShardedState`](param_group::ShardedState) (sharded, unsharding,
+//!   unsharded), `unshard` (all-gather) and `reshard` (free), `reshard_after_forward`,
+//!   `param_dtype`;
 //! - [`engine`]: an optimizer's units, its gradient buckets and their
 //!   reduce-scatters, and the steps;
 //! - [`unit`]: [`fully_shard`], the units gathered around their passes;
@@ -11,7 +14,7 @@
 mod engine;
 mod hooks;
 pub(crate) mod layout;
-mod params;
+mod param_group;
 mod unit;
 
 pub use engine::ShardingStats;

@@ -7,7 +7,7 @@ use tch::nn::{Module, ModuleT, Path};
 use tch::Tensor;
 
 use super::engine::Inner;
-use super::params::UnitParams;
+use super::param_group::UnitParams;
 use crate::unit_registry::Slot;
 
 /// A module whose variables (those under the path given to [`fully_shard`]) form one

@@ -1,7 +1,9 @@
-//! One unit's parameters, sharded: FSDP2's `FSDPParamGroup` on the parameter side.
-//! The unit owns its members' dim-0 shards (one flat tensor per rank, see
-//! [`layout`](super::layout)), all-gathers them into the members' own memory before a
-//! pass and frees that memory after it (resharding), and knows how many of its passes'
+//! One unit's parameters, sharded: FSDP2's `FSDPParamGroup` on the parameter side,
+//! with its names (`unshard`, `reshard`, `reshard_after_forward`, `param_dtype`) and an
+//! explicit [`ShardedState`]. The unit owns its members' dim-0 shards (one flat tensor
+//! per rank, see [`layout`](super::layout)), all-gathers them into the members' own
+//! memory before a pass (unshard) and frees that memory after it (reshard), and knows
+//! how many of its passes'
 //! backward work is still to come. It lives as long as the run (the run's context
 //! keeps it): an optimizer steps its shards while it lives, and a unit whose optimizer
 //! is gone keeps gathering around its passes, so the model stays usable.
@@ -26,8 +28,8 @@ pub(crate) struct GatherCounts {
     pub all_gather_bytes: AtomicU64,
 }
 
-/// An all-gather started and not waited for.
-pub(crate) struct Gathering {
+/// An all-gather started and not waited for (FSDP2's `AllGatherResult`).
+pub(crate) struct AllGatherResult {
     pending: Pending,
     /// Its output, one chunk per rank (views of one buffer).
     chunks: Vec<Tensor>,
@@ -63,14 +65,12 @@ pub(crate) struct Unit {
     /// Per member, its chunk of `shard` in the member's shape with `chunk_rows` rows:
     /// what the optimizer steps.
     pub views: Vec<Tensor>,
-    /// The members hold the shards' values (in `param_dtype` when `rounded`).
-    pub gathered: bool,
-    pub rounded: bool,
-    /// An all-gather started ahead of the unit's pass (prefetched).
-    gathering: Option<Gathering>,
-    /// Freed after each forward and backward pass (a stage-3 unit, FSDP2's
-    /// `reshard_after_forward=True`); otherwise kept gathered.
-    pub reshard: bool,
+    /// Whether the members hold every rank's values, or an all-gather of them is on
+    /// its way.
+    pub state: ShardedState,
+    /// Resharded (the members' memory freed) after each forward and backward pass: a
+    /// stage-3 unit, FSDP2's `reshard_after_forward=True`; otherwise kept unsharded.
+    pub reshard_after_forward: bool,
     /// The backward work of this unit's passes that has not run yet: the gradients of
     /// their inputs (counted only for units with frozen members, whose weights the
     /// inputs' gradients read after every member's gradient is accumulated), and
@@ -82,13 +82,40 @@ pub(crate) struct Unit {
     pub in_pass: bool,
 }
 
+/// Where a unit's parameters stand, as FSDP2's `ShardedState`, with the all-gather in
+/// flight as a state of its own.
+pub(crate) enum ShardedState {
+    /// This rank holds its shard alone: the members' memory is freed, or holds values
+    /// older than the shard (after a step or a load), to be all-gathered again.
+    Sharded,
+    /// An all-gather was started ahead of the unit's pass (FSDP's prefetch) and not
+    /// waited for; the members are as in `Sharded` until it is.
+    Unsharding(AllGatherResult),
+    /// The members hold every rank's values: in `param_dtype` when `rounded` (for a
+    /// pass under mixed precision), else exactly the shards' values.
+    Unsharded { rounded: bool },
+}
+
+impl ShardedState {
+    /// The members hold every rank's values.
+    pub fn is_unsharded(&self) -> bool {
+        matches!(self, ShardedState::Unsharded { .. })
+    }
+
+    /// The members hold every rank's values exactly (not rounded to `param_dtype`).
+    pub fn is_exact(&self) -> bool {
+        matches!(self, ShardedState::Unsharded { rounded: false })
+    }
+}
+
 impl UnitParams {
     /// Shards `params` (named `names`, whole and holding every rank's agreed values)
-    /// over `group`: this rank keeps its rows of each. With `reshard`, the members'
+    /// over `group`: this rank keeps its rows of each. With `reshard_after_forward`, the members'
     /// memory is freed now, and after each of the unit's passes. `gather_bytes` caps an
     /// all-gather's buffer (see [`runs`](Self::runs)).
     ///
-    /// Errors: [`Error::Usage`] for members of different dtypes or devices, or one
+    /// # Errors
+    /// [`Error::Usage`] for members of different dtypes or devices, or one
     /// that is not a whole contiguous tensor; [`Error::Torch`] when a storage cannot
     /// be freed.
     pub fn new(
@@ -97,7 +124,7 @@ impl UnitParams {
         params: Vec<Tensor>,
         param_dtype: Option<Kind>,
         gather_bytes: usize,
-        reshard: bool,
+        reshard_after_forward: bool,
     ) -> Result<UnitParams> {
         let (rank, world) = (group.rank(), group.world_size());
         for (name, p) in names.iter().zip(&params) {
@@ -145,10 +172,8 @@ impl UnitParams {
             pieces,
             shard,
             views,
-            gathered: true,
-            rounded: false,
-            gathering: None,
-            reshard,
+            state: ShardedState::Unsharded { rounded: false },
+            reshard_after_forward,
             inputs_pending: 0,
             grads_done: true,
             in_pass: false,
@@ -163,13 +188,13 @@ impl UnitParams {
         };
         {
             let mut unit = me.lock();
-            if reshard {
-                free(&mut unit)?;
+            if reshard_after_forward {
+                free_unsharded(&mut unit)?;
             } else if param_dtype.is_some() {
-                // A unit that stays gathered holds the rounded parameters from the
+                // A unit that stays unsharded holds the rounded parameters from the
                 // start, as after each step.
-                unit.gathered = false;
-                me.gather_locked(&mut unit, false)?;
+                me.mark_sharded(&mut unit)?;
+                me.unshard_locked(&mut unit, false)?;
             }
         }
         Ok(me)
@@ -179,19 +204,19 @@ impl UnitParams {
         self.state.lock().expect("unit lock")
     }
 
-    /// Gathers the unit for a pass (in `param_dtype` under mixed precision), or waits
-    /// for the gather prefetched for it.
-    pub fn gather(&self) -> Result<()> {
-        self.gather_locked(&mut self.lock(), false)
+    /// All-gathers the unit for a pass (in `param_dtype` under mixed precision), or
+    /// waits for the all-gather prefetched for it: FSDP2's `unshard`.
+    pub fn unshard(&self) -> Result<()> {
+        self.unshard_locked(&mut self.lock(), false)
     }
 
-    /// Starts the unit's all-gather (for a pass) if it is neither gathered nor being
-    /// gathered: FSDP's prefetch.
+    /// Starts the unit's all-gather (for a pass) if it is sharded, not unsharded nor
+    /// being unsharded: FSDP's prefetch.
     pub fn prefetch(&self) -> Result<()> {
         let mut unit = self.lock();
-        if !unit.gathered && unit.gathering.is_none() && !unit.params.is_empty() {
+        if matches!(unit.state, ShardedState::Sharded) && !unit.params.is_empty() {
             let members = 0..unit.params.len();
-            unit.gathering = Some(self.start_gather(&unit, false, members)?);
+            unit.state = ShardedState::Unsharding(self.start_all_gather(&unit, false, members)?);
         }
         Ok(())
     }
@@ -199,21 +224,38 @@ impl UnitParams {
     /// Waits for a prefetched all-gather that no pass used, before a step changes the
     /// shard it reads; what it gathered is dropped.
     pub fn settle(&self) -> Result<()> {
-        let gathering = self.lock().gathering.take();
-        match gathering {
-            Some(gathering) => gathering.pending.wait(),
-            None => Ok(()),
+        let mut unit = self.lock();
+        match std::mem::replace(&mut unit.state, ShardedState::Sharded) {
+            ShardedState::Unsharding(gathering) => gathering.pending.wait(),
+            state => {
+                unit.state = state;
+                Ok(())
+            }
         }
     }
 
-    /// Frees the members' memory (a resharding unit after a pass).
+    /// Marks the members as older than the shard (after a step or a load changed it),
+    /// so that the next [`unshard`](Self::unshard) all-gathers them again; an all-gather
+    /// in flight is waited for and dropped.
+    ///
+    /// # Errors
+    /// [`Error::Collective`] when the all-gather in flight fails.
+    pub fn mark_sharded(&self, unit: &mut Unit) -> Result<()> {
+        match std::mem::replace(&mut unit.state, ShardedState::Sharded) {
+            ShardedState::Unsharding(gathering) => gathering.pending.wait(),
+            _ => Ok(()),
+        }
+    }
+
+    /// Frees the members' memory (a unit that reshards after forward, after a pass):
+    /// FSDP2's `reshard`.
     pub fn reshard(&self) -> Result<()> {
-        free(&mut self.lock())
+        free_unsharded(&mut self.lock())
     }
 
     /// [`reshard`](Self::reshard) with the lock held.
-    pub fn free_locked(&self, unit: &mut Unit) -> Result<()> {
-        free(unit)
+    pub fn reshard_locked(&self, unit: &mut Unit) -> Result<()> {
+        free_unsharded(unit)
     }
 
     /// Runs the unit's forward pass on `input` between its gather and, if it
@@ -229,19 +271,19 @@ impl UnitParams {
         input: &Tensor,
         forward: impl FnOnce(&Tensor) -> Tensor,
     ) -> Result<Tensor> {
-        self.gather()?;
-        let reshard = {
+        self.unshard()?;
+        let reshard_after_forward = {
             let mut unit = self.lock();
             unit.in_pass = true;
-            unit.reshard
+            unit.reshard_after_forward
         };
         let out = forward(input);
         self.lock().in_pass = false;
-        if reshard {
+        if reshard_after_forward {
             if out.requires_grad() {
                 let me = self.clone();
-                let gather: Arc<Hook> = Arc::new(move |_| me.gather().is_ok());
-                hooks::on_gradient(&out, &gather, 0)?;
+                let unshard: Arc<Hook> = Arc::new(move |_| me.unshard().is_ok());
+                hooks::on_gradient(&out, &unshard, 0)?;
             }
             self.reshard()?;
         }
@@ -277,12 +319,12 @@ impl UnitParams {
     /// Starts the all-gather of members `members` of the unit (their chunks are one
     /// contiguous range of the shard: one collective) into a buffer: in `param_dtype`
     /// under mixed precision, unless `exact`.
-    fn start_gather(
+    fn start_all_gather(
         &self,
         unit: &Unit,
         exact: bool,
         members: std::ops::Range<usize>,
-    ) -> Result<Gathering> {
+    ) -> Result<AllGatherResult> {
         let world = self.group.world_size();
         let start = unit.pieces[members.start].offset;
         let end = unit.pieces[members.end - 1].offset + unit.pieces[members.end - 1].chunk_len();
@@ -304,7 +346,7 @@ impl UnitParams {
         self.counts
             .all_gather_bytes
             .fetch_add(bytes as u64, Ordering::Relaxed);
-        Ok(Gathering {
+        Ok(AllGatherResult {
             pending,
             chunks,
             members,
@@ -340,43 +382,48 @@ impl UnitParams {
         runs
     }
 
-    /// All-gathers the unit's shard (or waits for the gather prefetched for it) into
-    /// its members' memory, a run of members at a time (see [`runs`](Self::runs));
+    /// All-gathers the unit's shard (or waits for the all-gather prefetched for it)
+    /// into its members' memory, a run of members at a time (see [`runs`](Self::runs));
     /// `exact`: in their own dtype under mixed precision too (a rounded unit is
-    /// gathered again). A gathered unit is left as it is.
-    pub fn gather_locked(&self, unit: &mut Unit, exact: bool) -> Result<()> {
+    /// all-gathered again). An unsharded unit is left as it is.
+    pub fn unshard_locked(&self, unit: &mut Unit, exact: bool) -> Result<()> {
         let rounded = self.param_dtype.is_some() && unit.shard.kind() == Kind::Float;
-        if (unit.gathered && !(exact && unit.rounded)) || unit.params.is_empty() {
+        let done = match unit.state {
+            ShardedState::Unsharded { rounded } => !(exact && rounded),
+            _ => false,
+        };
+        if done || unit.params.is_empty() {
             return Ok(());
         }
-        match unit.gathering.take() {
-            Some(gathering) if !exact => {
+        match std::mem::replace(&mut unit.state, ShardedState::Sharded) {
+            ShardedState::Unsharding(gathering) if !exact => {
                 self.counts
                     .prefetched_all_gathers
                     .fetch_add(1, Ordering::Relaxed);
-                fill(unit, gathering)?;
+                copy_out(unit, gathering)?;
             }
             other => {
-                if let Some(gathering) = other {
+                if let ShardedState::Unsharding(gathering) = other {
                     gathering.pending.wait()?;
                 }
                 for run in self.runs(unit, exact) {
-                    let gathering = self.start_gather(unit, exact, run)?;
-                    fill(unit, gathering)?;
+                    let gathering = self.start_all_gather(unit, exact, run)?;
+                    copy_out(unit, gathering)?;
                 }
             }
         }
         self.counts.all_gathers.fetch_add(1, Ordering::Relaxed);
-        unit.gathered = true;
-        unit.rounded = rounded && !exact;
+        unit.state = ShardedState::Unsharded {
+            rounded: rounded && !exact,
+        };
         Ok(())
     }
 }
 
 /// Waits for `gathering` and copies every rank's rows of its members into their
-/// memory.
-fn fill(unit: &Unit, gathering: Gathering) -> Result<()> {
-    let Gathering {
+/// memory (FSDP2's `foreach_all_gather_copy_out`).
+fn copy_out(unit: &Unit, gathering: AllGatherResult) -> Result<()> {
+    let AllGatherResult {
         pending,
         chunks,
         members,
@@ -455,21 +502,27 @@ impl Drop for InputWatch {
 /// Reshards a resharding unit once its backward work is done: its gradients are
 /// accumulated and its passes' inputs have their gradients.
 fn after_backward(unit: &mut Unit) -> Result<()> {
-    if unit.reshard && unit.gathered && unit.grads_done && unit.inputs_pending == 0 && !unit.in_pass
+    if unit.reshard_after_forward
+        && unit.state.is_unsharded()
+        && unit.grads_done
+        && unit.inputs_pending == 0
+        && !unit.in_pass
     {
-        free(unit)?;
+        free_unsharded(unit)?;
     }
     Ok(())
 }
 
-/// Frees the members' memory: until the next gather, reading one is an error that
-/// says why and what to do.
-fn free(unit: &mut Unit) -> Result<()> {
+/// Frees the members' memory (FSDP2's `free_unsharded_param`): until the next
+/// all-gather, reading one is an error that says why and what to do. An all-gather
+/// in flight stays in flight.
+fn free_unsharded(unit: &mut Unit) -> Result<()> {
     for (name, param) in unit.names.iter().zip(&unit.params) {
         hooks::free_storage(param, &resharded_message(name))?;
     }
-    unit.gathered = false;
-    unit.rounded = false;
+    if unit.state.is_unsharded() {
+        unit.state = ShardedState::Sharded;
+    }
     Ok(())
 }
 
@@ -495,10 +548,13 @@ impl ShardedParameters for UnitParams {
         f: &mut dyn FnMut() -> Result<()>,
     ) -> Result<()> {
         self.settle()?;
-        let (gathered, rounded) = {
+        let before = {
             let mut unit = self.lock();
-            let before = (unit.gathered, unit.rounded);
-            self.gather_locked(&mut unit, true)?;
+            let before = match unit.state {
+                ShardedState::Unsharded { rounded } => Some(rounded),
+                _ => None,
+            };
+            self.unshard_locked(&mut unit, true)?;
             before
         };
         let r = f();
@@ -506,11 +562,13 @@ impl ShardedParameters for UnitParams {
         if writeback && r.is_ok() {
             unit.cut(self.group.rank());
         }
-        if !gathered {
-            free(&mut unit)?;
-        } else if rounded {
-            unit.gathered = false;
-            self.gather_locked(&mut unit, false)?;
+        match before {
+            None => free_unsharded(&mut unit)?,
+            Some(true) => {
+                self.mark_sharded(&mut unit)?;
+                self.unshard_locked(&mut unit, false)?;
+            }
+            Some(false) => {}
         }
         r
     }
@@ -520,8 +578,8 @@ impl ShardedParameters for UnitParams {
     fn make_whole(&self) -> Result<()> {
         self.settle()?;
         let mut unit = self.lock();
-        self.gather_locked(&mut unit, true)?;
-        unit.reshard = false;
+        self.unshard_locked(&mut unit, true)?;
+        unit.reshard_after_forward = false;
         Ok(())
     }
 
@@ -531,7 +589,7 @@ impl ShardedParameters for UnitParams {
             return Ok(None);
         };
         let param = &unit.params[j];
-        if unit.gathered && !unit.rounded {
+        if unit.state.is_exact() {
             return Ok(Some(param.shallow_clone()));
         }
         // The member's chunk alone, from every rank.
@@ -591,10 +649,10 @@ impl ShardedParameters for UnitParams {
     fn after_load(&self) -> Result<()> {
         self.settle()?;
         let mut unit = self.lock();
-        if unit.gathered {
-            unit.gathered = false;
-            let exact = !unit.rounded;
-            self.gather_locked(&mut unit, exact)?;
+        if let ShardedState::Unsharded { rounded } = unit.state {
+            // The members hold the values before the load: all-gathered again.
+            self.mark_sharded(&mut unit)?;
+            self.unshard_locked(&mut unit, !rounded)?;
         }
         Ok(())
     }
