@@ -1,5 +1,6 @@
-//! The SDK as crates.io and docs.rs will see it: `cargo package` packs the macros crate
-//! and then the SDK (the SDK's package depends on the macros' packed copy), and builds
+//! The SDK as crates.io and docs.rs will see it: `cargo package` packs the settings
+//! crate, the macros crate and then the SDK (each package depends on the packed copies
+//! of those before it), and builds
 //! each from its package; `--features doc-only` documents the SDK with no libtorch at
 //! all, as docs.rs builds it (`[package.metadata.docs.rs]`).
 
@@ -47,12 +48,14 @@ fn target_dir() -> PathBuf {
 }
 
 #[test]
-fn cargo_package_packs_and_builds_the_macros_then_the_sdk() {
+fn cargo_package_packs_and_builds_the_settings_the_macros_then_the_sdk() {
     let dir = scratch_dir("package");
     let mut cmd = cargo();
     // --allow-dirty: a developer's uncommitted changes; CI's clone is clean anyway.
     cmd.args([
         "package",
+        "-p",
+        "tch-distributed-settings",
         "-p",
         "tch-distributed-macros",
         "-p",
@@ -61,7 +64,11 @@ fn cargo_package_packs_and_builds_the_macros_then_the_sdk() {
     .arg("--allow-dirty");
     let run = run_with(cmd, &dir, Duration::from_secs(1800), |_, _| {});
     run.assert_success();
-    for krate in ["tch-distributed-macros", "tch-distributed"] {
+    for krate in [
+        "tch-distributed-settings",
+        "tch-distributed-macros",
+        "tch-distributed",
+    ] {
         let packed = target_dir().join(format!("package/{krate}-0.1.0.crate"));
         assert!(packed.exists(), "{}", packed.display());
         assert!(
