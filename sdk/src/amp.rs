@@ -14,7 +14,8 @@ pub use crate::settings::{MixedPrecision, MixedPrecisionMode};
 /// convolutions) run in the low precision, the parameters stay float32. Nests, and
 /// restores the previous setting when `f` returns or panics.
 ///
-/// Errors with [`Error::Torch`] when libtorch rejects the setting.
+/// # Errors
+/// [`Error::Torch`] when libtorch rejects the setting.
 pub fn autocast<T>(device: Device, precision: MixedPrecision, f: impl FnOnce() -> T) -> Result<T> {
     let _autocast = Autocast::enter(device, precision)?;
     Ok(f())
@@ -37,7 +38,8 @@ impl Autocast {
 
     /// Turns autocast on until the guard drops.
     ///
-    /// Errors with [`Error::Torch`] when libtorch rejects the setting.
+    /// # Errors
+    /// [`Error::Torch`] when libtorch rejects the setting.
     pub fn enter(device: Device, precision: MixedPrecision) -> Result<Self> {
         // c10::ScalarType codes.
         let dtype_code = match precision {
@@ -69,7 +71,8 @@ impl init::Context {
     /// forward pass the attribute cannot see (inside a function of your own). With
     /// precision `no` it does nothing.
     ///
-    /// Errors with [`Error::Torch`] when libtorch rejects the setting.
+    /// # Errors
+    /// [`Error::Torch`] when libtorch rejects the setting.
     pub fn autocast(&self) -> Result<Autocast> {
         Autocast::enter(self.device(), self.mixed_precision())
     }
@@ -256,7 +259,8 @@ impl GradScaler {
     /// Updates the scale for the next step from this step's found-inf flag: ×0.5
     /// after an overflow, ×2 after `growth_interval` clean steps in a row.
     ///
-    /// Errors with [`Error::Usage`] when called before `step`, and with
+    /// # Errors
+    /// [`Error::Usage`] when called before `step`, and with
     /// [`Error::Diverged`] when `max_consecutive_skips` steps in a row have overflowed.
     pub fn update(&mut self) -> Result<()> {
         let found = self.found_inf.take().ok_or_else(|| {

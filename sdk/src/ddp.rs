@@ -120,7 +120,8 @@ impl DistributedDataParallel {
     /// Wraps the variables of `vs` for data-parallel training over `group`. Every
     /// rank must call it with a store holding the same variables.
     ///
-    /// Errors: [`Error::Config`] for non-positive bucket sizes; [`Error::Usage`] for a
+    /// # Errors
+    /// [`Error::Config`] for non-positive bucket sizes; [`Error::Usage`] for a
     /// store with no trainable variable, or ranks whose variables differ (on every
     /// rank, naming each variable that differs and every rank's shape of it, from
     /// descriptions the ranks publish in the store); [`Error::Timeout`] or
@@ -306,7 +307,8 @@ impl DistributedDataParallel {
     /// the gradients over all ranks while backward runs. `loss` is a scalar tensor;
     /// every rank must call this the same number of times.
     ///
-    /// Errors: [`Error::Timeout`] when the gradient all-reduce times out (naming the
+    /// # Errors
+    /// [`Error::Timeout`] when the gradient all-reduce times out (naming the
     /// ranks that did not arrive: each synchronized backward pass is recorded in the
     /// store, see [`ProcessGroup`]); [`Error::UnusedParameters`], naming them, when
     /// variables got no gradient in the last backward pass without
@@ -362,7 +364,8 @@ impl DistributedDataParallel {
     /// to prepare: not with `find_unused_parameters` or `static_graph`, and with no
     /// buffers to broadcast after the pass.
     ///
-    /// Errors: as [`backward`](Self::backward)'s preparation
+    /// # Errors
+    /// As [`backward`](Self::backward)'s preparation
     /// ([`Error::UnusedParameters`] when the last backward pass left variables
     /// without a gradient).
     pub(crate) fn prepare_next_backward(&self) -> Result<()> {
@@ -427,7 +430,8 @@ impl DistributedDataParallel {
     /// buffers when no synchronized backward came since they last changed (say,
     /// evaluation right after a `no_sync` micro-batch). Every rank must call it.
     ///
-    /// Errors: [`Error::Collective`] when the broadcast fails.
+    /// # Errors
+    /// [`Error::Collective`] when the broadcast fails.
     pub fn broadcast_buffers(&self) -> Result<()> {
         if self.options.broadcast_buffers && !self.buffers.is_empty() && self.group.world_size() > 1
         {

@@ -98,7 +98,8 @@ fn hostname() -> String {
 /// number them) for two on one GPU, which NCCL would refuse with "Duplicate GPU
 /// detected". Gloo ranks may share.
 ///
-/// Errors: [`Error::Config`] naming the ranks, the GPU and the fixes.
+/// # Errors
+/// [`Error::Config`] naming the ranks, the GPU and the fixes.
 pub(crate) fn check_own_gpus(
     store: &Store,
     backend: Backend,

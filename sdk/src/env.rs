@@ -30,7 +30,8 @@ impl LaunchEnv {
     /// Reads the process environment. `Ok(None)` when no launcher variables are set
     /// (a plain single process).
     ///
-    /// Errors: [`Error::Config`] naming the variable when one is malformed or missing.
+    /// # Errors
+    /// [`Error::Config`] naming the variable when one is malformed or missing.
     pub fn from_env() -> Result<Option<LaunchEnv>> {
         LaunchEnv::from_vars(crate::protocol::var)
     }

@@ -42,7 +42,8 @@ pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
 /// last (`.tmp-XXXX-model.safetensors`), for writers that pick a format from the
 /// extension. It is removed when `write` fails.
 ///
-/// Errors with [`Error::Io`] naming the path when the directory cannot be written,
+/// # Errors
+/// [`Error::Io`] naming the path when the directory cannot be written,
 /// and with `write`'s own error.
 pub(crate) fn replace(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
@@ -73,7 +74,8 @@ pub(crate) fn replace(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> R
 
 /// [`replace`] with `bytes`.
 ///
-/// Errors as [`replace`].
+/// # Errors
+/// As [`replace`].
 pub(crate) fn replace_with_bytes(path: &Path, bytes: &[u8]) -> Result<()> {
     replace(path, |tmp| {
         fs::write(tmp, bytes).map_err(io("writing", tmp))

@@ -109,7 +109,8 @@ pub fn init() -> Result<Context> {
 /// The first call in a process builds the context; later calls return it again
 /// (their options are ignored), as Accelerate's `PartialState`.
 ///
-/// Errors: [`Error::Config`] for malformed variables or options,
+/// # Errors
+/// [`Error::Config`] for malformed variables or options,
 /// [`Error::PortInUse`] when rank 0 cannot bind `MASTER_PORT`,
 /// [`Error::Rendezvous`] when the other ranks do not join within the timeout (saying
 /// how many of how many joined, and which are missing) or were started with another

@@ -20,7 +20,8 @@ pub enum Backend {
 impl Backend {
     /// Parses `"gloo"` or `"nccl"` (case-insensitive).
     ///
-    /// Errors: [`Error::Config`] for any other name, listing the valid ones.
+    /// # Errors
+    /// [`Error::Config`] for any other name, listing the valid ones.
     pub fn parse(name: &str) -> Result<Backend> {
         match name.to_ascii_lowercase().as_str() {
             "gloo" => Ok(Backend::Gloo),
@@ -150,7 +151,8 @@ impl std::str::FromStr for MixedPrecisionMode {
 
     /// `"no"`, `"bf16"`, `"fp16"` or `"auto"`.
     ///
-    /// Errors with [`Error::Config`] for any other value.
+    /// # Errors
+    /// [`Error::Config`] for any other value.
     fn from_str(value: &str) -> Result<Self> {
         Ok(match value {
             "no" => MixedPrecisionMode::Exactly(MixedPrecision::No),
@@ -194,7 +196,8 @@ impl std::str::FromStr for Implementation {
 
     /// `fused`, `foreach` or `tch`.
     ///
-    /// Errors with [`Error::Config`] for any other value.
+    /// # Errors
+    /// [`Error::Config`] for any other value.
     fn from_str(value: &str) -> Result<Self> {
         match value {
             "fused" => Ok(Implementation::Fused),

@@ -23,7 +23,8 @@ pub use state::{Checkpointer, TrainState};
 /// the previous file intact. The format follows the extension, as `VarStore::save`
 /// (`.safetensors`, else libtorch's format).
 ///
-/// Errors: [`Error::Io`] naming the path when the directory cannot be written;
+/// # Errors
+/// [`Error::Io`] naming the path when the directory cannot be written;
 /// [`Error::Torch`] when libtorch fails to serialize; [`Error::Collective`] when a
 /// rank does not reach the barriers.
 pub fn save_var_store(ctx: &Context, vs: &VarStore, path: impl AsRef<Path>) -> Result<()> {

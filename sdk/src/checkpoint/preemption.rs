@@ -55,7 +55,8 @@ pub struct Preemption {
 impl Preemption {
     /// Installs the handlers (once per process is enough; each call adds its own).
     ///
-    /// Errors with [`Error::Io`] when the handlers cannot be installed.
+    /// # Errors
+    /// [`Error::Io`] when the handlers cannot be installed.
     pub fn install() -> Result<Self> {
         let signal = Arc::new(AtomicUsize::new(0));
         let senders = Arc::new(Senders::new());
@@ -77,7 +78,8 @@ impl Preemption {
     /// ranks stop at the same step); `None` otherwise. A collective: every rank calls
     /// it once per step.
     ///
-    /// Errors with [`Error::Collective`] when the all-reduce fails.
+    /// # Errors
+    /// [`Error::Collective`] when the all-reduce fails.
     pub fn requested(&self) -> Result<Option<i32>> {
         let mine = self.signal.load(Ordering::SeqCst) as i64;
         let any = init::all_reduce_scalar(mine, ReduceOp::Max)?;

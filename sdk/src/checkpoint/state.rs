@@ -207,7 +207,8 @@ impl Checkpointer {
     /// The checkpoint directories under `root`, newest first, complete or not; empty
     /// when `root` does not exist yet.
     ///
-    /// Errors with [`Error::Io`] naming `root` when it exists but cannot be read (a
+    /// # Errors
+    /// [`Error::Io`] naming `root` when it exists but cannot be read (a
     /// permission problem, a network file system's error, a file where the directory
     /// should be): a job must not take that for "no checkpoints" and start afresh.
     pub fn list(&self) -> Result<Vec<(u64, PathBuf)>> {
@@ -235,7 +236,8 @@ impl Checkpointer {
     /// the job's) as `root/step-{state.step}`; returns its path. A collective: every
     /// rank calls it at the same step.
     ///
-    /// Errors: [`Error::Io`] naming the path that could not be written (the disk is
+    /// # Errors
+    /// [`Error::Io`] naming the path that could not be written (the disk is
     /// full, permission denied), on every rank, with the previous checkpoints
     /// intact; [`Error::Collective`] when a rank does not take part.
     pub fn save_state(
@@ -519,7 +521,8 @@ impl Checkpointer {
     /// ([`TrainState::loader_position`]), and each rank's random generator keeps its
     /// current state instead of the saved one.
     ///
-    /// Errors: [`Error::Checkpoint`] when checkpoints exist but none is usable (the
+    /// # Errors
+    /// [`Error::Checkpoint`] when checkpoints exist but none is usable (the
     /// message lists each one and why), when another rank cannot list them, or when
     /// the agreed one's optimizer state does not fit `opt` (another algorithm's, other
     /// shapes); [`Error::Io`] when `root` exists but cannot be listed (see

@@ -5,7 +5,8 @@ use crate::error::{Error, Result};
 /// The per-rank batch size for a global batch of `global` samples per step over
 /// `world_size` ranks: `global / world_size`.
 ///
-/// Errors with [`Error::Config`] when `world_size` is 0 or `global` does not divide by
+/// # Errors
+/// [`Error::Config`] when `world_size` is 0 or `global` does not divide by
 /// it (the message gives the nearest global batch sizes that do).
 pub fn per_rank_batch_size(global: usize, world_size: usize) -> Result<usize> {
     if world_size == 0 {
@@ -47,7 +48,8 @@ impl LrScaling {
     /// `base_lr`, tuned at a global batch of `base_batch` samples, scaled for a global
     /// batch of `batch` samples.
     ///
-    /// Errors with [`Error::Config`] when either batch size is 0.
+    /// # Errors
+    /// [`Error::Config`] when either batch size is 0.
     pub fn scale(self, base_lr: f64, base_batch: usize, batch: usize) -> Result<f64> {
         if base_batch == 0 || batch == 0 {
             return Err(Error::Config(

@@ -22,7 +22,8 @@ pub trait Dataset: Clone + Send + 'static {
 
     /// Sample `index` (`index < len()`).
     ///
-    /// Errors: whatever reading the sample can fail with (a missing file, bad data).
+    /// # Errors
+    /// Whatever reading the sample can fail with (a missing file, bad data).
     fn get(&self, index: usize) -> Result<Self::Item>;
 
     /// The samples at `indices` as one batch, leading dimension `indices.len()`. By
@@ -42,7 +43,8 @@ pub trait Dataset: Clone + Send + 'static {
 pub trait Batch: Send + Sized + 'static {
     /// Stacks samples of equal shapes into a batch ([`Tensor::stack`] along dim 0).
     ///
-    /// Errors with [`Error::Torch`] when the samples' shapes differ.
+    /// # Errors
+    /// [`Error::Torch`] when the samples' shapes differ.
     fn collate(samples: Vec<Self>) -> Result<Self>;
 
     /// Applies `f` to every tensor (moving a batch to a device, pinning it).
@@ -93,7 +95,8 @@ pub struct TensorDataset {
 impl TensorDataset {
     /// `xs`: [n, …] inputs, `ys`: [n, …] targets.
     ///
-    /// Errors with [`Error::InvalidInput`] when their leading dimensions differ.
+    /// # Errors
+    /// [`Error::InvalidInput`] when their leading dimensions differ.
     pub fn new(xs: &Tensor, ys: &Tensor) -> Result<Self> {
         let (n, m) = (xs.size().first().copied(), ys.size().first().copied());
         if n.is_none() || n != m {
@@ -164,7 +167,8 @@ pub struct TextDataset {
 impl TextDataset {
     /// Windows of `seq_len + 1` labels over `text`.
     ///
-    /// Errors with [`Error::InvalidInput`] when the text is not longer than `seq_len`.
+    /// # Errors
+    /// [`Error::InvalidInput`] when the text is not longer than `seq_len`.
     pub fn new(text: &tch::data::TextData, seq_len: usize) -> Result<Self> {
         let data = text.data().to_kind(Kind::Int64);
         if data.size()[0] <= seq_len as i64 {

@@ -71,7 +71,8 @@ impl<D: Dataset> DataLoader<D> {
     /// different number of steps (and hang in the first collective that only some
     /// reach) fail here instead.
     ///
-    /// Errors: [`Error::InvalidInput`] when `batch_size` is 0, the dataset is empty,
+    /// # Errors
+    /// [`Error::InvalidInput`] when `batch_size` is 0, the dataset is empty,
     /// or the ranks' datasets differ in length; [`Error::Collective`] when comparing
     /// fails.
     pub fn new(dataset: D, batch_size: usize) -> Result<Self> {
@@ -291,7 +292,8 @@ impl<D: Dataset> DataLoader<D> {
     /// [kept rows over all ranks, …] on every rank. A collective: every rank calls it
     /// at the same step.
     ///
-    /// Errors: [`Error::InvalidInput`] when `values` has neither row count;
+    /// # Errors
+    /// [`Error::InvalidInput`] when `values` has neither row count;
     /// [`Error::Collective`] when the all-gather fails.
     pub fn gather_for_metrics(&self, values: &Tensor) -> Result<Tensor> {
         let rows = values.size().first().copied().unwrap_or(0) as usize;

@@ -172,7 +172,8 @@ impl<I: Iterator> Sharded<I> {
     /// that would deal different sequences get an error, all of them, instead of
     /// training on overlapping shards in silence.
     ///
-    /// Errors: [`Error::InvalidInput`] when the first batches differ, [`Error::Collective`]
+    /// # Errors
+    /// [`Error::InvalidInput`] when the first batches differ, [`Error::Collective`]
     /// when the all-reduce fails.
     pub(crate) fn check_same_start(mut self, samples: fn(&I::Item) -> Vec<u64>) -> Result<Self> {
         let Some(ctx) = init::current().filter(|c| c.world_size() > 1) else {

@@ -38,7 +38,8 @@ impl DistributedSampler {
     /// A sampler over `len` samples for `rank` of `world_size` ranks, shuffled with
     /// seed 0, padded, at epoch 0.
     ///
-    /// Errors with [`Error::Usage`] when `world_size` is 0 or `rank >= world_size`,
+    /// # Errors
+    /// [`Error::Usage`] when `world_size` is 0 or `rank >= world_size`,
     /// with [`Error::InvalidInput`] when `len` is 0.
     pub fn new(len: usize, rank: usize, world_size: usize) -> Result<Self> {
         if world_size == 0 || rank >= world_size {
@@ -172,7 +173,8 @@ impl DistributedSampler {
     /// This rank's sample indices for the current epoch, in order:
     /// [`num_samples`](Self::num_samples) of them.
     ///
-    /// Errors with [`Error::Torch`] only if libtorch fails to draw the permutation.
+    /// # Errors
+    /// [`Error::Torch`] only if libtorch fails to draw the permutation.
     pub fn indices(&self) -> Result<Vec<usize>> {
         Ok(self
             .epoch_order()?

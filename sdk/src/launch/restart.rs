@@ -37,7 +37,8 @@ impl Rendezvous {
     /// port, bound by the store itself, so no other process can take it first), and
     /// joined by every node's ranks.
     ///
-    /// Errors with [`Error::Config`] when the store cannot be hosted (the port is
+    /// # Errors
+    /// [`Error::Config`] when the store cannot be hosted (the port is
     /// taken, or libtorch's own reason).
     pub(super) fn new(config: &LaunchConfig) -> Result<Rendezvous> {
         if config.node_rank != 0 {

@@ -108,7 +108,8 @@ impl Attempt<'_> {
     /// every line the ranks wrote has been copied when this returns, and a failed rank's
     /// before the launcher says it failed.
     ///
-    /// Errors with [`Error::Io`] when a rank cannot be started (the ranks already
+    /// # Errors
+    /// [`Error::Io`] when a rank cannot be started (the ranks already
     /// started are stopped first) or its status cannot be read.
     pub(super) fn run(&self, signals: &mut Signals, remote: &mut Remote) -> Result<Outcome> {
         let mut ranks = Ranks::default();

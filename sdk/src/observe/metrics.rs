@@ -66,7 +66,8 @@ impl Tracker {
     /// Add the batch size with [`batch_size`](Self::batch_size) and anything else
     /// with [`config`](Self::config).
     ///
-    /// Errors with [`Error::Io`] when rank 0 cannot create `dir` or its files.
+    /// # Errors
+    /// [`Error::Io`] when rank 0 cannot create `dir` or its files.
     pub fn new(dir: impl AsRef<Path>) -> Result<Tracker> {
         let dir = dir.as_ref().to_path_buf();
         let ctx = init::current();
@@ -142,7 +143,8 @@ impl Tracker {
     /// accumulation steps (the attribute's `grad_accum`, else 1) × world size, as the
     /// multi-GPU guides count it.
     ///
-    /// Errors as [`config`](Self::config).
+    /// # Errors
+    /// As [`config`](Self::config).
     pub fn batch_size(&mut self, per_rank: usize) -> Result<()> {
         let accumulation = init::current()
             .and_then(|c| c.settings().grad_accum)
@@ -159,7 +161,8 @@ impl Tracker {
     /// Adds `key: value` to the configuration (say, the command-line arguments as a
     /// struct deriving `serde::Serialize`) and rewrites `config.json` on rank 0.
     ///
-    /// Errors with [`Error::InvalidInput`] when `value` cannot be turned into JSON, and
+    /// # Errors
+    /// [`Error::InvalidInput`] when `value` cannot be turned into JSON, and
     /// with [`Error::Io`] when rank 0 cannot write the file.
     pub fn config(&mut self, key: &str, value: impl serde::Serialize) -> Result<()> {
         let value = serde_json::to_value(value).map_err(|e| {
@@ -193,7 +196,8 @@ impl Tracker {
     /// [`average_over_ranks`](Self::average_over_ranks), the mean over ranks of each
     /// value.
     ///
-    /// Errors with [`Error::InvalidInput`] for a name that is empty or repeated in
+    /// # Errors
+    /// [`Error::InvalidInput`] for a name that is empty or repeated in
     /// `values`, with the all-reduce's error when averaging fails (a rank that does
     /// not call `log` makes the others time out), and with [`Error::Io`] when rank 0
     /// cannot write.
@@ -254,7 +258,8 @@ impl Tracker {
     /// against the step) and returns their paths; the other ranks return none.
     /// Dropping the tracker does the same, reporting a failure on stderr.
     ///
-    /// Errors with [`Error::Io`] when a plot cannot be written.
+    /// # Errors
+    /// [`Error::Io`] when a plot cannot be written.
     pub fn finish(mut self) -> Result<Vec<PathBuf>> {
         self.plot()
     }

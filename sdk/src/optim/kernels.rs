@@ -111,7 +111,8 @@ impl Algorithm {
 
     /// Checks the options as libtorch's C++ optimizers do, with their messages.
     ///
-    /// Errors with [`Error::Torch`] naming the first invalid option.
+    /// # Errors
+    /// [`Error::Torch`] naming the first invalid option.
     pub(crate) fn check(&self, lr: f64) -> Result<()> {
         let invalid =
             |what: &str, value: f64| Err(Error::Torch(format!("Invalid {what}: {value}")));
@@ -275,7 +276,8 @@ fn slot<'a>(members: &[usize], state: &'a [Option<ParamState>], k: usize) -> Ten
 /// A parameter that the fused kernels do not serve (its device or dtype) is updated by
 /// the foreach kernels instead ([`Implementation::serving`]).
 ///
-/// Errors with [`Error::Torch`] when a kernel refuses the tensors.
+/// # Errors
+/// [`Error::Torch`] when a kernel refuses the tensors.
 pub(crate) fn update(
     params: &[Tensor],
     groups_of: &[usize],

@@ -36,7 +36,8 @@ pub(crate) fn set_end_of_data(last: bool) {
 
 /// Sets the gradients of `params` to none (undefined), as `zero_grad(set_to_none=True)`.
 ///
-/// Errors with [`Error::Torch`] from libtorch.
+/// # Errors
+/// [`Error::Torch`] from libtorch.
 pub(crate) fn set_grads_to_none(params: &[Tensor]) -> Result<()> {
     ffi::optim::zero_grad(&ffi::TensorArray::new(params)).map_err(|t| Error::Torch(t.message()))
 }
@@ -211,7 +212,8 @@ impl Optimizer {
     /// `config.build(&vs, lr)` does in tch: one parameter group per `Var::group`,
     /// each starting with `config`'s options.
     ///
-    /// Errors with [`Error::Torch`] when an option is out of range, with libtorch's
+    /// # Errors
+    /// [`Error::Torch`] when an option is out of range, with libtorch's
     /// own reason (e.g. `Invalid learning rate: -1` for Adam, `Nesterov momentum
     /// requires a momentum and zero dampening` for SGD).
     pub fn new(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Self> {
@@ -245,7 +247,8 @@ impl Optimizer {
     /// tch's, for results that are the plain tch program's to the bit. See
     /// [`Implementation`].
     ///
-    /// Errors with [`Error::Usage`] for [`Implementation::Fused`] with RMSprop, which
+    /// # Errors
+    /// [`Error::Usage`] for [`Implementation::Fused`] with RMSprop, which
     /// has no fused kernel.
     pub fn with_implementation(mut self, implementation: Implementation) -> Result<Self> {
         if implementation == Implementation::Fused
@@ -288,7 +291,8 @@ impl Optimizer {
     /// is taken in another order). Every rank gets rank 0's variables and buffers at
     /// stages 2 and 3, as DDP's construction gives them.
     ///
-    /// Errors with [`Error::Usage`] for a stage other than 1, 2 and 3, for stages 2
+    /// # Errors
+    /// [`Error::Usage`] for a stage other than 1, 2 and 3, for stages 2
     /// and 3 on an optimizer that steps through a DDP, or on one already at stage 2 or
     /// 3; with [`Error::Collective`] when the ranks' models differ.
     pub fn zero(mut self, stage: u8) -> Result<Self> {
@@ -500,7 +504,8 @@ impl Optimizer {
     /// Variables created after the optimizer join it, as in tch: in the store's order,
     /// each in its group (new groups start from the defaults).
     ///
-    /// Errors with [`Error::Usage`] when it steps through DDP over several ranks:
+    /// # Errors
+    /// [`Error::Usage`] when it steps through DDP over several ranks:
     /// DDP averages the gradients of the variables that existed when it wrapped the
     /// model, so new ones would train apart on each rank; once, after a DDP was given
     /// to a sharded optimizer ([`distributed`](Self::distributed)).
@@ -701,7 +706,8 @@ impl Optimizer {
     /// others run under `no_sync`). Gradients add up until
     /// [`zero_grad`](Self::zero_grad). Returns whether this micro-batch ends the cycle.
     ///
-    /// Errors: those of [`DistributedDataParallel::backward`], or [`Error::Torch`].
+    /// # Errors
+    /// Those of [`DistributedDataParallel::backward`], or [`Error::Torch`].
     pub fn backward(&mut self, loss: &Tensor) -> Result<bool> {
         self.add_missing_variables()?;
         let last = self.is_sync_step();
@@ -781,7 +787,8 @@ impl Optimizer {
 
     /// The options of parameter group `group`.
     ///
-    /// Errors with [`Error::Usage`] when there is no such group.
+    /// # Errors
+    /// [`Error::Usage`] when there is no such group.
     fn group_mut(&mut self, group: usize) -> Result<&mut Group> {
         self.add_missing_variables()?;
         let count = self.groups.len();
@@ -808,7 +815,8 @@ impl Optimizer {
 
     /// Sets the learning rate of parameter group `group`.
     ///
-    /// Errors with [`Error::Usage`] when there is no such group.
+    /// # Errors
+    /// [`Error::Usage`] when there is no such group.
     pub fn set_lr_group(&mut self, group: usize, lr: f64) -> Result<()> {
         self.group_mut(group)?.lr = lr;
         Ok(())
@@ -823,7 +831,8 @@ impl Optimizer {
     /// Sets the momentum of parameter group `group` (SGD, RMSprop; Adam's first
     /// beta), as tch's `set_momentum_group`.
     ///
-    /// Errors with [`Error::Usage`] when there is no such group.
+    /// # Errors
+    /// [`Error::Usage`] when there is no such group.
     pub fn set_momentum_group(&mut self, group: usize, momentum: f64) -> Result<()> {
         self.group_mut(group)?.algorithm.set_momentum(momentum);
         Ok(())
@@ -837,7 +846,8 @@ impl Optimizer {
     /// Sets the weight decay of parameter group `group`, as tch's
     /// `set_weight_decay_group` (minGPT's no-decay group for biases and norms).
     ///
-    /// Errors with [`Error::Usage`] when there is no such group.
+    /// # Errors
+    /// [`Error::Usage`] when there is no such group.
     pub fn set_weight_decay_group(&mut self, group: usize, weight_decay: f64) -> Result<()> {
         self.group_mut(group)?
             .algorithm
@@ -863,7 +873,8 @@ impl Optimizer {
     /// `safetensors.torch.load_file` and `torch.optim.*.load_state_dict` (see the
     /// checkpoints chapter of the book).
     ///
-    /// Errors with [`Error::Checkpoint`] when the tensors cannot be serialized.
+    /// # Errors
+    /// [`Error::Checkpoint`] when the tensors cannot be serialized.
     pub fn state(&mut self) -> Result<Vec<u8>> {
         self.add_missing_variables()?;
         state::to_safetensors(self)
@@ -873,7 +884,8 @@ impl Optimizer {
     /// to each parameter's device) and the groups' options (learning rates, momentum,
     /// weight decay, …).
     ///
-    /// Errors with [`Error::Checkpoint`] when the bytes are not such a state, when it is
+    /// # Errors
+    /// [`Error::Checkpoint`] when the bytes are not such a state, when it is
     /// another algorithm's (an SGD state into Adam), or when its parameters' count or
     /// shapes differ from this optimizer's, naming the first that differs.
     pub fn load_state(&mut self, bytes: &[u8]) -> Result<()> {
@@ -887,7 +899,8 @@ impl Optimizer {
     /// it holds: every parameter's state, or with [`zero`](Self::zero) its own share,
     /// whatever the world size that saved them.
     ///
-    /// Errors as [`load_state`](Self::load_state).
+    /// # Errors
+    /// As [`load_state`](Self::load_state).
     pub fn load_state_shards(&mut self, shards: &[&[u8]]) -> Result<()> {
         self.add_missing_variables()?;
         state::from_safetensors(self, shards)?;
@@ -900,7 +913,8 @@ impl Optimizer {
     /// variables of the same shapes in the same groups. The groups' options are this
     /// optimizer's, not the archive's.
     ///
-    /// Errors with [`Error::Checkpoint`] when the bytes are not such an archive.
+    /// # Errors
+    /// [`Error::Checkpoint`] when the bytes are not such an archive.
     pub fn load_libtorch_archive(&mut self, bytes: &[u8]) -> Result<()> {
         self.add_missing_variables()?;
         state::from_libtorch_archive(self, bytes)

@@ -11,7 +11,8 @@ impl GradScaler {
     /// once per step, after backward, to clip or inspect the true gradients;
     /// [`step`](Self::step) calls it otherwise.
     ///
-    /// Errors: [`Error::Usage`](crate::Error::Usage) when called twice in a step;
+    /// # Errors
+    /// [`Error::Usage`](crate::Error::Usage) when called twice in a step;
     /// [`Error::Torch`](crate::Error::Torch) or [`Error::Collective`](crate::Error::Collective)
     /// when the kernels or the all-reduce fail.
     pub fn unscale(&mut self, opt: &Optimizer) -> Result<()> {

@@ -95,7 +95,8 @@ impl Zero {
     /// Every rank broadcasts its updated rows to the others (one `broadcast_coalesced`
     /// per rank, in place); frozen variables (`requires_grad` off) are left out.
     ///
-    /// Errors with [`Error::Collective`](crate::Error::Collective) when a broadcast
+    /// # Errors
+    /// [`Error::Collective`](crate::Error::Collective) when a broadcast
     /// fails.
     pub fn share(&self, params: &[Tensor]) -> Result<()> {
         let pg = self.ctx.process_group();

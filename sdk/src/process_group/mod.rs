@@ -90,7 +90,8 @@ impl ProcessGroup {
     /// with [`Backend::Gloo`] Gloo serves them too (staged through host memory), as
     /// `torch.distributed`'s `"gloo"` does, so several ranks can share one GPU.
     ///
-    /// Errors: [`Error::BackendUnavailable`] when NCCL is asked for and was not built
+    /// # Errors
+    /// [`Error::BackendUnavailable`] when NCCL is asked for and was not built
     /// or `device` is not CUDA; [`Error::Rendezvous`] when the other ranks do not join
     /// within `timeout`.
     pub fn new(
@@ -112,7 +113,8 @@ impl ProcessGroup {
     /// where it would otherwise hang or abort. Each collective costs an extra
     /// all-gather and barrier.
     ///
-    /// Errors: as [`new`](Self::new).
+    /// # Errors
+    /// As [`new`](Self::new).
     pub fn checked(
         store: &Store,
         rank: usize,
@@ -414,7 +416,8 @@ impl ProcessGroup {
     /// outputs hold the result once [`Pending::wait`] returned. Every rank starts its
     /// collectives in the same order, as for the blocking ones.
     ///
-    /// Errors: [`Error::Collective`] when the backend cannot start it.
+    /// # Errors
+    /// [`Error::Collective`] when the backend cannot start it.
     pub(crate) fn all_gather_start(&self, outputs: &[Tensor], input: &Tensor) -> Result<Pending> {
         let work = self
             .raw()
@@ -433,7 +436,8 @@ impl ProcessGroup {
     /// as `torch.distributed.reduce_scatter`. `inputs` holds one tensor per rank, all
     /// of one shape; the result has that shape.
     ///
-    /// Errors: [`Error::Usage`] when `inputs.len() != world_size` or `op` is
+    /// # Errors
+    /// [`Error::Usage`] when `inputs.len() != world_size` or `op` is
     /// [`ReduceOp::Avg`] on an integer dtype; an error from the
     /// backend where it has no reduce-scatter.
     pub fn reduce_scatter(&self, inputs: &[Tensor], op: ReduceOp) -> Result<Tensor> {
@@ -495,7 +499,8 @@ impl ProcessGroup {
     /// Checks that every rank has the same number of tensors as rank 0, with the same
     /// shapes, dtypes and layouts (`c10d::verify_params_across_processes`).
     ///
-    /// Errors: [`Error::Collective`] whose message names the first mismatch.
+    /// # Errors
+    /// [`Error::Collective`] whose message names the first mismatch.
     pub fn verify_same_shapes(&self, tensors: &[Tensor]) -> Result<()> {
         let tensors = TensorArray::new(tensors);
         self.run("verify_params_across_processes", || {
@@ -525,7 +530,8 @@ impl Pending {
     /// Waits until the collective completes; the wait is recorded as a blocking
     /// collective's (its number, for the diagnosis of a stall, is taken now).
     ///
-    /// Errors: as the blocking collective's ([`Error::Collective`], [`Error::Timeout`]).
+    /// # Errors
+    /// As the blocking collective's ([`Error::Collective`], [`Error::Timeout`]).
     pub(crate) fn wait(self) -> Result<()> {
         let timeout = millis(self.group.timeout);
         self.group.run("all_gather", || self.work.wait(timeout))

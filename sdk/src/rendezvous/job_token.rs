@@ -49,7 +49,8 @@ impl JobToken {
 
     /// A fresh token: 128 random bits from the system (`/dev/urandom`), in hex.
     ///
-    /// Errors with [`Error::Io`] when the system's random source cannot be read.
+    /// # Errors
+    /// [`Error::Io`] when the system's random source cannot be read.
     pub(crate) fn generate() -> Result<JobToken> {
         let mut bytes = [0u8; 16];
         std::fs::File::open("/dev/urandom")
@@ -172,7 +173,8 @@ fn cipher(secret: &[u8; SECRET_BYTES]) -> XChaCha20Poly1305 {
 /// the token's check value, every other rank compares its own with it (waiting up to
 /// the store's timeout for rank 0).
 ///
-/// Errors with [`Error::Config`] when the tokens differ, saying so without showing
+/// # Errors
+/// [`Error::Config`] when the tokens differ, saying so without showing
 /// either; with the store's error when rank 0's value does not come.
 pub(crate) fn agree(store: &Store, token: Option<&JobToken>, rank: usize) -> Result<()> {
     let Some(token) = token else { return Ok(()) };

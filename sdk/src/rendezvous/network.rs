@@ -49,7 +49,8 @@ impl GlooAddress {
     /// The choice for a store at `master` (`host`, `port`; `None` for an in-process
     /// store), with `named` the value of `GLOO_SOCKET_IFNAME`.
     ///
-    /// Errors with the message (for the caller's [`Error::Rendezvous`](crate::Error))
+    /// # Errors
+    /// The message (for the caller's [`Error::Rendezvous`](crate::Error))
     /// when `master` does not resolve, or no route leads to it.
     pub(crate) fn choose(
         named: Option<String>,
@@ -199,7 +200,8 @@ pub(crate) fn address_towards(host: &str, port: u16) -> Option<IpAddr> {
 /// The master's address, `host:port` resolved as every rank and the store's host
 /// resolve it (the first address the resolver gives).
 ///
-/// Errors with the message (for the caller's error) when `host` does not resolve or
+/// # Errors
+/// The message (for the caller's error) when `host` does not resolve or
 /// has no address.
 pub(crate) fn resolve_master(host: &str, port: u16) -> Result<SocketAddr, String> {
     (host, port)

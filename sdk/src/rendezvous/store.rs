@@ -62,7 +62,8 @@ pub(super) fn cstring(s: &str, what: &str) -> Result<CString> {
 /// to 127.0.1.1, as Debian does), the other hosts could not reach that: it listens on
 /// every interface instead, as before.
 ///
-/// Errors with [`Error::PortInUse`] when the port is taken, [`Error::Rendezvous`] when
+/// # Errors
+/// [`Error::PortInUse`] when the port is taken, [`Error::Rendezvous`] when
 /// `host` does not resolve or the address cannot be bound.
 fn listener(host: &str, port: u16, world_size: usize, several_hosts: bool) -> Result<TcpListener> {
     let fail = |message: String| Error::Rendezvous {
@@ -122,7 +123,8 @@ impl Store {
     /// a loopback address here listens on every interface instead, so that the other
     /// hosts can reach it.
     ///
-    /// Errors as [`Store::tcp`].
+    /// # Errors
+    /// As [`Store::tcp`].
     pub(crate) fn tcp_server(
         host: &str,
         port: u16,
@@ -250,7 +252,8 @@ impl Store {
     /// `listKeys`). Anyone who reaches a TCP store's port can list its keys: a job's
     /// token hides its values, not their names (the book's Security chapter).
     ///
-    /// Errors with [`Error::Torch`] when the store cannot be read.
+    /// # Errors
+    /// [`Error::Torch`] when the store cannot be read.
     pub fn list_keys(&self) -> Result<Vec<String>> {
         let bytes = self.raw.list_keys().map_err(Error::Torch)?;
         Ok(bytes
