@@ -81,8 +81,12 @@ fi
 if [ "$TCH" = 0.24 ]; then
   python3 scripts/modules.py --check  # no import cycle among sdk/src's modules (it names each)
   # Every C call goes through sdk/src/ffi/, the one module with `unsafe` code, and each
-  # of its `unsafe` blocks and impls says why it is sound (only these lints as errors).
-  cargo clippy -p tch-distributed --lib -- -D clippy::undocumented_unsafe_blocks -D unsafe_op_in_unsafe_fn
+  # of its `unsafe` blocks and impls says why it is sound; every public function that
+  # returns an error or panics says when, in `# Errors` and `# Panics` sections (only
+  # these lints as errors).
+  cargo clippy -p tch-distributed -p tch-distributed-settings --lib -- \
+    -D clippy::undocumented_unsafe_blocks -D unsafe_op_in_unsafe_fn \
+    -D clippy::missing_errors_doc -D clippy::missing_panics_doc
   outside_ffi="$(grep -rnE '^\s*[^/]*\bunsafe\b' sdk/src --include=*.rs | grep -v '^sdk/src/ffi/' || true)"
   if [ -n "$outside_ffi" ]; then
     echo "error: \`unsafe\` outside sdk/src/ffi/ (move the call behind a safe wrapper there):" >&2

@@ -315,6 +315,9 @@ impl DistributedDataParallel {
     /// `find_unused_parameters` (the Reducer notices at the next one);
     /// [`Error::Torch`] when backward fails otherwise; [`Error::Collective`] when
     /// broadcasting buffers fails.
+    ///
+    /// # Panics
+    /// Never: the Reducer it expects is made with the DDP whenever the world has several ranks.
     pub fn backward(&self, loss: &Tensor) -> Result<()> {
         let (synced, entered) = if self.prepared.take() {
             (true, None)
@@ -445,6 +448,9 @@ impl DistributedDataParallel {
 
     /// `opt.backward_step(loss)` with gradients averaged over ranks: zero the
     /// gradients, [`backward`](Self::backward), step.
+    ///
+    /// # Errors
+    /// As [`backward`](Self::backward), and [`Error::Torch`] from the step.
     pub fn backward_step(&self, opt: &mut Optimizer, loss: &Tensor) -> Result<()> {
         opt.zero_grad();
         self.backward(loss)?;
@@ -454,6 +460,9 @@ impl DistributedDataParallel {
 
     /// `opt.backward_step_clip(loss, max)`: as [`backward_step`](Self::backward_step),
     /// clamping each averaged gradient element to `[-max, max]` before the step.
+    ///
+    /// # Errors
+    /// As [`backward_step`](Self::backward_step).
     pub fn backward_step_clip(&self, opt: &mut Optimizer, loss: &Tensor, max: f64) -> Result<()> {
         opt.zero_grad();
         self.backward(loss)?;
@@ -465,6 +474,9 @@ impl DistributedDataParallel {
     /// `opt.backward_step_clip_norm(loss, max)`: as [`backward_step`](Self::backward_step),
     /// scaling the averaged gradients so their global L2 norm is at most `max`. Every
     /// rank clips by the same norm, since every rank holds the same averaged gradients.
+    ///
+    /// # Errors
+    /// As [`backward_step`](Self::backward_step).
     pub fn backward_step_clip_norm(
         &self,
         opt: &mut Optimizer,
@@ -494,6 +506,9 @@ impl DistributedDataParallel {
     /// (empty with a world of one process). Before the first backward all parameters
     /// share one bucket; the buckets are rebuilt by size at the second backward, as
     /// PyTorch's DDP does.
+    ///
+    /// # Errors
+    /// [`Error::Torch`] when the Reducer cannot report its buckets.
     pub fn bucket_sizes(&self) -> Result<Vec<usize>> {
         let Some(reducer) = &self.reducer else {
             return Ok(vec![]);

@@ -44,6 +44,11 @@ impl LaunchEnv {
     /// (`SLURM_STEP_NUM_TASKS`). An MPI launcher inside a SLURM allocation starts its
     /// daemons with `srun`, so its ranks also see a job step's variables, which
     /// describe the daemons rather than the ranks: the MPI variables win.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the variable when one is malformed (not a number) or out
+    /// of range (a rank not below the world size); [`Error::Usage`] for launchers'
+    /// variables that contradict each other.
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<LaunchEnv>> {
         if var("RANK").is_none() {
             if var("OMPI_COMM_WORLD_RANK").is_some() {

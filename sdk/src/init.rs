@@ -91,6 +91,9 @@ static CONTEXT: Mutex<Option<Context>> = Mutex::new(None);
 
 /// Joins the job described by the environment with default options; see
 /// [`init_with`].
+///
+/// # Errors
+/// As [`init_with`].
 pub fn init() -> Result<Context> {
     init_with(InitOptions::default())
 }
@@ -220,6 +223,9 @@ fn choose_backend(
 impl Context {
     /// Builds a context for `env` (a single process when `None`); see [`init_with`].
     /// Unlike `init`, this does not register the context as the process's current one.
+    ///
+    /// # Errors
+    /// As [`init_with`].
     pub fn join(env: Option<LaunchEnv>, options: InitOptions) -> Result<Context> {
         Context::join_with(env, options.over_env()?, options.device)
     }
@@ -495,6 +501,9 @@ impl Context {
     }
 
     /// Blocks until every rank reaches this point.
+    ///
+    /// # Errors
+    /// [`Error::Collective`] or [`Error::Timeout`] when a rank does not reach it.
     pub fn barrier(&self) -> Result<()> {
         self.group.barrier()
     }

@@ -58,6 +58,9 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor> + Send + 'static> BlockMany for F {}
 /// returns its input (or a view of it), whose outputs do not depend on its inputs that
 /// require a gradient, or that returns more than 64 tensors; [`Error::Torch`] for a
 /// failure of the forward pass.
+///
+/// # Errors
+/// [`Error::Usage`] for a block that returns its input (or a view of it), whose outputs do not depend on its inputs that require a gradient, or that returns more than 64 tensors; [`Error::Torch`] for a failure of the forward pass.
 pub fn f_checkpoint_many(block: impl BlockMany, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
     activation::checkpoint(Box::new(block), inputs, MAX_OUTPUTS).map_err(|e| match e {
         // The shim's usage error: a block that returns its input, or ignores the
@@ -103,6 +106,9 @@ pub fn f_checkpoint_many(block: impl BlockMany, inputs: &[Tensor]) -> Result<Vec
 ///
 /// Panics with `Error: …` where [`f_checkpoint_many`] returns an error (as tch's
 /// modules panic on a failed forward pass).
+///
+/// # Panics
+/// With `Error: …` where [`f_checkpoint_many`] returns an error.
 pub fn checkpoint_many(block: impl BlockMany, inputs: &[Tensor]) -> Vec<Tensor> {
     f_checkpoint_many(block, inputs).unwrap_or_else(|e| panic!("Error: {e}"))
 }

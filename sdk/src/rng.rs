@@ -52,6 +52,9 @@ pub struct AgreedSeed {
 
 impl AgreedSeed {
     /// Seeds the generators from the job's seed and `key`; see [`AgreedSeed`].
+    ///
+    /// # Errors
+    /// [`Error::Torch`] when libtorch cannot seed a generator.
     pub fn enter(key: u64) -> Result<AgreedSeed> {
         match init::current() {
             Some(ctx) => Self::seeded(mix(ctx.seed() ^ mix(key))),

@@ -240,6 +240,9 @@ impl Checkpointer {
     /// [`Error::Io`] naming the path that could not be written (the disk is
     /// full, permission denied), on every rank, with the previous checkpoints
     /// intact; [`Error::Collective`] when a rank does not take part.
+    ///
+    /// # Panics
+    /// Never for a directory this checkpointer made: it unwraps the name of the step's directory, which always has one.
     pub fn save_state(
         &self,
         vs: &VarStore,
@@ -527,6 +530,9 @@ impl Checkpointer {
     /// the agreed one's optimizer state does not fit `opt` (another algorithm's, other
     /// shapes); [`Error::Io`] when `root` exists but cannot be listed (see
     /// [`list`](Self::list)), on every rank.
+    ///
+    /// # Panics
+    /// Never: the only `expect` reads a checkpoint checked to exist a line before.
     pub fn load_state(&self, vs: &mut VarStore, opt: &mut Optimizer) -> Result<Option<TrainState>> {
         let ctx = init::current();
         let (rank, world_size) = init::rank_and_world_size();

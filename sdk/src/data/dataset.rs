@@ -29,6 +29,9 @@ pub trait Dataset: Clone + Send + 'static {
     /// The samples at `indices` as one batch, leading dimension `indices.len()`. By
     /// default `get` each one and [`Batch::collate`] them; in-memory datasets read the
     /// whole batch with one `index_select` instead.
+    ///
+    /// # Errors
+    /// What [`get`](Self::get) or [`Batch::collate`] fails with (a missing file, bad data, samples of different shapes).
     fn get_batch(&self, indices: &[usize]) -> Result<Self::Item> {
         let samples = indices
             .iter()
@@ -113,11 +116,17 @@ impl TensorDataset {
     }
 
     /// The training split of a `tch::vision` dataset (MNIST, CIFAR-10, …).
+    ///
+    /// # Errors
+    /// As [`TensorDataset::new`]: [`Error::InvalidInput`] when the images and labels differ in length.
     pub fn train(dataset: &tch::vision::dataset::Dataset) -> Result<Self> {
         Self::new(&dataset.train_images, &dataset.train_labels)
     }
 
     /// The test split of a `tch::vision` dataset.
+    ///
+    /// # Errors
+    /// As [`TensorDataset::new`]: [`Error::InvalidInput`] when the images and labels differ in length.
     pub fn test(dataset: &tch::vision::dataset::Dataset) -> Result<Self> {
         Self::new(&dataset.test_images, &dataset.test_labels)
     }

@@ -66,6 +66,9 @@ impl DistributedSampler {
 
     /// [`new`](Self::new) for this process's rank in the current job (rank 0 of 1 when
     /// there is none).
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
     pub fn for_current_rank(len: usize) -> Result<Self> {
         let (rank, world_size) = init::rank_and_world_size();
         Self::new(len, rank, world_size)

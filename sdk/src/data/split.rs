@@ -150,6 +150,10 @@ pub trait Gatherable: Sized {
     /// `lens[rank]` only (`lens`: the items each rank was given before padding).
     /// Called on every rank of a job of several, once `count` and `layout` were
     /// checked on all of them.
+    ///
+    /// # Errors
+    /// [`Error::Collective`] when a gather fails; [`Error::Usage`] when a rank's results
+    /// cannot be written or read back as this type.
     fn gather(self, group: &ProcessGroup, lens: &[usize]) -> Result<Self>;
 }
 

@@ -295,6 +295,9 @@ impl Optimizer {
     /// [`Error::Usage`] for a stage other than 1, 2 and 3, for stages 2
     /// and 3 on an optimizer that steps through a DDP, or on one already at stage 2 or
     /// 3; with [`Error::Collective`] when the ranks' models differ.
+    ///
+    /// # Panics
+    /// Only if the variable store's lock was poisoned by a panic in another thread.
     pub fn zero(mut self, stage: u8) -> Result<Self> {
         if !(1..=3).contains(&stage) {
             return Err(Error::Usage(format!(
@@ -561,6 +564,9 @@ impl Optimizer {
 
     /// Zeroes (sets to none) the gradients of the tracked variables; in the middle of
     /// an accumulation cycle, does nothing.
+    ///
+    /// # Errors
+    /// [`Error::Usage`] when trainable variables were created after the optimizer over several ranks (see [`distributed`](Self::distributed)); [`Error::Torch`] from libtorch.
     pub fn zero_grad(&mut self) -> Result<()> {
         if self.micro_step > 0 {
             return Ok(());
@@ -615,6 +621,9 @@ impl Optimizer {
     /// Returns whether the parameters were updated. Errors: [`Error::Torch`] from
     /// libtorch; from the scaler, [`Error::Diverged`] after too many skipped steps in a
     /// row and [`Error::Collective`] when its all-reduce fails.
+    ///
+    /// # Errors
+    /// [`Error::Torch`] from libtorch; from the scaler, [`Error::Diverged`] after too many skipped steps in a row and [`Error::Collective`] when its all-reduce fails.
     pub fn step(&mut self) -> Result<bool> {
         if !std::mem::take(&mut self.cycle_complete) && self.micro_step > 0 {
             return Ok(false);
@@ -657,6 +666,9 @@ impl Optimizer {
 
     /// Clips every gradient element to `[-max, max]`, as tch's `clip_grad_value`
     /// (after unscaling them, with a [`grad_scaler`](Self::grad_scaler)).
+    ///
+    /// # Errors
+    /// [`Error::Torch`] from libtorch; as [`step`](Self::step) when the scaler unscales.
     pub fn clip_grad_value(&mut self, max: f64) -> Result<()> {
         self.unscale_for_clipping()?;
         for var in self.stepped_tensors() {
@@ -673,6 +685,9 @@ impl Optimizer {
     /// DDP the gradients are the averaged ones, so every rank clips alike; with a
     /// [`grad_scaler`](Self::grad_scaler) they are unscaled first, as PyTorch's AMP
     /// recipe does with `scaler.unscale_`.
+    ///
+    /// # Errors
+    /// [`Error::Torch`] from libtorch; [`Error::Collective`] when the sharded norm's all-reduce fails; as [`step`](Self::step) when the scaler unscales.
     pub fn clip_grad_norm(&mut self, max: f64) -> Result<f64> {
         self.unscale_for_clipping()?;
         if let Some(sharding) = self.mode.sharding() {
@@ -753,12 +768,18 @@ impl Optimizer {
     /// gradients under DDP), [`step`](Self::step), as tch's `backward_step`; with
     /// [`accumulate`](Self::accumulate), one micro-batch of that. Returns whether the
     /// parameters were updated.
+    ///
+    /// # Errors
+    /// As [`zero_grad`](Self::zero_grad), [`backward`](Self::backward) and [`step`](Self::step).
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<bool> {
         self.backward_then_step(loss, |_| Ok(()))
     }
 
     /// [`backward_step`](Self::backward_step) with the gradients clipped to
     /// `[-max, max]` before the step.
+    ///
+    /// # Errors
+    /// As [`backward_step`](Self::backward_step) and [`clip_grad_value`](Self::clip_grad_value).
     pub fn backward_step_clip(&mut self, loss: &Tensor, max: f64) -> Result<bool> {
         self.backward_then_step(loss, |opt| opt.clip_grad_value(max))
     }
@@ -766,6 +787,9 @@ impl Optimizer {
     /// [`backward_step`](Self::backward_step) with the gradients' global norm clipped
     /// to `max` before the step (on the averaged, accumulated, unscaled gradients, so
     /// every rank clips by the same norm).
+    ///
+    /// # Errors
+    /// As [`backward_step`](Self::backward_step) and [`clip_grad_norm`](Self::clip_grad_norm).
     pub fn backward_step_clip_norm(&mut self, loss: &Tensor, max: f64) -> Result<bool> {
         self.backward_then_step(loss, |opt| opt.clip_grad_norm(max).map(drop))
     }
@@ -809,6 +833,9 @@ impl Optimizer {
     }
 
     /// Sets the learning rate of every parameter group.
+    ///
+    /// # Errors
+    /// [`Error::Usage`] when trainable variables were created after the optimizer over several ranks (see [`distributed`](Self::distributed)).
     pub fn set_lr(&mut self, lr: f64) -> Result<()> {
         self.set_all(|g| g.lr = lr)
     }
@@ -824,6 +851,9 @@ impl Optimizer {
 
     /// Sets the momentum of every parameter group, as tch's `set_momentum`: SGD's and
     /// RMSprop's momentum, Adam's and AdamW's first beta.
+    ///
+    /// # Errors
+    /// As [`set_lr`](Self::set_lr).
     pub fn set_momentum(&mut self, momentum: f64) -> Result<()> {
         self.set_all(|g| g.algorithm.set_momentum(momentum))
     }
@@ -839,6 +869,9 @@ impl Optimizer {
     }
 
     /// Sets the weight decay of every parameter group.
+    ///
+    /// # Errors
+    /// As [`set_lr`](Self::set_lr).
     pub fn set_weight_decay(&mut self, weight_decay: f64) -> Result<()> {
         self.set_all(|g| g.algorithm.set_weight_decay(weight_decay))
     }
@@ -856,6 +889,9 @@ impl Optimizer {
     }
 
     /// The trainable variables, in the order the optimizer holds them.
+    ///
+    /// # Panics
+    /// Only if the variable store's lock was poisoned by a panic in another thread.
     pub fn trainable_variables(&self) -> Vec<Tensor> {
         let v = self.variables.lock().expect("variable store lock");
         v.trainable_variables

@@ -22,6 +22,9 @@ impl GradScaler {
 
     /// Unscales (unless [`unscale`](Self::unscale) already did) and runs `opt.step()`
     /// unless a gradient on any rank held an inf or NaN; returns whether it stepped.
+    ///
+    /// # Errors
+    /// As [`unscale`](Self::unscale); [`Error::Diverged`](crate::Error::Diverged) after too many skipped steps in a row; [`Error::Torch`](crate::Error::Torch) from the step.
     pub fn step(&mut self, opt: &mut Optimizer) -> Result<bool> {
         opt.finish_gradients()?;
         let overflow = self.overflowed(|| opt.stepped_tensors())?;

@@ -379,6 +379,9 @@ impl ProcessGroup {
     /// Reduces `tensor` across all ranks in place with `op`; every rank ends with the
     /// result, as `torch.distributed.all_reduce`. Any shape and dtype (`Avg` needs a
     /// floating-point dtype).
+    ///
+    /// # Errors
+    /// [`Error::Collective`] when the collective fails (a rank left, a mismatch), [`Error::Timeout`] when a rank does not arrive in time.
     pub fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<()> {
         if op == ReduceOp::Avg && !tensor.is_floating_point() {
             return Err(Error::Usage(format!(
@@ -394,6 +397,9 @@ impl ProcessGroup {
 
     /// Copies `tensor` from rank `root` to every other rank, in place, as
     /// `torch.distributed.broadcast`.
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
     pub fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<()> {
         self.check_root(root)?;
         self.run("broadcast", || {
@@ -404,6 +410,9 @@ impl ProcessGroup {
 
     /// Gathers `tensor` from every rank; element `r` of the result is rank `r`'s
     /// tensor (same shape and dtype on every rank), as `torch.distributed.all_gather`.
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
     pub fn all_gather(&self, tensor: &Tensor) -> Result<Vec<Tensor>> {
         let input = tensor.contiguous();
         let outputs: Vec<Tensor> = (0..self.world_size).map(|_| input.empty_like()).collect();
@@ -475,6 +484,9 @@ impl ProcessGroup {
     }
 
     /// Blocks until every rank has reached this barrier, as `torch.distributed.barrier`.
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
     pub fn barrier(&self) -> Result<()> {
         self.run("barrier", || self.raw().barrier(millis(self.timeout)))
     }
@@ -482,6 +494,9 @@ impl ProcessGroup {
     /// Broadcasts `tensors` from `root` in flattened buffers of at most
     /// `buffer_bytes` bytes, without recording autograd history
     /// (`c10d::broadcast_coalesced`, as DDP uses for parameters and buffers).
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
     pub fn broadcast_coalesced(
         &self,
         tensors: &[Tensor],

@@ -104,6 +104,9 @@ impl Store {
     /// Connecting retries until `timeout`. Errors: [`Error::PortInUse`] when the server
     /// cannot bind `port` (returned at once), [`Error::Rendezvous`] when the store cannot
     /// be reached within `timeout`.
+    ///
+    /// # Errors
+    /// [`Error::PortInUse`] when the server cannot bind `port` (returned at once), [`Error::Rendezvous`] when the store cannot be reached within `timeout`.
     pub fn tcp(
         host: &str,
         port: u16,
@@ -183,6 +186,9 @@ impl Store {
     }
 
     /// An in-process `c10d::HashStore`, for a world of one process: no network.
+    ///
+    /// # Errors
+    /// [`Error::Torch`] when libtorch cannot make the store.
     pub fn in_process() -> Result<Store> {
         StoreHandle::hash()
             .map(|raw| Store {
@@ -195,6 +201,10 @@ impl Store {
 
     /// A view of this store where every key is prefixed with `prefix`
     /// (`c10d::PrefixStore`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] when `prefix` holds a NUL byte; [`Error::Torch`] when
+    /// libtorch cannot make the view.
     pub fn with_prefix(&self, prefix: &str) -> Result<Store> {
         let cprefix = cstring(prefix, "prefix")?;
         self.view(self.raw.prefixed(&cprefix))
@@ -230,12 +240,20 @@ impl Store {
     }
 
     /// Sets `key` to `value`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] when `key` holds a NUL byte; [`Error::Torch`] when the
+    /// store cannot be reached.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         let ckey = cstring(key, "key")?;
         self.raw.set(&ckey, value).map_err(Error::Torch)
     }
 
     /// Gets `key`, waiting for it up to the store's timeout.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] when `key` holds a NUL byte; [`Error::Torch`] when the
+    /// store cannot be reached or the key is not set within the timeout.
     pub fn get(&self, key: &str) -> Result<Vec<u8>> {
         let ckey = cstring(key, "key")?;
         let value = self.raw.get(&ckey).map_err(Error::Torch)?;
@@ -243,6 +261,10 @@ impl Store {
     }
 
     /// Atomically adds `delta` to the integer at `key` (0 when absent); returns the new value.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] when `key` holds a NUL byte; [`Error::Torch`] when the
+    /// store cannot be reached.
     pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
         let ckey = cstring(key, "key")?;
         self.raw.add(&ckey, delta).map_err(Error::Torch)
