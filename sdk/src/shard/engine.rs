@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use tch::{Kind, Tensor};
 
+use super::collectives::{reduce_scatter, Bucket, Order};
 use super::hooks::{self, GradHooks, Hook};
 use super::layout::{layout, Piece};
 use super::param_group::UnitParams;
@@ -106,44 +107,6 @@ pub(crate) struct Inner {
     failure: Mutex<Option<Error>>,
     /// The hook that gathers a unit before its backward pass.
     unshard_hook: Arc<Hook>,
-}
-
-/// The reduce-scatters of a cycle run in one fixed order on every rank: the declared
-/// units' buckets from the last unit to the first (the order of a backward pass when
-/// they were declared in the forward's order), then the root's, from its last
-/// parameters to its first, as the Reducer launches its buckets in order. A bucket
-/// complete early (all its gradients accumulated) waits for those before it, so that
-/// a bucket that is complete on one rank and not on another (a member without a
-/// gradient there) cannot pair one rank's collective with another bucket's: the
-/// incomplete ones run at the step, in the same order.
-struct Order {
-    /// How many buckets of the order were reduce-scattered in this cycle (all of them
-    /// once the gradients are finished, until the step is over).
-    next: usize,
-    /// The buckets whose gradients were all accumulated in this cycle.
-    complete: Vec<bool>,
-}
-
-/// Trainable parameters whose gradients are reduce-scattered together.
-struct Bucket {
-    /// The unit of its members.
-    unit: usize,
-    /// Its parameters (places in the optimizer), their places in `grad`, and their
-    /// chunks of their unit's shard (what the optimizer steps).
-    members: Vec<usize>,
-    pieces: Vec<Piece>,
-    views: Vec<Tensor>,
-    /// The elements of this rank's gradient chunks (`grad` holds them, then one flag
-    /// per member: after the reduce-scatter, above zero when some rank had a gradient
-    /// for that member in this cycle).
-    len: i64,
-    grad: Tensor,
-    /// Per member, its chunk of `grad` in the member's shape with `chunk_rows` rows;
-    /// the `.grad` of its view, or none in a cycle where no rank had a gradient for it
-    /// (the optimizer skips it, as DDP leaves such a variable's gradient undefined).
-    grads: Vec<Tensor>,
-    /// Per member, whether this backward pass accumulated its gradient.
-    ready: Vec<bool>,
 }
 
 /// How an optimizer's parameters fall into units.
@@ -798,70 +761,10 @@ impl Inner {
         Ok(())
     }
 
-    /// Reduce-scatters (averages) the bucket's full gradients into its gradient shard
-    /// (one collective, which also tells every rank which members had a gradient on
-    /// some rank); each full gradient is dropped once copied into the collective's
-    /// buffer. A member no rank had a gradient for gets none on its shard for this
-    /// step.
+    /// Reduce-scatters bucket `bucket` (see [`reduce_scatter`]) and counts it.
     fn reduce(&self, bucket: &mut Bucket) -> Result<()> {
-        let world = self.group.world_size();
-        let (len, stride) = (bucket.len, bucket.grad.numel() as i64);
-        // Only the padding, and the pieces of members without a gradient, are zeroed:
-        // the rest is written below.
-        let buffer = bucket.grad.new_empty(
-            [world as i64 * stride],
-            (bucket.grad.kind(), bucket.grad.device()),
-        );
-        let chunks: Vec<Tensor> = (0..world)
-            .map(|r| buffer.narrow(0, r as i64 * stride, stride))
-            .collect();
-        tch::no_grad(|| -> Result<()> {
-            let had: Vec<f32> = bucket
-                .members
-                .iter()
-                .map(|&i| f32::from(u8::from(self.params[i].grad().defined())))
-                .collect();
-            // The flags, after every rank's chunk (one copy, broadcast over the ranks).
-            let flags = Tensor::from_slice(&had).to_device(buffer.device());
-            buffer
-                .view([world as i64, stride])
-                .narrow(1, len, stride - len)
-                .copy_(&flags);
-            for (&i, piece) in bucket.members.iter().zip(&bucket.pieces) {
-                let g = self.params[i].grad();
-                for (r, chunk) in chunks.iter().enumerate() {
-                    let (_, rows) = piece.rows_of(r);
-                    let written = if g.defined() { rows * piece.row_len } else { 0 };
-                    let mut padding =
-                        chunk.narrow(0, piece.offset + written, piece.chunk_len() - written);
-                    let _ = padding.zero_();
-                    let src = g.defined().then(|| piece.rows_in_full(&g, r)).flatten();
-                    if let Some(src) = src {
-                        piece.rows_in_shard(chunk, r).expect("rows").copy_(&src);
-                    }
-                }
-                drop(g);
-                hooks::clear_grad(&self.params[i])?;
-            }
-            Ok(())
-        })?;
-        self.group
-            .reduce_scatter_into(&bucket.grad, &chunks, ReduceOp::Avg)?;
+        reduce_scatter(&self.group, &self.params, bucket)?;
         self.reduce_scatters.fetch_add(1, Ordering::Relaxed);
-        // For the sharded loop's check that its steps averaged gradients.
-        self.group.count_gradient_average();
-        let had = Vec::<f64>::try_from(
-            bucket
-                .grad
-                .narrow(0, len, stride - len)
-                .to_kind(Kind::Double),
-        )?;
-        for ((view, grad), had) in bucket.views.iter().zip(&bucket.grads).zip(had) {
-            match had > 0.0 {
-                true => hooks::set_grad(view, grad)?,
-                false => hooks::clear_grad(view)?,
-            }
-        }
         Ok(())
     }
 }
@@ -875,18 +778,6 @@ pub(crate) fn return_freed_memory() {
     if !crate::protocol::malloc_mmap_threshold_set() {
         crate::ffi::os::set_mmap_threshold(64 << 10);
     }
-}
-
-/// The run's bucket cap at stages 2 and 3 in bytes (`reduce_bucket_mb`, else
-/// `bucket_cap_mb`, DDP's 25 MiB by default): what caps the root's gradient buckets
-/// and every all-gather's buffer.
-pub(crate) fn bucket_bytes(ctx: &crate::init::Context) -> usize {
-    let settings = ctx.settings();
-    let mib = settings
-        .reduce_bucket_mb
-        .or(settings.bucket_cap_mb)
-        .unwrap_or(crate::ddp::DdpOptions::default().bucket_cap_mb);
-    (mib * (1 << 20) as f64) as usize
 }
 
 /// The names of `params` among the store's named variables, and the store's variables

@@ -6,19 +6,23 @@
 //!   their [`ShardedState`](param_group::ShardedState) (sharded, unsharding,
 //!   unsharded), `unshard` (all-gather) and `reshard` (free), `reshard_after_forward`,
 //!   `param_dtype`;
-//! - [`engine`]: an optimizer's units, its gradient buckets and their
-//!   reduce-scatters, and the steps;
+//! - [`engine`]: an optimizer's units and their hooks, when each bucket is complete,
+//!   and the steps;
+//! - [`collectives`]: the gradient buckets, their order and reduce-scatters, the
+//!   bucket cap (FSDP2's `_fsdp_collectives`);
 //! - [`unit`]: [`fully_shard`], the units gathered around their passes;
 //! - [`hooks`]: the shim's storage and autograd hooks.
 
+mod collectives;
 mod engine;
 mod hooks;
 pub(crate) mod layout;
 mod param_group;
 mod unit;
 
+pub(crate) use collectives::bucket_bytes;
 pub use engine::ShardingStats;
-pub(crate) use engine::{bucket_bytes, named, Sharding};
+pub(crate) use engine::{named, Sharding};
 pub(crate) use hooks::set_grad;
 pub(crate) use layout::Piece;
 pub use unit::{fully_shard, summon_full_params, FullyShard};

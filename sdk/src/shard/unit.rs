@@ -93,7 +93,7 @@ fn shard_now(ctx: &crate::init::Context, slot: &Slot, path: &Path) -> crate::Res
         names,
         params,
         crate::precision::autocast_kind(ctx.mixed_precision()),
-        super::engine::bucket_bytes(ctx),
+        super::collectives::bucket_bytes(ctx),
         true,
     )?);
     ctx.units().add_sharded(unit.clone());

@@ -1,0 +1,130 @@
+//! The collectives of the sharded parameters, as FSDP2's `_fsdp_collectives`: the
+//! gradient buckets, the one order every rank reduce-scatters them in, the
+//! reduce-scatter of a bucket into its gradient shard, and the bucket cap. A unit's
+//! all-gathers are its own (`param_group`).
+
+use tch::{Kind, Tensor};
+
+use super::hooks;
+use super::layout::Piece;
+use crate::error::Result;
+use crate::process_group::{ProcessGroup, ReduceOp};
+
+/// The reduce-scatters of a cycle run in one fixed order on every rank: the declared
+/// units' buckets from the last unit to the first (the order of a backward pass when
+/// they were declared in the forward's order), then the root's, from its last
+/// parameters to its first, as the Reducer launches its buckets in order. A bucket
+/// complete early (all its gradients accumulated) waits for those before it, so that
+/// a bucket that is complete on one rank and not on another (a member without a
+/// gradient there) cannot pair one rank's collective with another bucket's: the
+/// incomplete ones run at the step, in the same order.
+pub(super) struct Order {
+    /// How many buckets of the order were reduce-scattered in this cycle (all of them
+    /// once the gradients are finished, until the step is over).
+    pub(super) next: usize,
+    /// The buckets whose gradients were all accumulated in this cycle.
+    pub(super) complete: Vec<bool>,
+}
+
+/// Trainable parameters whose gradients are reduce-scattered together.
+pub(super) struct Bucket {
+    /// The unit of its members.
+    pub(super) unit: usize,
+    /// Its parameters (places in the optimizer), their places in `grad`, and their
+    /// chunks of their unit's shard (what the optimizer steps).
+    pub(super) members: Vec<usize>,
+    pub(super) pieces: Vec<Piece>,
+    pub(super) views: Vec<Tensor>,
+    /// The elements of this rank's gradient chunks (`grad` holds them, then one flag
+    /// per member: after the reduce-scatter, above zero when some rank had a gradient
+    /// for that member in this cycle).
+    pub(super) len: i64,
+    pub(super) grad: Tensor,
+    /// Per member, its chunk of `grad` in the member's shape with `chunk_rows` rows;
+    /// the `.grad` of its view, or none in a cycle where no rank had a gradient for it
+    /// (the optimizer skips it, as DDP leaves such a variable's gradient undefined).
+    pub(super) grads: Vec<Tensor>,
+    /// Per member, whether this backward pass accumulated its gradient.
+    pub(super) ready: Vec<bool>,
+}
+
+/// Reduce-scatters (averages) the bucket's full gradients into its gradient shard
+/// (one collective, which also tells every rank which members had a gradient on
+/// some rank); each full gradient is dropped once copied into the collective's
+/// buffer. A member no rank had a gradient for gets none on its shard for this
+/// step.
+pub(super) fn reduce_scatter(
+    group: &ProcessGroup,
+    params: &[Tensor],
+    bucket: &mut Bucket,
+) -> Result<()> {
+    let world = group.world_size();
+    let (len, stride) = (bucket.len, bucket.grad.numel() as i64);
+    // Only the padding, and the pieces of members without a gradient, are zeroed:
+    // the rest is written below.
+    let buffer = bucket.grad.new_empty(
+        [world as i64 * stride],
+        (bucket.grad.kind(), bucket.grad.device()),
+    );
+    let chunks: Vec<Tensor> = (0..world)
+        .map(|r| buffer.narrow(0, r as i64 * stride, stride))
+        .collect();
+    tch::no_grad(|| -> Result<()> {
+        let had: Vec<f32> = bucket
+            .members
+            .iter()
+            .map(|&i| f32::from(u8::from(params[i].grad().defined())))
+            .collect();
+        // The flags, after every rank's chunk (one copy, broadcast over the ranks).
+        let flags = Tensor::from_slice(&had).to_device(buffer.device());
+        buffer
+            .view([world as i64, stride])
+            .narrow(1, len, stride - len)
+            .copy_(&flags);
+        for (&i, piece) in bucket.members.iter().zip(&bucket.pieces) {
+            let g = params[i].grad();
+            for (r, chunk) in chunks.iter().enumerate() {
+                let (_, rows) = piece.rows_of(r);
+                let written = if g.defined() { rows * piece.row_len } else { 0 };
+                let mut padding =
+                    chunk.narrow(0, piece.offset + written, piece.chunk_len() - written);
+                let _ = padding.zero_();
+                let src = g.defined().then(|| piece.rows_in_full(&g, r)).flatten();
+                if let Some(src) = src {
+                    piece.rows_in_shard(chunk, r).expect("rows").copy_(&src);
+                }
+            }
+            drop(g);
+            hooks::clear_grad(&params[i])?;
+        }
+        Ok(())
+    })?;
+    group.reduce_scatter_into(&bucket.grad, &chunks, ReduceOp::Avg)?;
+    // For the sharded loop's check that its steps averaged gradients.
+    group.count_gradient_average();
+    let had = Vec::<f64>::try_from(
+        bucket
+            .grad
+            .narrow(0, len, stride - len)
+            .to_kind(Kind::Double),
+    )?;
+    for ((view, grad), had) in bucket.views.iter().zip(&bucket.grads).zip(had) {
+        match had > 0.0 {
+            true => hooks::set_grad(view, grad)?,
+            false => hooks::clear_grad(view)?,
+        }
+    }
+    Ok(())
+}
+
+/// The run's bucket cap at stages 2 and 3 in bytes (`reduce_bucket_mb`, else
+/// `bucket_cap_mb`, DDP's 25 MiB by default): what caps the root's gradient buckets
+/// and every all-gather's buffer.
+pub(crate) fn bucket_bytes(ctx: &crate::init::Context) -> usize {
+    let settings = ctx.settings();
+    let mib = settings
+        .reduce_bucket_mb
+        .or(settings.bucket_cap_mb)
+        .unwrap_or(crate::ddp::DdpOptions::default().bucket_cap_mb);
+    (mib * (1 << 20) as f64) as usize
+}
