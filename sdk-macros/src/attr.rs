@@ -4,7 +4,7 @@
 
 use syn::parse::{Parse, ParseStream};
 use syn::{Lit, Token};
-use tch_distributed_settings::{attribute_options, row, Literal, Settings};
+use tch_distributed_settings::{attribute_options, row, Literal, Setting, Settings};
 
 /// The options of `#[distributed(…)]`, validated.
 #[derive(Clone, Default)]
@@ -71,33 +71,13 @@ impl Parse for Options {
             input.parse::<Token![=]>()?;
             let span = input.span();
             let lit: Option<Lit> = input.parse().ok();
-            let Some(setting) = setting else {
-                options.krate = Some(krate(lit, span)?);
-                seen.push(name);
-                if !input.is_empty() {
-                    input.parse::<Token![,]>()?;
+            match setting {
+                None => options.krate = Some(krate(lit, span)?),
+                Some(setting) => {
+                    let value = setting_text(&name, setting, lit.as_ref(), span)?;
+                    options.settings.push((name.clone(), value));
                 }
-                continue;
-            };
-            let written = match setting.literal {
-                Literal::String => "\"…\"",
-                Literal::Number => "…",
-                Literal::Bool => "true",
-            };
-            let Some(value) = lit.as_ref().and_then(|lit| text(lit, setting.literal)) else {
-                return Err(syn::Error::new(
-                    span,
-                    format!(
-                        "`{name}` takes {}, as a literal: `{name} = {written}`",
-                        setting.values
-                    ),
-                ));
-            };
-            // The row's own parser and check, and its message.
-            if let Err(e) = Settings::from_attribute([(name.as_str(), value.as_str())]) {
-                return Err(syn::Error::new(span, e.to_string()));
             }
-            options.settings.push((name.clone(), value));
             seen.push(name);
             if !input.is_empty() {
                 input.parse::<Token![,]>()?;
@@ -105,6 +85,33 @@ impl Parse for Options {
         }
         Ok(options)
     }
+}
+
+/// The text of option `name`'s literal, checked by its row (`setting`): its own parser
+/// and check, and its message, spanned at the literal.
+fn setting_text(
+    name: &str,
+    setting: &Setting,
+    lit: Option<&Lit>,
+    span: proc_macro2::Span,
+) -> syn::Result<String> {
+    let written = match setting.literal {
+        Literal::String => "\"…\"",
+        Literal::Number => "…",
+        Literal::Bool => "true",
+    };
+    let Some(value) = lit.and_then(|lit| text(lit, setting.literal)) else {
+        return Err(syn::Error::new(
+            span,
+            format!(
+                "`{name}` takes {}, as a literal: `{name} = {written}`",
+                setting.values
+            ),
+        ));
+    };
+    Settings::from_attribute([(name, value.as_str())])
+        .map_err(|e| syn::Error::new(span, e.to_string()))?;
+    Ok(value)
 }
 
 /// The path of `crate = "path"`.

@@ -663,16 +663,12 @@ impl Settings {
             .iter()
             .filter_map(|row| {
                 let (given, written) = (row.text(&env)?, row.text(&attribute)?);
-                // As the attribute spells it: strings quoted.
-                let spelled = match (row.toml)(&attribute)? {
-                    toml::Value::String(_) => format!("{written:?}"),
-                    _ => written.clone(),
-                };
                 (given != written).then(|| {
                     format!(
-                        "{}={given} overrides the attribute's {} = {} (set by tchrun's \
-                         flag or configuration file, or in the environment)",
-                        row.var, row.key, spelled
+                        "{}={given} overrides the attribute's {} (set by tchrun's flag or \
+                         configuration file, or in the environment)",
+                        row.var,
+                        Origin::Attribute.setting(row, &written)
                     )
                 })
             })

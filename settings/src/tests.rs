@@ -48,15 +48,7 @@ fn every_value_written_back_reads_the_same() {
     let mut all = full();
     for row in TABLE {
         if row.text(&all).is_none() {
-            let sample = match row.value_name {
-                "BOOL" => "true",
-                "SECONDS" | "MIB" => "2.5",
-                "IMPL" => "foreach",
-                "LEVEL" => "detail",
-                "HOOK" => "bf16",
-                _ => "1",
-            };
-            row.set(&mut all, sample).unwrap();
+            row.set(&mut all, good(row)).unwrap();
         }
     }
     let env: HashMap<String, String> = all.rank_env().into_iter().collect();

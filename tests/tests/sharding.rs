@@ -186,7 +186,11 @@ fn without_units_gradients_are_reduce_scattered_in_buckets_of_the_cap() {
         let diff = compare(&dir.join("ddp.safetensors"), &dir.join(&out));
         assert!(diff.max_abs < 1e-6, "{out}: {diff:?}");
         let stats = stats(&dir, &out);
-        assert_eq!([stats[2], stats[4]], [reduce_scatters, 0], "{out}: reduce-scatters");
+        assert_eq!(
+            [stats[2], stats[4]],
+            [reduce_scatters, 0],
+            "{out}: reduce-scatters"
+        );
     }
 }
 
