@@ -1,7 +1,10 @@
 //! The collectives of the sharded parameters, as FSDP2's `_fsdp_collectives`: the
 //! gradient buckets, the one order every rank reduce-scatters them in, the
-//! reduce-scatter of a bucket into its gradient shard, and the bucket cap. A unit's
-//! all-gathers are its own (`param_group`).
+//! reduce-scatter of a bucket into its gradient shard, the agreement on which members
+//! had a gradient, and the bucket cap. A unit's all-gathers are its own
+//! (`param_group`).
+
+use std::sync::Mutex;
 
 use tch::{Kind, Tensor};
 
@@ -24,6 +27,9 @@ pub(super) struct Order {
     pub(super) next: usize,
     /// The buckets whose gradients were all accumulated in this cycle.
     pub(super) complete: Vec<bool>,
+    /// Whether the cycle's gradients are finished: every bucket reduce-scattered and
+    /// the members with a gradient agreed on ([`agree_used`]), until the step is over.
+    pub(super) finished: bool,
 }
 
 /// Trainable parameters whose gradients are reduce-scattered together.
@@ -35,54 +41,50 @@ pub(super) struct Bucket {
     pub(super) members: Vec<usize>,
     pub(super) pieces: Vec<Piece>,
     pub(super) views: Vec<Tensor>,
-    /// The elements of this rank's gradient chunks (`grad` holds them, then one flag
-    /// per member: after the reduce-scatter, above zero when some rank had a gradient
-    /// for that member in this cycle).
-    pub(super) len: i64,
+    /// This rank's gradient chunks of the members, one after another (the
+    /// reduce-scatter's output).
     pub(super) grad: Tensor,
     /// Per member, its chunk of `grad` in the member's shape with `chunk_rows` rows;
     /// the `.grad` of its view, or none in a cycle where no rank had a gradient for it
-    /// (the optimizer skips it, as DDP leaves such a variable's gradient undefined).
+    /// (see [`agree_used`]).
     pub(super) grads: Vec<Tensor>,
     /// Per member, whether this backward pass accumulated its gradient.
     pub(super) ready: Vec<bool>,
+    /// Per member, whether this rank had a gradient for it when the bucket was last
+    /// reduce-scattered (the Reducer's `local_used_map`).
+    pub(super) used: Vec<bool>,
 }
 
-/// Reduce-scatters (averages) the bucket's full gradients into its gradient shard
-/// (one collective, which also tells every rank which members had a gradient on
-/// some rank); each full gradient is dropped once copied into the collective's
-/// buffer. A member no rank had a gradient for gets none on its shard for this
-/// step.
+/// Reduce-scatters (averages) the bucket's full gradients into its gradient shard,
+/// one collective; each full gradient is dropped once copied into the collective's
+/// buffer, and whether this rank had it is kept for [`agree_used`]. A member without
+/// a gradient here counts as zero, as DDP's `find_unused_parameters`.
 pub(super) fn reduce_scatter(
     group: &ProcessGroup,
     params: &[Tensor],
     bucket: &mut Bucket,
 ) -> Result<()> {
     let world = group.world_size();
-    let (len, stride) = (bucket.len, bucket.grad.numel() as i64);
+    let len = bucket.grad.numel() as i64;
     // Only the padding, and the pieces of members without a gradient, are zeroed:
     // the rest is written below.
     let buffer = bucket.grad.new_empty(
-        [world as i64 * stride],
+        [world as i64 * len],
         (bucket.grad.kind(), bucket.grad.device()),
     );
     let chunks: Vec<Tensor> = (0..world)
-        .map(|r| buffer.narrow(0, r as i64 * stride, stride))
+        .map(|r| buffer.narrow(0, r as i64 * len, len))
         .collect();
     tch::no_grad(|| -> Result<()> {
-        let had: Vec<f32> = bucket
-            .members
-            .iter()
-            .map(|&i| f32::from(u8::from(params[i].grad().defined())))
-            .collect();
-        // The flags, after every rank's chunk (one copy, broadcast over the ranks).
-        let flags = Tensor::from_slice(&had).to_device(buffer.device());
-        buffer
-            .view([world as i64, stride])
-            .narrow(1, len, stride - len)
-            .copy_(&flags);
-        for (&i, piece) in bucket.members.iter().zip(&bucket.pieces) {
+        let Bucket {
+            members,
+            pieces,
+            used,
+            ..
+        } = &mut *bucket;
+        for ((&i, piece), used) in members.iter().zip(pieces.iter()).zip(used.iter_mut()) {
             let g = params[i].grad();
+            *used = g.defined();
             for (r, chunk) in chunks.iter().enumerate() {
                 let (_, rows) = piece.rows_of(r);
                 let written = if g.defined() { rows * piece.row_len } else { 0 };
@@ -102,16 +104,39 @@ pub(super) fn reduce_scatter(
     group.reduce_scatter_into(&bucket.grad, &chunks, ReduceOp::Avg)?;
     // For the sharded loop's check that its steps averaged gradients.
     group.count_gradient_average();
-    let had = Vec::<f64>::try_from(
-        bucket
-            .grad
-            .narrow(0, len, stride - len)
-            .to_kind(Kind::Double),
-    )?;
-    for ((view, grad), had) in bucket.views.iter().zip(&bucket.grads).zip(had) {
-        match had > 0.0 {
-            true => hooks::set_grad(view, grad)?,
-            false => hooks::clear_grad(view)?,
+    Ok(())
+}
+
+/// After a cycle's reduce-scatters, which members some rank had a gradient for: one
+/// all-reduce (max) of every bucket's `used` flags, as the Reducer's
+/// `local_used_map`. Their shards get their gradient chunk as `.grad`; the others
+/// none for this step, so that the optimizer skips them, as DDP leaves an unused
+/// variable's gradient undefined.
+///
+/// # Errors
+/// [`Error::Collective`](crate::Error::Collective) when the all-reduce fails;
+/// [`Error::Torch`](crate::Error::Torch) when a gradient cannot be set.
+pub(super) fn agree_used(group: &ProcessGroup, buckets: &[Mutex<Bucket>]) -> Result<()> {
+    let mut buckets: Vec<_> = buckets
+        .iter()
+        .map(|b| b.lock().expect("bucket lock"))
+        .collect();
+    let Some(device) = buckets.first().map(|b| b.grad.device()) else {
+        return Ok(());
+    };
+    let local: Vec<f32> = buckets
+        .iter()
+        .flat_map(|b| b.used.iter().map(|&u| f32::from(u8::from(u))))
+        .collect();
+    let mut used = Tensor::from_slice(&local).to_device(device);
+    group.all_reduce(&mut used, ReduceOp::Max)?;
+    let mut used = Vec::<f32>::try_from(used.to_kind(Kind::Float))?.into_iter();
+    for bucket in &mut buckets {
+        for (view, grad) in bucket.views.iter().zip(&bucket.grads) {
+            match used.next().is_some_and(|u| u > 0.0) {
+                true => hooks::set_grad(view, grad)?,
+                false => hooks::clear_grad(view)?,
+            }
         }
     }
     Ok(())

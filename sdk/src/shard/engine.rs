@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use tch::{Kind, Tensor};
 
-use super::collectives::{reduce_scatter, Bucket, Order};
+use super::collectives::{agree_used, reduce_scatter, Bucket, Order};
 use super::hooks::{self, GradHooks, Hook};
 use super::layout::{layout, Piece};
 use super::param_group::UnitParams;
@@ -109,11 +109,14 @@ pub(crate) struct Inner {
     unshard_hook: Arc<Hook>,
 }
 
-/// How an optimizer's parameters fall into units.
-struct Claims {
-    /// Per unit (0: the root): its slot (none for the root), the members (places in
-    /// the optimizer), and its parameters when they were sharded before.
-    units: Vec<(Option<usize>, Vec<usize>, Option<Arc<UnitParams>>)>,
+/// The parameters of an optimizer that fall into one unit.
+struct Claim {
+    /// The unit's slot among the declared units (none for the root).
+    slot: Option<usize>,
+    /// The members (places in the optimizer).
+    members: Vec<usize>,
+    /// The unit's parameters, when they were sharded before.
+    before: Option<Arc<UnitParams>>,
 }
 
 impl Sharding {
@@ -144,10 +147,9 @@ impl Sharding {
         let claims = claim(&declared, &names, &params, stage);
         group.verify_same_shapes(all)?;
         let presharded: std::collections::HashSet<usize> = claims
-            .units
             .iter()
-            .filter(|(_, _, before)| before.is_some())
-            .flat_map(|(_, members, _)| members.iter().map(|&i| tensor_key(&params[i])))
+            .filter(|claim| claim.before.is_some())
+            .flat_map(|claim| claim.members.iter().map(|&i| tensor_key(&params[i])))
             .collect();
         let agreed: Vec<Tensor> = all
             .iter()
@@ -160,7 +162,7 @@ impl Sharding {
         if params.iter().any(|p| p.device() == tch::Device::Cpu) {
             return_freed_memory();
         }
-        if stage == 3 && claims.units.len() == 1 && group.rank() == 0 {
+        if stage == 3 && claims.len() == 1 && group.rank() == 0 {
             crate::log::warn(
                 "ZeRO stage 3 with no fully_shard unit: the parameters stay whole on every \
                  rank (the optimizer state and the gradients are sharded, as at stage 2). \
@@ -171,7 +173,12 @@ impl Sharding {
         let mut unit_of = vec![None; params.len()];
         let mut units = Vec::new();
         let mut frozen_members = Vec::new();
-        for (u, (slot, members, before)) in claims.units.into_iter().enumerate() {
+        for (u, claim) in claims.into_iter().enumerate() {
+            let Claim {
+                slot,
+                members,
+                before,
+            } = claim;
             let reshard_after_forward = stage == 3 && u > 0;
             let unit = match before {
                 Some(unit) => {
@@ -247,16 +254,13 @@ impl Sharding {
             let unit = units[u].1.lock();
             let shapes: Vec<Vec<i64>> = members.iter().map(|&i| params[i].size()).collect();
             let (pieces, len) = layout(&shapes, world);
-            let grad = Tensor::zeros(
-                [len + members.len() as i64],
-                (unit.shard.kind(), unit.shard.device()),
-            );
+            let grad = Tensor::zeros([len], (unit.shard.kind(), unit.shard.device()));
             let mut views = Vec::new();
             let mut grads = Vec::new();
             for (k, (&i, piece)) in members.iter().zip(&pieces).enumerate() {
                 bucket_of[i] = Some((b, k));
                 let (_, j) = unit_of[i].expect("in a unit");
-                let view = unit.views[j].shallow_clone();
+                let view = unit.members[j].sharded.shallow_clone();
                 let grad_view = grad
                     .narrow(0, piece.offset, piece.chunk_len())
                     .view(piece.chunk_shape().as_slice());
@@ -268,10 +272,10 @@ impl Sharding {
             buckets.push(Mutex::new(Bucket {
                 unit: u,
                 ready: vec![false; members.len()],
+                used: vec![false; members.len()],
                 members,
                 pieces,
                 views,
-                len,
                 grad,
                 grads,
             }));
@@ -309,6 +313,7 @@ impl Sharding {
                 order: Mutex::new(Order {
                     next: 0,
                     complete: vec![false; n_buckets],
+                    finished: false,
                 }),
                 forward_order: Mutex::new(Vec::new()),
                 reduce_scatters: AtomicU64::new(0),
@@ -338,7 +343,7 @@ impl Sharding {
         let hooks = GradHooks::new(&hooked, &ready)?;
         let shards = (0..inner.params.len())
             .map(|i| match inner.unit_of[i] {
-                Some((u, j)) => inner.units[u].lock().views[j].shallow_clone(),
+                Some((u, j)) => inner.units[u].lock().members[j].sharded.shallow_clone(),
                 // A frozen variable that stays whole: it never has a gradient.
                 None => inner.params[i].shallow_clone(),
             })
@@ -387,7 +392,7 @@ impl Sharding {
     /// whole) its own dim-0 chunks.
     fn piece(&self, i: usize) -> Piece {
         let piece = match self.inner.unit_of[i] {
-            Some((u, j)) => self.inner.units[u].lock().pieces[j].clone(),
+            Some((u, j)) => self.inner.units[u].lock().members[j].piece.clone(),
             None => {
                 let shape = self.inner.params[i].size();
                 layout(&[shape], self.inner.group.world_size()).0.remove(0)
@@ -440,7 +445,7 @@ impl Sharding {
             .find(|&&i| inner.params[i].requires_grad())
         {
             let name = match inner.unit_of[i] {
-                Some((u, j)) => inner.units[u].lock().names[j].clone(),
+                Some((u, j)) => inner.units[u].lock().members[j].name.clone(),
                 None => format!("number {i}"),
             };
             return Err(Error::Usage(format!(
@@ -483,7 +488,8 @@ impl Sharding {
     /// Before a step: the buckets whose gradients no hook reduce-scattered in this
     /// cycle (some member got no gradient, or an earlier bucket of the [`Order`] did
     /// not) are reduce-scattered now, in that order on every rank, a missing gradient
-    /// counting as zero (as DDP's `find_unused_parameters`); a stage-3 unit still
+    /// counting as zero (as DDP's `find_unused_parameters`); once a cycle, the ranks
+    /// agree on which members had a gradient ([`agree_used`]); a stage-3 unit still
     /// gathered after the backward pass is freed.
     ///
     /// # Errors
@@ -503,6 +509,10 @@ impl Sharding {
                 .fetch_add(1, Ordering::Relaxed);
         }
         order.next = inner.buckets.len();
+        if !order.finished {
+            agree_used(&inner.group, &inner.buckets)?;
+            order.finished = true;
+        }
         for unit in &inner.units {
             let mut state = unit.lock();
             if state.reshard_after_forward && state.state.is_unsharded() && !state.in_pass {
@@ -523,6 +533,7 @@ impl Sharding {
             let mut order = self.inner.order.lock().expect("order lock");
             order.next = 0;
             order.complete.fill(false);
+            order.finished = false;
         }
         for unit in &self.inner.units {
             let mut state = unit.lock();
@@ -544,10 +555,7 @@ impl Sharding {
     /// [`Error::Collective`] when the all-reduce fails.
     pub fn clip_grad_norm(&self, max: f64) -> Result<f64> {
         let grads: Vec<Tensor> = (0..self.inner.buckets.len())
-            .map(|b| {
-                let bucket = self.inner.bucket(b);
-                bucket.grad.narrow(0, 0, bucket.len)
-            })
+            .map(|b| self.inner.bucket(b).grad.shallow_clone())
             .filter(|g| g.numel() > 0)
             .collect();
         let Some(first) = grads.first() else {
@@ -585,15 +593,18 @@ fn claim(
     names: &[String],
     params: &[Tensor],
     stage: u8,
-) -> Claims {
+) -> Vec<Claim> {
     let place: HashMap<usize, usize> = params
         .iter()
         .enumerate()
         .map(|(i, p)| (tensor_key(p), i))
         .collect();
     let mut taken = vec![false; params.len()];
-    let mut units: Vec<(Option<usize>, Vec<usize>, Option<Arc<UnitParams>>)> =
-        vec![(None, Vec::new(), None)];
+    let mut units = vec![Claim {
+        slot: None,
+        members: Vec::new(),
+        before: None,
+    }];
     let mut open = Vec::new();
     for (s, slot) in declared.iter().enumerate() {
         let before = slot.params().and_then(|p| p.downcast::<UnitParams>().ok());
@@ -601,16 +612,20 @@ fn claim(
             Some(unit) => {
                 let members: Option<Vec<usize>> = unit
                     .lock()
-                    .params
+                    .members
                     .iter()
-                    .map(|p| place.get(&tensor_key(p)).copied())
+                    .map(|m| place.get(&tensor_key(&m.unsharded)).copied())
                     .collect();
                 // A unit of another store's variables is another optimizer's.
                 if let Some(members) = members.filter(|m| !m.is_empty()) {
                     for &i in &members {
                         taken[i] = true;
                     }
-                    units.push((Some(s), members, Some(unit)));
+                    units.push(Claim {
+                        slot: Some(s),
+                        members,
+                        before: Some(unit),
+                    });
                 }
             }
             None => open.push(s),
@@ -630,16 +645,20 @@ fn claim(
             .map(|(k, _)| k);
         match unit {
             Some(k) => claimed[k].push(i),
-            None if trainable => units[0].1.push(i),
+            None if trainable => units[0].members.push(i),
             None => {}
         }
     }
     for (k, members) in claimed.into_iter().enumerate() {
         if !members.is_empty() {
-            units.push((Some(open[k]), members, None));
+            units.push(Claim {
+                slot: Some(open[k]),
+                members,
+                before: None,
+            });
         }
     }
-    Claims { units }
+    units
 }
 
 impl Inner {

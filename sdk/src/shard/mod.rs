@@ -2,14 +2,17 @@
 //! FSDP2 (`fully_shard`), for the SDK's [`Optimizer`](crate::Optimizer).
 //!
 //! - [`layout`]: where each parameter's exact `1/N` shard lies (dim 0, padded);
+//! - [`param`]: one sharded parameter (FSDP2's `FSDPParam`): the variable, its place
+//!   and its chunk of the shard, and the copies of its rows;
 //! - [`param_group`]: one unit's parameters (FSDP2's `FSDPParamGroup`): their shard,
 //!   their [`ShardedState`](param_group::ShardedState) (sharded, unsharding,
 //!   unsharded), `unshard` (all-gather) and `reshard` (free), `reshard_after_forward`,
 //!   `param_dtype`;
-//! - [`engine`]: an optimizer's units and their hooks, when each bucket is complete,
-//!   and the steps;
+//! - [`engine`]: an optimizer's units and their hooks (FSDP2's root `FSDPState`), when
+//!   each bucket is complete, and the steps;
 //! - [`collectives`]: the gradient buckets, their order and reduce-scatters, the
-//!   bucket cap (FSDP2's `_fsdp_collectives`);
+//!   agreement on which members had a gradient, the bucket cap (FSDP2's
+//!   `_fsdp_collectives`);
 //! - [`unit`]: [`fully_shard`], the units gathered around their passes;
 //! - [`hooks`]: the shim's storage and autograd hooks.
 
@@ -17,6 +20,7 @@ mod collectives;
 mod engine;
 mod hooks;
 pub(crate) mod layout;
+mod param;
 mod param_group;
 mod unit;
 

@@ -15,6 +15,7 @@ use tch::{Kind, Tensor};
 
 use super::hooks::{self, Hook};
 use super::layout::{layout, Piece};
+use super::param::FsdpParam;
 use crate::error::{Error, Result};
 use crate::process_group::{Pending, ProcessGroup};
 use crate::unit_registry::ShardedParameters;
@@ -55,16 +56,10 @@ pub(crate) struct UnitParams {
 
 /// The mutable part of [`UnitParams`].
 pub(crate) struct Unit {
-    /// The members: their names in the `VarStore`, the variables (whole tensors whose
-    /// memory is freed between passes at stage 3) and their places in the shard.
-    pub names: Vec<String>,
-    pub params: Vec<Tensor>,
-    pub pieces: Vec<Piece>,
+    /// The members, in their order in the shard.
+    pub members: Vec<FsdpParam>,
     /// This rank's flat shard of the members (padded chunks, one after another).
     pub shard: Tensor,
-    /// Per member, its chunk of `shard` in the member's shape with `chunk_rows` rows:
-    /// what the optimizer steps.
-    pub views: Vec<Tensor>,
     /// Whether the members hold every rank's values, or an all-gather of them is on
     /// its way.
     pub state: ShardedState,
@@ -158,20 +153,15 @@ impl UnitParams {
         let shapes: Vec<Vec<i64>> = params.iter().map(Tensor::size).collect();
         let (pieces, len) = layout(&shapes, world);
         let shard = Tensor::zeros([len], options);
-        let views = pieces
-            .iter()
-            .map(|piece| {
-                shard
-                    .narrow(0, piece.offset, piece.chunk_len())
-                    .view(piece.chunk_shape().as_slice())
-            })
+        let members = names
+            .into_iter()
+            .zip(params)
+            .zip(pieces)
+            .map(|((name, param), piece)| FsdpParam::new(name, param, piece, &shard))
             .collect();
         let mut unit = Unit {
-            names,
-            params,
-            pieces,
+            members,
             shard,
-            views,
             state: ShardedState::Unsharded { rounded: false },
             reshard_after_forward,
             inputs_pending: 0,
@@ -214,8 +204,8 @@ impl UnitParams {
     /// being unsharded: FSDP's prefetch.
     pub fn prefetch(&self) -> Result<()> {
         let mut unit = self.lock();
-        if matches!(unit.state, ShardedState::Sharded) && !unit.params.is_empty() {
-            let members = 0..unit.params.len();
+        if matches!(unit.state, ShardedState::Sharded) && !unit.members.is_empty() {
+            let members = 0..unit.members.len();
             unit.state = ShardedState::Unsharding(self.start_all_gather(&unit, false, members)?);
         }
         Ok(())
@@ -326,8 +316,9 @@ impl UnitParams {
         members: std::ops::Range<usize>,
     ) -> Result<AllGatherResult> {
         let world = self.group.world_size();
-        let start = unit.pieces[members.start].offset;
-        let end = unit.pieces[members.end - 1].offset + unit.pieces[members.end - 1].chunk_len();
+        let start = unit.members[members.start].piece.offset;
+        let last = &unit.members[members.end - 1].piece;
+        let end = last.offset + last.chunk_len();
         let len = end - start;
         let low = self
             .param_dtype
@@ -368,8 +359,8 @@ impl UnitParams {
         };
         let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
         let mut bytes = 0;
-        for (j, piece) in unit.pieces.iter().enumerate() {
-            let size = piece.chunk_len() as usize * elt * world;
+        for (j, member) in unit.members.iter().enumerate() {
+            let size = member.piece.chunk_len() as usize * elt * world;
             match runs.last_mut() {
                 Some(run) if bytes + size <= self.gather_bytes => run.end = j + 1,
                 _ => {
@@ -392,7 +383,7 @@ impl UnitParams {
             ShardedState::Unsharded { rounded } => !(exact && rounded),
             _ => false,
         };
-        if done || unit.params.is_empty() {
+        if done || unit.members.is_empty() {
             return Ok(());
         }
         match std::mem::replace(&mut unit.state, ShardedState::Sharded) {
@@ -430,43 +421,26 @@ fn copy_out(unit: &Unit, gathering: AllGatherResult) -> Result<()> {
         ..
     } = gathering;
     pending.wait()?;
-    let base = unit.pieces[members.start].offset;
-    tch::no_grad(|| -> Result<()> {
-        for j in members {
-            let piece = Piece {
-                offset: unit.pieces[j].offset - base,
-                ..unit.pieces[j].clone()
-            };
-            let full = hooks::storage_alias(&unit.params[j])?;
-            for (r, chunk) in chunks.iter().enumerate() {
-                if let Some(part) = piece.rows_in_shard(chunk, r) {
-                    piece.rows_in_full(&full, r).expect("rows").copy_(&part);
-                }
-            }
-        }
-        Ok(())
-    })
+    let base = unit.members[members.start].piece.offset;
+    unit.members[members]
+        .iter()
+        .try_for_each(|member| member.copy_out(&chunks, base))
 }
 
 impl Unit {
     /// The member whose [`tensor_key`](crate::ffi::tensor_key) is `key`.
     pub fn member(&self, key: usize) -> Option<usize> {
-        self.params
+        self.members
             .iter()
-            .position(|p| crate::ffi::tensor_key(p) == key)
+            .position(|m| crate::ffi::tensor_key(&m.unsharded) == key)
     }
 
     /// Copies this rank's rows of the (gathered) members into the shard; the padding
     /// stays zero.
     pub fn cut(&mut self, rank: usize) {
-        tch::no_grad(|| {
-            for (param, piece) in self.params.iter().zip(&self.pieces) {
-                if let Some(mine) = piece.rows_in_full(param, rank) {
-                    let mut shard = piece.rows_in_shard(&self.shard, rank).expect("rows");
-                    shard.copy_(&mine);
-                }
-            }
-        });
+        for member in &self.members {
+            member.cut(&self.shard, rank);
+        }
     }
 }
 
@@ -517,24 +491,13 @@ fn after_backward(unit: &mut Unit) -> Result<()> {
 /// all-gather, reading one is an error that says why and what to do. An all-gather
 /// in flight stays in flight.
 fn free_unsharded(unit: &mut Unit) -> Result<()> {
-    for (name, param) in unit.names.iter().zip(&unit.params) {
-        hooks::free_storage(param, &resharded_message(name))?;
+    for member in &unit.members {
+        member.free_unsharded()?;
     }
     if unit.state.is_unsharded() {
         unit.state = ShardedState::Sharded;
     }
     Ok(())
-}
-
-/// What reading a resharded variable says (libtorch's error, from the freed storage).
-pub(crate) fn resharded_message(name: &str) -> String {
-    format!(
-        "tch-distributed: variable `{name}` is sharded by ZeRO stage 3 (fully_shard): between \
-         its unit's forward and backward passes this rank holds only its rows of it, not the \
-         whole tensor. To read or write it whole, do so inside \
-         `tch_distributed::summon_full_params(…)`, which gathers every sharded variable on \
-         every rank, or after the #[distributed] function returns, when the model is whole again"
-    )
 }
 
 impl ShardedParameters for UnitParams {
@@ -588,12 +551,11 @@ impl ShardedParameters for UnitParams {
         let Some(j) = unit.member(key) else {
             return Ok(None);
         };
-        let param = &unit.params[j];
+        let (param, piece) = (&unit.members[j].unsharded, &unit.members[j].piece);
         if unit.state.is_exact() {
             return Ok(Some(param.shallow_clone()));
         }
         // The member's chunk alone, from every rank.
-        let piece = &unit.pieces[j];
         let world = self.group.world_size();
         let len = piece.chunk_len();
         let input = unit.shard.narrow(0, piece.offset, len);
@@ -626,7 +588,7 @@ impl ShardedParameters for UnitParams {
         let Some(j) = unit.member(key) else {
             return Ok(false);
         };
-        let piece = &unit.pieces[j];
+        let piece = &unit.members[j].piece;
         let rank = self.group.rank();
         let (first, count) = piece.rows_of(rank);
         if count > 0 {
