@@ -7,7 +7,7 @@
 #
 #   scripts/mutants.sh                 every file below
 #   scripts/mutants.sh ddp optim       some of them (by the names below; optim is its
-#                                      five files' entries, shard its five, rendezvous
+#                                      five files' entries, shard its seven, rendezvous
 #                                      the store's, job token's, network's and join's)
 #   scripts/mutants.sh --list [NAMES]  list the mutants only (no builds)
 #   scripts/mutants.sh NAMES -- ARGS   ARGS go to cargo-mutants (e.g. --shard 1/4)
@@ -67,14 +67,17 @@ FILE[join]=sdk/src/rendezvous/join.rs;     TESTS[join]="rendezvous_counts"
 FILE[agreement]=sdk/src/runtime/agreement.rs; TESTS[agreement]="different_paths adapting"
 # The collectives' records: a timeout's diagnosis and the deadlock check.
 FILE[collective_record]=sdk/src/process_group/collective_record.rs; TESTS[collective_record]="different_paths stalled_ranks"
-# ZeRO stages 2 and 3, file by file (`shard` names all five): the engine (the units of
-# an optimizer, the gradient buckets, their reduce-scatters and steps), a unit's
-# parameters (their shard, gathers, reshards, reads and loads by rows), the units
+# ZeRO stages 2 and 3, file by file (`shard` names all seven): the engine (the units of
+# an optimizer, when a bucket is complete, the steps), the collectives (the buckets'
+# reduce-scatters and the agreement on which members had a gradient), a unit's
+# parameters (their shard, gathers, reshards, reads and loads by rows), one parameter
+# (its rows cut, copied out of a gather, freed), the units
 # around their passes (and sharded as built), the shim's hooks; and the dim-0 layout,
 # which ZeRO-1 cuts its shards by too. The model's file, written a variable at a time
 # and read by rows.
 FILE[shard_engine]=sdk/src/shard/engine.rs; TESTS[shard_engine]="sharding frozen activation"
 FILE[shard_params]=sdk/src/shard/param_group.rs; TESTS[shard_params]="sharding frozen activation"
+FILE[shard_param]=sdk/src/shard/param.rs;   TESTS[shard_param]="sharding frozen"
 FILE[shard_unit]=sdk/src/shard/unit.rs;     TESTS[shard_unit]="sharding frozen activation"
 FILE[model_file]=sdk/src/checkpoint/model_file.rs; TESTS[model_file]="sharding frozen checkpoint"
 FILE[shard_collectives]=sdk/src/shard/collectives.rs; TESTS[shard_collectives]="sharding frozen"
@@ -99,12 +102,12 @@ FILE[rewrites]=sdk/src/runtime/rewrites.rs; TESTS[rewrites]="outside_optimizer a
 # The attribute's reading of the function: which calls it finds (a forward pass for
 # autocast, inside closures too; the optimizers `.build` makes), under the ui cases.
 FILE[macro_analysis]=sdk-macros/src/analysis.rs; TESTS[macro_analysis]="ui"; PACKAGE[macro_analysis]=tch-distributed-macros
-ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record shard_engine shard_collectives shard_params shard_unit shard_hooks shard_layout model_file rng activation split batch_retry macro_analysis)
+ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record shard_engine shard_collectives shard_params shard_param shard_unit shard_hooks shard_layout model_file rng activation split batch_retry macro_analysis)
 # A NAME that stands for several.
 declare -A GROUP
 GROUP[optim]="optim_mod optim_kernels optim_state optim_zero optim_scaler"
 GROUP[rendezvous]="store job_token network join"
-GROUP[shard]="shard_engine shard_collectives shard_params shard_unit shard_hooks shard_layout"
+GROUP[shard]="shard_engine shard_collectives shard_params shard_param shard_unit shard_hooks shard_layout"
 # NAME -> tests of those targets to skip for it (they exercise none of its paths and
 # take long): the preemption-signal runs, which only deliver signals and check a
 # checkpoint that the other checkpoint tests check too.
