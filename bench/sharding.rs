@@ -6,14 +6,15 @@
 //! `VmRSS` before the model is made; the largest over the ranks), its ratio to DDP's
 //! on the same side, and the mean step time of 5 steps after one warm-up step.
 //! Every side runs with glibc's mmap threshold fixed (`MALLOC_MMAP_THRESHOLD_=65536`)
-//! so that freed tensors leave the resident set, but for the last two rows: glibc's
-//! own settings, under which the SDK fixes the threshold itself when it shards.
+//! so that freed tensors leave the resident set, but for the last two rows: the SDK's
+//! own thresholds (`sdk/src/host_memory.rs`: kept for the next step under DDP, given
+//! back where it shards).
 //!
 //! On CUDA (`--device cuda`, what `scripts/bench_gpu.sh` runs), the ranks share the
 //! one visible GPU over Gloo and the memory is the CUDA caching allocator's: its peak
 //! of allocated bytes less what was allocated before the model was made
-//! (`torch.cuda.max_memory_allocated()` on PyTorch's side); the rows under glibc's
-//! defaults are left out.
+//! (`torch.cuda.max_memory_allocated()` on PyTorch's side); the rows under the SDK's
+//! thresholds are left out.
 //!
 //! ```text
 //! scripts/bench.sh sharding [--python PYTHON] [--device cuda] [--ranks 2,4]   # prints a table
@@ -210,8 +211,9 @@ fn main() -> anyhow::Result<()> {
     let script = script.as_str();
     println!("| ranks | side | added peak per rank (MB) | of DDP's | with a save (MB) | of DDP's | and a load (MB) | of DDP's | step (ms) |");
     println!("|---|---|---|---|---|---|---|---|---|");
-    // The last rows: glibc's own settings (no fixed mmap threshold), where the SDK
-    // fixes the threshold itself when it shards.
+    // The last rows: no MALLOC_MMAP_THRESHOLD_, so the SDK's own thresholds
+    // (host_memory.rs): a step's memory kept for the next under DDP, given back where
+    // it shards.
     let configurations = [
         ours(2, "0", true, true),
         ours(2, "1", true, true),
@@ -272,7 +274,7 @@ fn main() -> anyhow::Result<()> {
                 };
             }
             if !c.fixed {
-                side += " (glibc's defaults)";
+                side += " (the SDK's thresholds)";
             }
             print_row(ranks, &side, &measured, ddp);
         }

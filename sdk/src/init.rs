@@ -130,6 +130,7 @@ pub(crate) fn init_with_settings(settings: Settings, device: Option<Device>) -> 
     if let Some(ctx) = slot.as_ref() {
         return Ok(ctx.clone());
     }
+    crate::host_memory::keep_freed_memory();
     let ctx = Context::join_with(LaunchEnv::from_env()?, settings, device)?;
     *slot = Some(ctx.clone());
     Ok(ctx)

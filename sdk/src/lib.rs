@@ -32,6 +32,7 @@ mod env;
 mod error;
 mod ffi;
 mod files;
+mod host_memory;
 mod init;
 pub mod launch;
 mod log;

@@ -33,9 +33,17 @@ pub(crate) fn show_cpp_stacktraces() -> bool {
     set("TORCH_SHOW_CPP_STACKTRACES").is_some_and(|v| v == "1")
 }
 
-/// `MALLOC_MMAP_THRESHOLD_`: whether the user fixed glibc's mmap threshold.
-pub(crate) fn malloc_mmap_threshold_set() -> bool {
-    set("MALLOC_MMAP_THRESHOLD_").is_some()
+/// `MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `MALLOC_TOP_PAD_`, or a
+/// `glibc.malloc` key in `GLIBC_TUNABLES`: whether the user tuned glibc's allocator.
+pub(crate) fn malloc_tuned() -> bool {
+    [
+        "MALLOC_MMAP_THRESHOLD_",
+        "MALLOC_TRIM_THRESHOLD_",
+        "MALLOC_TOP_PAD_",
+    ]
+    .iter()
+    .any(|name| set(name).is_some())
+        || set("GLIBC_TUNABLES").is_some_and(|t| t.contains("glibc.malloc."))
 }
 
 /// `CUDA_VISIBLE_DEVICES`, as set.

@@ -101,11 +101,15 @@ pub(crate) fn interface_with(address: IpAddr) -> Option<String> {
     }
 }
 
-/// Sets glibc's mmap threshold to `bytes` (`mallopt(M_MMAP_THRESHOLD)`): blocks at
-/// least that large are mapped, and given back to the system when freed.
-pub(crate) fn set_mmap_threshold(bytes: i32) {
+/// Sets glibc's mmap threshold to `mmap` bytes (`mallopt(M_MMAP_THRESHOLD)`: blocks at
+/// least that large are mapped, and given back to the system when freed) and its trim
+/// threshold to `trim` bytes (`M_TRIM_THRESHOLD`: the free memory at the top of the
+/// heap beyond which it is given back). Either fixes both: glibc stops adjusting them.
+pub(crate) fn set_malloc_thresholds(mmap: i32, trim: i32) {
     // SAFETY: mallopt only sets an allocator parameter.
-    unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, bytes) };
+    unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, mmap) };
+    // SAFETY: as above.
+    unsafe { libc::mallopt(libc::M_TRIM_THRESHOLD, trim) };
 }
 
 /// Ends the process at once with `code` (`_exit`): no exit handler, no destructor,

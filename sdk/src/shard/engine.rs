@@ -160,7 +160,7 @@ impl Sharding {
             group.broadcast_coalesced(&agreed, BROADCAST_BYTES, 0)?;
         }
         if params.iter().any(|p| p.device() == tch::Device::Cpu) {
-            return_freed_memory();
+            crate::host_memory::return_freed_memory();
         }
         if stage == 3 && claims.len() == 1 && group.rank() == 0 {
             crate::log::warn(
@@ -785,17 +785,6 @@ impl Inner {
         reduce_scatter(&self.group, &self.params, bucket)?;
         self.reduce_scatters.fetch_add(1, Ordering::Relaxed);
         Ok(())
-    }
-}
-
-/// Makes glibc give freed tensors' memory back to the system, so that what sharding
-/// frees leaves the resident set: a fixed mmap threshold of 64 KiB (glibc otherwise
-/// raises it up to 32 MiB as large blocks are freed, after which they are reused from
-/// its heap and stay resident). A threshold the user set (`MALLOC_MMAP_THRESHOLD_`)
-/// stays.
-pub(crate) fn return_freed_memory() {
-    if !crate::protocol::malloc_mmap_threshold_set() {
-        crate::ffi::os::set_mmap_threshold(64 << 10);
     }
 }
 

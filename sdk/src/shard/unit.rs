@@ -86,7 +86,7 @@ fn shard_now(ctx: &crate::init::Context, slot: &Slot, path: &Path) -> crate::Res
     group.verify_same_shapes(&params)?;
     group.broadcast_coalesced(&params, 25 << 20, 0)?;
     if params.iter().any(|p| p.device() == tch::Device::Cpu) {
-        super::engine::return_freed_memory();
+        crate::host_memory::return_freed_memory();
     }
     let unit = Arc::new(UnitParams::new(
         group,
