@@ -49,6 +49,9 @@ pub struct Context {
     local_world_size: usize,
     device: Device,
     group: ProcessGroup,
+    /// Hybrid sharding's shard and replicate groups (the `shard_group` setting), when
+    /// the shard group is not the whole job.
+    mesh: Option<crate::mesh::Mesh>,
     master: Option<(String, u16)>,
     random: RandomState,
     /// GPUs this rank sees (0 on the CPU).
@@ -359,6 +362,18 @@ impl Context {
         if let Some(after) = settings.deadlock_check {
             group.check_deadlocks_after(Duration::from_secs_f64(after));
         }
+        let mesh = match settings.shard_group {
+            Some(shard_group) if env.world_size > 1 => crate::mesh::Mesh::join(
+                &store,
+                shard_group,
+                (env.rank, env.world_size, env.local_world_size),
+                backend,
+                device,
+                timeout,
+            )
+            .map_err(place)?,
+            _ => None,
+        };
         Ok(Context {
             rank: env.rank,
             local_rank: env.local_rank,
@@ -366,6 +381,7 @@ impl Context {
             local_world_size: env.local_world_size,
             device,
             group,
+            mesh,
             master,
             random,
             gpus,
@@ -499,6 +515,12 @@ impl Context {
     /// The job's process group.
     pub fn process_group(&self) -> &ProcessGroup {
         &self.group
+    }
+
+    /// Hybrid sharding's mesh (the `shard_group` setting): this rank's shard and
+    /// replicate groups; none for flat sharding over every rank.
+    pub(crate) fn mesh(&self) -> Option<&crate::mesh::Mesh> {
+        self.mesh.as_ref()
     }
 
     /// Blocks until every rank reaches this point.

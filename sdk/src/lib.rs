@@ -37,6 +37,7 @@ mod init;
 pub mod launch;
 mod log;
 mod loop_position;
+mod mesh;
 mod observe;
 mod optim;
 mod precision;

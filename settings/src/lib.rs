@@ -34,7 +34,7 @@ mod values;
 pub use error::{Error, Result};
 
 pub use values::{
-    Backend, CommHook, DebugLevel, Implementation, MixedPrecision, MixedPrecisionMode,
+    Backend, CommHook, DebugLevel, Implementation, MixedPrecision, MixedPrecisionMode, ShardGroup,
 };
 
 pub use file::{config_named_by_env, default_path, default_path_from, CONFIG_ENV};
@@ -148,6 +148,22 @@ impl Value for CommHook {
                       PyTorch's fp16_compress_hook and bf16_compress_hook)"
                     .into(),
             ),
+        }
+    }
+}
+
+impl Value for ShardGroup {
+    fn parse(text: &str) -> std::result::Result<Self, String> {
+        match text.to_ascii_lowercase().as_str() {
+            "node" => Ok(ShardGroup::Node),
+            n => match n.parse() {
+                Ok(size) if size > 0 => Ok(ShardGroup::Size(size)),
+                _ => Err(
+                    "use node (the ranks of one node) or a number of ranks that \
+                          divides the world size"
+                        .into(),
+                ),
+            },
         }
     }
 }
@@ -479,6 +495,12 @@ settings! {
         attribute: true, flag: Some("reduce-bucket-mb"), alias: None,
         var: "TCH_DISTRIBUTED_REDUCE_BUCKET_MB", file: true, value_name: "MIB",
         values: "a positive number of MiB", default: "bucket_cap_mb's (25)",
+    }
+    /// At ZeRO stages 2 and 3, the ranks that shard the model among themselves: node (the ranks of one node) or a size; the groups replicate it, and only the gradient shards' all-reduce crosses groups (hybrid sharding, FSDP2's HYBRID_SHARD, Accelerate's dp_shard_size).
+    shard_group: ShardGroup [any] {
+        attribute: true, flag: Some("shard-group"), alias: None,
+        var: "TCH_DISTRIBUTED_SHARD_GROUP", file: true, value_name: "GROUP",
+        values: "node, or a number of ranks that divides the world size", default: "every rank (flat sharding)",
     }
     /// Whether DDP looks for variables that the loss leaves out, each step.
     find_unused_parameters: bool [any] {

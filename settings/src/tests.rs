@@ -399,3 +399,18 @@ fn an_option_the_attribute_does_not_take_is_named_with_the_valid_ones() {
         .to_string();
     assert_eq!(e, "backend = \"mpi\": use gloo or nccl");
 }
+
+#[test]
+fn shard_groups() {
+    assert_eq!(ShardGroup::parse("node"), Ok(ShardGroup::Node));
+    assert_eq!(ShardGroup::parse("Node"), Ok(ShardGroup::Node));
+    assert_eq!(ShardGroup::parse("2"), Ok(ShardGroup::Size(2)));
+    assert!(ShardGroup::parse("0").unwrap_err().contains("use node"));
+    assert_eq!(ShardGroup::Node.to_string(), "node");
+    // 2 nodes of 2 ranks: a node's ranks; 4 ranks do not split into groups of 3.
+    assert_eq!(ShardGroup::Node.size(4, 2), Ok(2));
+    assert!(ShardGroup::Size(3)
+        .size(4, 2)
+        .unwrap_err()
+        .contains("do not divide the job's 4 ranks"));
+}

@@ -68,6 +68,56 @@ impl fmt::Display for CommHook {
     }
 }
 
+/// Which ranks shard the parameters, gradients and optimizer state among themselves
+/// at ZeRO stages 2 and 3 (hybrid sharding, FSDP2's 2-D mesh `HYBRID_SHARD`,
+/// Accelerate's `dp_shard_size`): each group of consecutive ranks of this size holds
+/// one sharded copy of the model, and the groups replicate it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShardGroup {
+    /// The ranks of one node (`LOCAL_WORLD_SIZE`): all-gathers and reduce-scatters stay
+    /// within the node; only the gradient shards' all-reduce crosses nodes.
+    Node,
+    /// Groups of this many consecutive ranks; it must divide the world size.
+    Size(usize),
+}
+
+impl ShardGroup {
+    /// The group's size in a job of `world_size` ranks with `local_world_size` on
+    /// each node.
+    ///
+    /// # Errors
+    /// What to give instead when the size does not divide the world size (or, for
+    /// `node`, when the nodes hold different numbers of ranks).
+    pub fn size(
+        self,
+        world_size: usize,
+        local_world_size: usize,
+    ) -> std::result::Result<usize, String> {
+        let (size, what) = match self {
+            ShardGroup::Node => (
+                local_world_size,
+                format!("the {local_world_size} ranks of a node"),
+            ),
+            ShardGroup::Size(n) => (n, format!("{n} ranks")),
+        };
+        if size == 0 || world_size % size != 0 {
+            return Err(format!(
+                "shard groups of {what} do not divide the job's {world_size} ranks: give a                  size that divides the world size (every node the same number of ranks for                  \"node\")"
+            ));
+        }
+        Ok(size)
+    }
+}
+
+impl fmt::Display for ShardGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ShardGroup::Node => f.write_str("node"),
+            ShardGroup::Size(n) => write!(f, "{n}"),
+        }
+    }
+}
+
 /// How much the process group checks, as `TORCH_DISTRIBUTED_DEBUG`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum DebugLevel {

@@ -90,6 +90,23 @@ impl Hosts {
         format!("10.77.0.{}", i + 1)
     }
 
+    /// The bytes host `i`'s `eth0` received and sent so far (its counters in `/sys`):
+    /// what crossed between it and the other hosts.
+    pub fn bytes(&self, i: usize) -> u64 {
+        ["rx_bytes", "tx_bytes"]
+            .iter()
+            .map(|counter| {
+                let mut cat = self.command(i, "cat");
+                cat.arg(format!("/sys/class/net/eth0/statistics/{counter}"));
+                let out = crate::output_within(&mut cat, b"", Duration::from_secs(30));
+                let text = String::from_utf8_lossy(&out.stdout);
+                text.trim()
+                    .parse::<u64>()
+                    .unwrap_or_else(|_| panic!("host {i}'s {counter}: {text:?}"))
+            })
+            .sum()
+    }
+
     /// A command that runs `program` on host `i` (`ip netns exec NS program`); add
     /// its arguments and environment as to any command.
     pub fn command(&self, i: usize, program: impl AsRef<std::ffi::OsStr>) -> Command {

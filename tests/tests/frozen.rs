@@ -51,7 +51,8 @@ fn is_base(name: &str) -> bool {
 /// Every stage trains the adapters as DDP does (DDP averages only the variables that
 /// require a gradient), and leaves the frozen base exactly as it was built: stage 3
 /// shards the base with its unit and gathers it around the unit's passes, stages 1 and
-/// 2 leave it out of the shards. `save_trainable` writes the adapters alone.
+/// 2 leave it out of the shards; on 4 ranks, hybrid sharding (2 shard groups of 2) too.
+/// `save_trainable` writes the adapters alone.
 #[test]
 fn a_frozen_base_with_adapters_trains_as_ddp_at_every_stage() {
     let dir = scratch_dir("frozen");
@@ -63,11 +64,26 @@ fn a_frozen_base_with_adapters_trains_as_ddp_at_every_stage() {
         let moved = files_where(&init, &dir.join(&ddp), |n| !is_base(n));
         assert!(moved.max_abs > 1e-3, "DDP trained the adapters: {moved:?}");
         assert!(files_where(&init, &dir.join(&ddp), is_base).is_exact());
-        let runs = [(1, false), (2, false), (2, true), (3, false), (3, true)];
-        for (zero, units) in runs {
-            let out = format!("zero{zero}-units{units}-{ranks}.safetensors");
-            let env: &[(&str, &str)] = if units { &[("UNITS", "1")] } else { &[] };
-            let env = [env, &[("INIT_OUT", "1")]].concat();
+        let mut runs = vec![
+            (1, false, false),
+            (2, false, false),
+            (2, true, false),
+            (3, false, false),
+            (3, true, false),
+        ];
+        if ranks == 4 {
+            // Hybrid sharding: 2 shard groups of 2 ranks.
+            runs.extend([(2, false, true), (3, true, true)]);
+        }
+        for (zero, units, hybrid) in runs {
+            let out = format!("zero{zero}-units{units}-hybrid{hybrid}-{ranks}.safetensors");
+            let mut env = vec![("INIT_OUT", "1")];
+            if units {
+                env.push(("UNITS", "1"));
+            }
+            if hybrid {
+                env.push(("TCH_DISTRIBUTED_SHARD_GROUP", "2"));
+            }
             let stdout = run(&dir, ranks, zero, &out, &env);
             assert!(stdout.contains(&format!("ZeRO stage {zero} (")), "{stdout}");
             // Stage 3's units are sharded as they are built, from the values every
@@ -83,11 +99,8 @@ fn a_frozen_base_with_adapters_trains_as_ddp_at_every_stage() {
                 "{out}: another start"
             );
             let diff = relative(&dir.join(&ddp), &dir.join(&out));
-            eprintln!("{ranks} ranks, zero {zero}, units {units}: {diff:e} relative");
-            assert!(
-                diff < 1e-6,
-                "{ranks} ranks, zero {zero}, units {units}: {diff:e}"
-            );
+            eprintln!("{out}: {diff:e} relative");
+            assert!(diff < 1e-6, "{out}: {diff:e}");
             let base = files_where(&init, &dir.join(&out), is_base);
             assert!(base.is_exact(), "the base moved: {base:?}");
             // The adapters' file: the trainable variables, as the model has them.

@@ -446,3 +446,70 @@ fn ranks_that_advertise_loopback_to_another_host_are_told_the_fix() {
         &redact(&told[0], &[("127.0.0.1:", "{port}"), ("rank ", "{r}")]),
     );
 }
+
+/// Hybrid sharding across hosts (`shard_group = "node"`, 2 hosts × 2 ranks, ZeRO-3 with
+/// `fully_shard` units): each host shards the model over its own ranks, and only the
+/// gradient shards' all-reduce crosses between the hosts. The parameters equal DDP's
+/// on 4 ranks of one host (1e-6), as flat stage 3's do on the same hosts; each rank
+/// holds half of the optimizer's state (a quarter when flat); and host 0's link
+/// carries less than half the bytes of the flat run (printed: the note's figures).
+#[test]
+fn hybrid_sharding_across_two_hosts_trains_as_ddp() {
+    let Some(hosts) = hosts(2) else { return };
+    let dir = scratch_dir("mh-hybrid");
+    let worker = env!("CARGO_BIN_EXE_sharding_worker");
+    let one = host_dir(&dir, 9);
+    let mut cmd = Command::new(tch_distributed_tests::tchrun());
+    cmd.args(["--nproc-per-node", "4", worker])
+        .arg(&one)
+        .arg("ddp.safetensors")
+        .env_remove("TCH_DISTRIBUTED_NPROC");
+    run_with(cmd, &one, TIMEOUT, |_, _| {}).assert_success();
+    let mut crossed = Vec::new();
+    for shard_group in ["4", "node"] {
+        let before = hosts.bytes(0);
+        let runs = on_both_hosts(&dir, |k, out| {
+            let mut cmd = tchrun_on(&hosts, k, 2, 2, worker);
+            cmd.arg(out)
+                .arg("sharded.safetensors")
+                .env("TCH_DISTRIBUTED_ZERO", "3")
+                .env("TCH_DISTRIBUTED_SHARD_GROUP", shard_group)
+                .env("UNITS", "1");
+            cmd
+        });
+        for run in &runs {
+            run.assert_success();
+        }
+        crossed.push(hosts.bytes(0) - before);
+        let diff = compare::files(
+            &one.join("ddp.safetensors"),
+            &dir.join("host0/sharded.safetensors"),
+        );
+        assert!(diff.elements > 0, "{diff:?}");
+        diff.assert_within(1e-6, &format!("shard_group = {shard_group} against DDP"));
+        // Adam's two moments of every parameter's rows (l1 13 × 6 and 13, l2 7 × 13
+        // and 7, l3 3 × 7 and 3, padded to the shard group) and 6 step counts.
+        let group = if shard_group == "node" { 2 } else { 4 };
+        let rows = |n: usize| n.div_ceil(group);
+        let elements = rows(13) * 7 + rows(7) * 14 + rows(3) * 8;
+        for rank in 0..4 {
+            let out = host_dir(&dir, rank / 2);
+            let bytes = tch_distributed_tests::state_bytes(&out, "sharded.safetensors", rank);
+            assert_eq!(
+                bytes,
+                8 * elements + 4 * 6,
+                "shard_group = {shard_group}, rank {rank}"
+            );
+        }
+    }
+    eprintln!(
+        "bytes through host 0's link: flat stage 3 {}, hybrid (shard_group = node) {}",
+        crossed[0], crossed[1]
+    );
+    assert!(
+        2 * crossed[1] < crossed[0],
+        "hybrid sharding sent {} bytes between the hosts, flat stage 3 {}",
+        crossed[1],
+        crossed[0]
+    );
+}

@@ -518,3 +518,114 @@ fn stage_3_ends_where_pytorch_fsdp2_ends() {
     );
     assert!(apart.max_abs > 1e-4, "{apart:?}");
 }
+
+/// Hybrid sharding (`shard_group = 2` on 4 ranks: the shape of 2 nodes × 2 ranks, on
+/// one host; `multi_node.rs` runs it across hosts): each shard group holds one sharded
+/// copy of the model, gradients are reduce-scattered within it and each shard is
+/// all-reduced across the groups, as FSDP2's HSDP. The parameters are DDP's (1e-6),
+/// every rank holds half of the state (as flat sharding on 2 ranks), and a checkpoint,
+/// whose state the first shard group alone writes, resumes hybrid as it stopped and
+/// flat on 2 ranks. A size that does not divide the world is an error that says so.
+#[test]
+fn hybrid_sharding_trains_as_ddp_with_half_the_state_on_each_rank() {
+    let dir = scratch_dir("sharding-hybrid");
+    let hybrid = ("TCH_DISTRIBUTED_SHARD_GROUP", "2");
+    let units = ("UNITS", "1");
+    run(&dir, 4, 0, "ddp.safetensors", &[]);
+    for (zero, with_units) in [(2, false), (3, true)] {
+        let out = format!("hybrid-{zero}.safetensors");
+        let mut env = vec![hybrid];
+        if with_units {
+            env.push(units);
+        }
+        let stdout = run(&dir, 4, zero, &out, &env);
+        let banner = "sharded over 2 ranks, replicated 2 times: hybrid sharding";
+        assert!(stdout.contains(banner), "{stdout}");
+        let diff = compare(&dir.join("ddp.safetensors"), &dir.join(&out));
+        eprintln!("hybrid, zero {zero}: {diff:?}");
+        assert!(diff.max_abs < 1e-6, "hybrid, zero {zero}: {diff:?}");
+        // Half of every parameter's rows (padded), Adam's two moments and the step
+        // counts: l1 (13 × 6, 13), l2 (7 × 13, 7), l3 (3 × 7, 3).
+        let rows = |n: usize| n.div_ceil(2);
+        let elements = rows(13) * 7 + rows(7) * 14 + rows(3) * 8;
+        for r in 0..4 {
+            assert_eq!(
+                state_bytes(&dir, &out, r),
+                8 * elements + 4 * 6,
+                "{out}, rank {r}"
+            );
+        }
+    }
+    // Clipping, accumulation and bf16 autocast together, as DDP does them.
+    let mixed = [
+        ("CLIP", "0.05"),
+        ("TCH_DISTRIBUTED_GRAD_ACCUM", "2"),
+        ("TCH_DISTRIBUTED_MIXED_PRECISION", "bf16"),
+        units,
+    ];
+    run(&dir, 4, 0, "mixed-ddp.safetensors", &mixed);
+    run(
+        &dir,
+        4,
+        3,
+        "mixed-hybrid.safetensors",
+        &[&mixed[..], &[hybrid]].concat(),
+    );
+    let diff = compare(
+        &dir.join("mixed-ddp.safetensors"),
+        &dir.join("mixed-hybrid.safetensors"),
+    );
+    assert!(diff.max_abs < 1e-6, "clip, accumulation, bf16: {diff:?}");
+    // A checkpoint: the state once per shard, by the first shard group's ranks.
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    let stop = [
+        hybrid,
+        units,
+        ("CKPT", c),
+        ("SAVE_AT", "5"),
+        ("STOP_AT", "5"),
+    ];
+    run(&dir, 4, 3, "stopped.safetensors", &stop);
+    let step = ckpt.join("step-0000000005");
+    let written: Vec<usize> = (0..4)
+        .filter(|r| {
+            step.join(format!("optimizer-rank-{r}.safetensors"))
+                .exists()
+        })
+        .collect();
+    assert_eq!(written, [0, 1], "the state files of {}", step.display());
+    for (ranks, resume_hybrid) in [(4, true), (2, false)] {
+        let resumed = dir.join("resumed");
+        let _ = std::fs::remove_dir_all(&resumed);
+        copy_dir(&ckpt, &resumed);
+        let r = resumed.to_str().unwrap();
+        let mut env = vec![units, ("CKPT", r)];
+        if resume_hybrid {
+            env.push(hybrid);
+        }
+        let out = format!("resumed-{ranks}.safetensors");
+        let stdout = run(&dir, ranks, 3, &out, &env);
+        assert!(stdout.contains("resumed at step 5"), "{stdout}");
+        let diff = compare(&dir.join("hybrid-3.safetensors"), &dir.join(&out));
+        match resume_hybrid {
+            true => assert!(diff.is_exact(), "resumed as it stopped: {diff:?}"),
+            false => assert!(diff.max_abs < 1e-6, "resumed flat on {ranks}: {diff:?}"),
+        }
+    }
+    // Groups of 3 do not divide 4 ranks.
+    let mut cmd = Command::new(tchrun());
+    cmd.args(["--nproc-per-node", "4", WORKER])
+        .args([dir.to_str().unwrap(), "uneven.safetensors"])
+        .env("TCH_DISTRIBUTED_ZERO", "3")
+        .env("TCH_DISTRIBUTED_SHARD_GROUP", "3");
+    let uneven = run_with(cmd, &dir, TIMEOUT, |_, _| {});
+    assert!(!uneven.status.success(), "{uneven:?}");
+    assert!(
+        uneven
+            .stderr
+            .contains("shard groups of 3 ranks do not divide the job's 4 ranks"),
+        "{}",
+        uneven.stderr
+    );
+}

@@ -99,7 +99,7 @@ impl TrainState {
 /// |---|---|---|
 /// | `model.safetensors` | rank 0 | parameters and buffers, named as `VarStore::save` names them (loads in 1 rank, N ranks, or PyTorch's `safetensors.torch.load_file`) |
 /// | `optimizer.safetensors` | rank 0 | the optimizer's state in `torch.optim`'s `state_dict` layout (moments, step counts, the groups' options: see [`Optimizer::state`]); loads into PyTorch. Checkpoints of tch-distributed 0.1, with libtorch's `optimizer.pt` instead, still load |
-/// | `optimizer-rank-R.safetensors` | rank R, with ZeRO ([`Optimizer::zero`]) instead of the above | rank R's rows (dim 0, as `torch.chunk` cuts) of every parameter's state, in the same layout and numbering, with `dim0_shard` in the metadata: together the whole state; they load at any world size, with or without ZeRO |
+/// | `optimizer-rank-R.safetensors` | rank R, with ZeRO ([`Optimizer::zero`]) instead of the above (under hybrid sharding, the ranks of the first shard group, R being the place in it) | rank R's rows (dim 0, as `torch.chunk` cuts) of every parameter's state, in the same layout and numbering, with `dim0_shard` in the metadata: together the whole state; they load at any world size, with or without ZeRO |
 /// | `state.json` | rank 0 | [`TrainState`]: step, epoch, samples consumed, world size, configuration |
 /// | `rank-R.safetensors` | rank R | that rank's random-generator states: `cpu`, and `cuda` when the model is on a GPU |
 /// | `COMPLETE` | rank 0, last | every file's size and hash |
@@ -298,8 +298,12 @@ impl Checkpointer {
             Tensor::write_safetensors(&rng, &path)
                 .map_err(|e| Error::Torch(format!("writing {}: {e}", path.display())))?;
             sync_file(&path)?;
-            if opt.zero_stage().is_some() {
-                write_synced(&tmp.join(optimizer_shard(rank)), &opt.state()?)?;
+            if let Some(shard) = opt.state_shard() {
+                // Once per shard: under hybrid sharding, the first shard group's.
+                let bytes = opt.state()?;
+                if let Some(shard) = shard {
+                    write_synced(&tmp.join(optimizer_shard(shard)), &bytes)?;
+                }
             }
             if rank == 0 {
                 if opt.zero_stage().is_none() {

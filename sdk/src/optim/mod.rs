@@ -335,6 +335,7 @@ impl Optimizer {
         };
         self.mode = Mode::Sharded(crate::shard::Sharding::new(
             ctx.process_group(),
+            ctx.mesh(),
             stage,
             params,
             &all,
@@ -355,6 +356,18 @@ impl Optimizer {
             Mode::Zero1 { zero, .. } => Some(zero.rank_and_world_size()),
             Mode::Replicated(_) => None,
         }
+    }
+
+    /// At ZeRO stages 1 to 3, the state shard this rank writes in a checkpoint, by its
+    /// place among the ranks the state is cut for ([`dim0_shard`](Self::dim0_shard)):
+    /// `Some(None)` for a rank whose shard another rank writes (hybrid sharding's
+    /// later shard groups hold the first one's shards); `None` without ZeRO.
+    pub(crate) fn state_shard(&self) -> Option<Option<usize>> {
+        let (rank, _) = self.dim0_shard()?;
+        Some(match &self.mode {
+            Mode::Sharded(sharding) if !sharding.first_replica() => None,
+            _ => Some(rank),
+        })
     }
 
     /// What the sharded parameters' collectives did so far, at ZeRO stages 2 and 3.

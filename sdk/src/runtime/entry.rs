@@ -140,10 +140,18 @@ fn banner(ctx: &Context) -> String {
             2 => "optimizer state and gradients",
             _ => "optimizer state, gradients and parameters",
         };
-        line += &format!(
-            ", ZeRO stage {stage} ({what} sharded over {} ranks)",
-            ctx.world_size()
-        );
+        line += &match (stage, ctx.mesh()) {
+            (2 | 3, Some(mesh)) => format!(
+                ", ZeRO stage {stage} ({what} sharded over {} ranks, replicated {} times: \
+                 hybrid sharding)",
+                mesh.shard.world_size(),
+                mesh.replicate.world_size()
+            ),
+            _ => format!(
+                ", ZeRO stage {stage} ({what} sharded over {} ranks)",
+                ctx.world_size()
+            ),
+        };
     }
     if let Some(k) = settings.grad_accum.filter(|&k| k > 1) {
         let world = ctx.world_size();

@@ -101,10 +101,7 @@ pub(super) fn reduce_scatter(
         }
         Ok(())
     })?;
-    group.reduce_scatter_into(&bucket.grad, &chunks, ReduceOp::Avg)?;
-    // For the sharded loop's check that its steps averaged gradients.
-    group.count_gradient_average();
-    Ok(())
+    group.reduce_scatter_into(&bucket.grad, &chunks, ReduceOp::Avg)
 }
 
 /// After a cycle's reduce-scatters, which members some rank had a gradient for: one

@@ -26,6 +26,7 @@ use super::param_group::UnitParams;
 use crate::error::{Error, Result};
 use crate::ffi::tensor::SyncTensors;
 use crate::ffi::tensor_key;
+use crate::mesh::Mesh;
 use crate::process_group::{ProcessGroup, ReduceOp};
 use crate::unit_registry::{ShardedParameters, Units};
 
@@ -66,7 +67,15 @@ pub(crate) struct Sharding {
 }
 
 pub(crate) struct Inner {
+    /// Every rank of the job: the start's broadcast and the agreement on which
+    /// members had a gradient.
     group: ProcessGroup,
+    /// The ranks the parameters are sharded over: the job's, or hybrid sharding's
+    /// shard group ([`Mesh`]).
+    shard: ProcessGroup,
+    /// Hybrid sharding's replicate group, across which each gradient shard is
+    /// all-reduced after its reduce-scatter.
+    replicate: Option<ProcessGroup>,
     stage: u8,
     /// The optimizer's parameters (whole), in its order (read from autograd's threads
     /// too: see [`SyncTensors`]).
@@ -121,7 +130,8 @@ struct Claim {
 
 impl Sharding {
     /// Shards `params` (the optimizer's, with their names) over `group` at `stage`
-    /// (2 or 3), in the units declared in `registry` that claim some of them (or
+    /// (2 or 3), or over `mesh`'s shard group and replicated across its replicate
+    /// group (hybrid sharding), in the units declared in `registry` that claim some of them (or
     /// that were sharded already, as `fully_shard` does in a stage-3 job), and
     /// registers the units there. Under mixed precision, `param_dtype` (bf16 or fp16)
     /// is the dtype fp32 units are all-gathered and computed in. `bucket_bytes` caps
@@ -133,8 +143,10 @@ impl Sharding {
     /// [`Error::Collective`] when the ranks' models differ or a collective fails;
     /// [`Error::Usage`] for a parameter that is not a whole contiguous tensor or a
     /// unit that mixes dtypes or devices.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         group: &ProcessGroup,
+        mesh: Option<&Mesh>,
         stage: u8,
         params: Vec<(String, Tensor)>,
         all: &[Tensor],
@@ -143,6 +155,7 @@ impl Sharding {
         bucket_bytes: usize,
     ) -> Result<Sharding> {
         let declared = registry.declared();
+        let shard = mesh.map_or(group, |m| &m.shard);
         let (names, params): (Vec<String>, Vec<Tensor>) = params.into_iter().unzip();
         let claims = claim(&declared, &names, &params, stage);
         group.verify_same_shapes(all)?;
@@ -193,7 +206,7 @@ impl Sharding {
                 }
                 None => {
                     let unit = Arc::new(UnitParams::new(
-                        group,
+                        shard,
                         members.iter().map(|&i| names[i].clone()).collect(),
                         members.iter().map(|&i| params[i].shallow_clone()).collect(),
                         param_dtype,
@@ -246,7 +259,7 @@ impl Sharding {
             bytes += size;
         }
         groups.extend(root);
-        let (rank, world) = (group.rank(), group.world_size());
+        let world = shard.world_size();
         let mut bucket_of = vec![None; params.len()];
         let mut bucket_of_unit = vec![None; units.len()];
         let mut buckets = Vec::new();
@@ -284,7 +297,6 @@ impl Sharding {
         for (u, (_, unit)) in units.iter().enumerate() {
             unit.lock().grads_done = bucket_of_unit[u].is_none();
         }
-        let _ = rank;
         let hooked: Vec<usize> = (0..params.len())
             .filter(|&i| params[i].requires_grad())
             .collect();
@@ -301,6 +313,8 @@ impl Sharding {
             });
             Inner {
                 group: group.clone(),
+                shard: shard.clone(),
+                replicate: mesh.map(|m| m.replicate.clone()),
                 stage,
                 unit_of,
                 bucket_of,
@@ -383,9 +397,20 @@ impl Sharding {
         self.shards.iter().map(Tensor::shallow_clone).collect()
     }
 
-    /// This rank and the world size the shards are cut for.
+    /// This rank and the world size the shards are cut for: its place in the shard
+    /// group and the group's size (the job's, but under hybrid sharding).
     pub fn rank_and_world_size(&self) -> (usize, usize) {
-        (self.inner.group.rank(), self.inner.group.world_size())
+        (self.inner.shard.rank(), self.inner.shard.world_size())
+    }
+
+    /// Whether this rank's shards are the first copy of them: under hybrid sharding,
+    /// whether it is in the first shard group (the others hold the same shards); any
+    /// rank otherwise. A checkpoint's state is written once per shard.
+    pub fn first_replica(&self) -> bool {
+        self.inner
+            .replicate
+            .as_ref()
+            .map_or(true, |r| r.rank() == 0)
     }
 
     /// Parameter `i`'s piece: its place in its unit, or (a frozen variable that stays
@@ -395,7 +420,7 @@ impl Sharding {
             Some((u, j)) => self.inner.units[u].lock().members[j].piece.clone(),
             None => {
                 let shape = self.inner.params[i].size();
-                layout(&[shape], self.inner.group.world_size()).0.remove(0)
+                layout(&[shape], self.inner.shard.world_size()).0.remove(0)
             }
         };
         Piece { offset: 0, ..piece }
@@ -404,7 +429,7 @@ impl Sharding {
     /// Parameter `i`'s shaped chunk `t` (a state tensor of it) without its padding:
     /// this rank's rows only (none for a rank past the end).
     pub fn unpadded(&self, i: usize, t: &Tensor) -> Tensor {
-        let (_, rows) = self.piece(i).rows_of(self.inner.group.rank());
+        let (_, rows) = self.piece(i).rows_of(self.inner.shard.rank());
         t.narrow(0, 0, rows)
     }
 
@@ -412,7 +437,7 @@ impl Sharding {
     /// zeros to the chunk's rows.
     pub fn chunk(&self, i: usize, full: &Tensor) -> Tensor {
         let piece = self.piece(i);
-        let rank = self.inner.group.rank();
+        let rank = self.inner.shard.rank();
         let chunk = full.new_zeros([piece.chunk_len()], (full.kind(), full.device()));
         if let Some(mine) = piece.rows_in_full(full, rank) {
             tch::no_grad(|| {
@@ -548,7 +573,8 @@ impl Sharding {
     }
 
     /// The gradients' global L2 norm over the shards (one all-reduce of the sum of
-    /// squares), as FSDP2's `clip_grad_norm_`, and scales them by `max / (norm +
+    /// squares over the shard group, whose shards make the whole), as FSDP2's
+    /// `clip_grad_norm_`, and scales them by `max / (norm +
     /// 1e-6)` when that is below 1 (tch's arithmetic). Returns the norm.
     ///
     /// # Errors
@@ -567,7 +593,7 @@ impl Sharding {
                 acc + g.to_kind(Kind::Double).square().sum(Kind::Double)
             })
         });
-        self.inner.group.all_reduce(&mut squares, ReduceOp::Sum)?;
+        self.inner.shard.all_reduce(&mut squares, ReduceOp::Sum)?;
         let total = squares.double_value(&[]).sqrt();
         let coef = max / (total + 1e-6);
         if coef < 1.0 {
@@ -780,9 +806,16 @@ impl Inner {
         Ok(())
     }
 
-    /// Reduce-scatters bucket `bucket` (see [`reduce_scatter`]) and counts it.
+    /// Reduce-scatters bucket `bucket` over the shard group (see [`reduce_scatter`])
+    /// and, under hybrid sharding, all-reduces (averages) its shard across the
+    /// replicate group, as FSDP2's HSDP; counts it.
     fn reduce(&self, bucket: &mut Bucket) -> Result<()> {
-        reduce_scatter(&self.group, &self.params, bucket)?;
+        reduce_scatter(&self.shard, &self.params, bucket)?;
+        if let Some(replicate) = &self.replicate {
+            replicate.all_reduce(&mut bucket.grad.shallow_clone(), ReduceOp::Avg)?;
+        }
+        // For the sharded loop's check that its steps averaged gradients.
+        self.group.count_gradient_average();
         self.reduce_scatters.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }

@@ -14,6 +14,8 @@
 //!   agreement on which members had a gradient, the bucket cap (FSDP2's
 //!   `_fsdp_collectives`);
 //! - [`unit`]: [`fully_shard`], the units gathered around their passes;
+//!
+//! Hybrid sharding's groups are [`crate::mesh`]'s.
 //! - [`hooks`]: the shim's storage and autograd hooks.
 
 mod collectives;

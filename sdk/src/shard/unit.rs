@@ -82,6 +82,7 @@ fn shard_now(ctx: &crate::init::Context, slot: &Slot, path: &Path) -> crate::Res
         return Ok(());
     };
     let group = ctx.process_group();
+    let shard = ctx.mesh().map_or(group, |m| &m.shard);
     // Rank 0's values, as the optimizer's build gives the rest of the model.
     group.verify_same_shapes(&params)?;
     group.broadcast_coalesced(&params, 25 << 20, 0)?;
@@ -89,7 +90,7 @@ fn shard_now(ctx: &crate::init::Context, slot: &Slot, path: &Path) -> crate::Res
         crate::host_memory::return_freed_memory();
     }
     let unit = Arc::new(UnitParams::new(
-        group,
+        shard,
         names,
         params,
         crate::precision::autocast_kind(ctx.mixed_precision()),
