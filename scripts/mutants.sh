@@ -78,6 +78,8 @@ FILE[collective_record]=sdk/src/process_group/collective_record.rs; TESTS[collec
 FILE[shard_engine]=sdk/src/shard/engine.rs; TESTS[shard_engine]="sharding frozen activation"
 FILE[shard_params]=sdk/src/shard/param_group.rs; TESTS[shard_params]="sharding frozen activation"
 FILE[shard_param]=sdk/src/shard/param.rs;   TESTS[shard_param]="sharding frozen"
+# Hybrid sharding's groups (shard_group): one host's 2 × 2 and two hosts'.
+FILE[mesh]=sdk/src/mesh.rs;                  TESTS[mesh]="sharding multi_node"
 FILE[shard_unit]=sdk/src/shard/unit.rs;     TESTS[shard_unit]="sharding frozen activation"
 FILE[model_file]=sdk/src/checkpoint/model_file.rs; TESTS[model_file]="sharding frozen checkpoint"
 FILE[shard_collectives]=sdk/src/shard/collectives.rs; TESTS[shard_collectives]="sharding frozen"
@@ -102,7 +104,7 @@ FILE[rewrites]=sdk/src/runtime/rewrites.rs; TESTS[rewrites]="outside_optimizer a
 # The attribute's reading of the function: which calls it finds (a forward pass for
 # autocast, inside closures too; the optimizers `.build` makes), under the ui cases.
 FILE[macro_analysis]=sdk-macros/src/analysis.rs; TESTS[macro_analysis]="ui"; PACKAGE[macro_analysis]=tch-distributed-macros
-ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record shard_engine shard_collectives shard_params shard_param shard_unit shard_hooks shard_layout model_file rng activation split batch_retry macro_analysis)
+ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record shard_engine shard_collectives shard_params shard_param shard_unit shard_hooks shard_layout mesh model_file rng activation split batch_retry macro_analysis)
 # A NAME that stands for several.
 declare -A GROUP
 GROUP[optim]="optim_mod optim_kernels optim_state optim_zero optim_scaler"
