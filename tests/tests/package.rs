@@ -47,9 +47,39 @@ fn target_dir() -> PathBuf {
     )
 }
 
+/// Removes the copies of the workspace's own crates that an earlier `cargo package`
+/// extracted from its temporary registry (`$CARGO_HOME/registry/src/-HASH/NAME-0.1.0`):
+/// cargo reuses such a copy when the version is the same, so the SDK's package would
+/// build against the settings crate as it was packed before, not as it is now. Only
+/// those local registries' copies go (crates.io's are under `index.crates.io-…`).
+fn forget_packed_copies() {
+    let home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cargo")));
+    let Some(src) = home.map(|h| h.join("registry/src")) else {
+        return;
+    };
+    let Ok(registries) = std::fs::read_dir(&src) else {
+        return;
+    };
+    for registry in registries.flatten() {
+        if !registry.file_name().to_string_lossy().starts_with('-') {
+            continue;
+        }
+        for krate in ["tch-distributed-settings", "tch-distributed-macros"] {
+            let copy = registry.path().join(format!("{krate}-0.1.0"));
+            if copy.exists() {
+                std::fs::remove_dir_all(&copy)
+                    .unwrap_or_else(|e| panic!("{}: {e}", copy.display()));
+            }
+        }
+    }
+}
+
 #[test]
 fn cargo_package_packs_and_builds_the_settings_the_macros_then_the_sdk() {
     let dir = scratch_dir("package");
+    forget_packed_copies();
     let mut cmd = cargo();
     // --allow-dirty: a developer's uncommitted changes; CI's clone is clean anyway.
     cmd.args([
