@@ -47,12 +47,25 @@ fn target_dir() -> PathBuf {
     )
 }
 
-/// Removes the copies of the workspace's own crates that an earlier `cargo package`
-/// extracted from its temporary registry (`$CARGO_HOME/registry/src/-HASH/NAME-0.1.0`):
-/// cargo reuses such a copy when the version is the same, so the SDK's package would
-/// build against the settings crate as it was packed before, not as it is now. Only
-/// those local registries' copies go (crates.io's are under `index.crates.io-…`).
+/// Forgets what an earlier `cargo package` made of the workspace's own crates: the
+/// copies it extracted from its temporary registry
+/// (`$CARGO_HOME/registry/src/-HASH/NAME-0.1.0`; crates.io's are under
+/// `index.crates.io-…`) and the fingerprints of the settings and macros crates in the
+/// target directory. Cargo takes a registry crate of the same version as unchanged, so
+/// the SDK's package would otherwise build against the settings crate as it was packed
+/// before, not as it is now (the next build compiles those two crates again).
 fn forget_packed_copies() {
+    let fingerprints = target_dir().join("debug/.fingerprint");
+    if let Ok(entries) = std::fs::read_dir(&fingerprints) {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with("tch-distributed-settings-")
+                || name.starts_with("tch-distributed-macros-")
+            {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
     let home = std::env::var_os("CARGO_HOME")
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cargo")));
