@@ -168,7 +168,9 @@ impl RankOutput {
 }
 
 /// Copies `pipe` line by line to `write`, each line after `prefix` and handed to `write`
-/// whole; a last line without a newline gets one. A line being redrawn in place (it holds
+/// whole; the whole lines of one read go in one call, so that a block of lines the rank
+/// wrote at once (the SDK's `Error: …` with its hint, in one write) is not cut by another
+/// rank's lines; a last line without a newline gets one. A line being redrawn in place (it holds
 /// `\r` or an escape, ESC) is handed on as it comes, and so is a piece of [`MAX_LINE`]
 /// bytes of a line that long; the prefix goes before the first piece only. Once `write`
 /// fails (the launcher's stream was closed), the rest is read and dropped, so that the
@@ -178,6 +180,8 @@ fn copy_lines(prefix: &[u8], pipe: impl Read, mut write: impl FnMut(&[u8]) -> io
     let mut pipe = BufReader::new(pipe);
     // What goes out next: the prefix (unless the line was begun) and the line's bytes.
     let mut line = prefix.to_vec();
+    // How many bytes of `line` are whole lines, not handed on yet.
+    let mut whole = 0;
     // Part of the current line was handed on already, after the prefix.
     let mut begun = false;
     let mut redrawn = false;
@@ -200,15 +204,21 @@ fn copy_lines(prefix: &[u8], pipe: impl Read, mut write: impl FnMut(&[u8]) -> io
             line.extend_from_slice(piece);
             redrawn |= piece.iter().any(|&b| b == b'\r' || b == 0x1b);
             if piece.ends_with(b"\n") {
-                hand_on(&mut line);
+                whole = line.len();
                 line.extend_from_slice(prefix);
                 (begun, redrawn) = (false, false);
-            } else if redrawn || line.len() >= MAX_LINE {
+            } else if redrawn || line.len() - whole >= MAX_LINE {
                 hand_on(&mut line);
-                begun = true;
+                (whole, begun) = (0, true);
             }
         }
         pipe.consume(taken);
+        // This read's whole lines, in one call; the line begun stays.
+        if whole > 0 {
+            let rest = line.split_off(whole);
+            hand_on(&mut line);
+            (line, whole) = (rest, 0);
+        }
     }
     if begun || line.len() > prefix.len() {
         line.push(b'\n');
@@ -250,13 +260,24 @@ mod tests {
 
     #[test]
     fn each_line_is_one_write_after_the_prefix_however_it_was_read() {
+        // Read 3 bytes at a time: "5\n\n" is one read, whose two whole lines go
+        // together.
         assert_eq!(
             copied("[rank 3] ", b"eval loss 0.5\n\nno newline"),
             [
-                &b"[rank 3] eval loss 0.5\n"[..],
-                b"[rank 3] \n",
+                &b"[rank 3] eval loss 0.5\n[rank 3] \n"[..],
                 b"[rank 3] no newline\n"
             ]
+        );
+        // The lines of one read, each after the prefix, in one write.
+        let mut writes = Vec::new();
+        copy_lines(b"[rank 1] ", &b"Error: a\n  b\nhint: c\n"[..], |block| {
+            writes.push(block.to_vec());
+            Ok(())
+        });
+        assert_eq!(
+            writes,
+            [&b"[rank 1] Error: a\n[rank 1]   b\n[rank 1] hint: c\n"[..]]
         );
         assert!(copied("[rank 0] ", b"").is_empty());
         // Without a prefix, the lines as they were.
