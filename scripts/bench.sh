@@ -16,6 +16,10 @@
 #   scripts/bench.sh comm-hook             DDP's gradient compression (comm_hook none, fp16, bf16): the
 #                                          bytes a synchronized step sends (loopback's counter) and
 #                                          its time, mlp workload on 2 ranks over Gloo
+#   scripts/bench.sh hybrid                ZeRO-3 across 2 hosts × 2 ranks, flat against
+#                                          shard_group = node, and DDP: the bytes between the
+#                                          hosts, step time, memory (network namespaces; root
+#                                          and `ip`)
 #   scripts/bench.sh multi-node [STEPS]    shakespeare's tokens/s, 1 host × 2 ranks against 2 hosts ×
 #                                          1 rank (network namespaces; root and `ip`)
 #
@@ -103,6 +107,11 @@ for hook, r in runs.items():
     sent, ratio, step = per[hook] / 1e6, per[hook] / per["none"], r[50][1]["step_ms"]
     print(f"| {hook} | {sent:.2f} MB | {ratio:.2f} | {step:.1f} ms |")
 '
+    ;;
+  hybrid)
+    cargo build --release --quiet -p tch-distributed --bin tchrun
+    cargo build --release --quiet -p tch-distributed-bench --bin sharding
+    exec bench/hybrid.sh "$TARGET/release/tchrun" "$TARGET/release/sharding" "$@"
     ;;
   multi-node)
     cargo build --release --quiet -p tch-distributed --bin tchrun
