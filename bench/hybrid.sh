@@ -10,20 +10,8 @@
 set -euo pipefail
 TCHRUN="$1" SHARDING="$2"
 NS="tchd-hybrid-$$"
-cleanup() { for n in h0 h1 sw; do ip netns del "$NS-$n" 2>/dev/null || true; done; }
-trap cleanup EXIT
-ip netns add "$NS-sw"
-ip -n "$NS-sw" link add br0 type bridge
-ip -n "$NS-sw" link set br0 up
-for i in 0 1; do
-  ip netns add "$NS-h$i"
-  ip -n "$NS-h$i" link set lo up
-  ip -n "$NS-h$i" link add eth0 type veth peer name "p$i" netns "$NS-sw"
-  ip -n "$NS-sw" link set "p$i" master br0
-  ip -n "$NS-sw" link set "p$i" up
-  ip -n "$NS-h$i" addr add "10.77.0.$((i + 1))/24" dev eth0
-  ip -n "$NS-h$i" link set eth0 up
-done
+source "$(dirname "${BASH_SOURCE[0]}")/hosts.sh"
+make_hosts "$NS"
 OUT="$(mktemp -d)"
 bytes() {
   ip netns exec "$NS-h0" sh -c \
