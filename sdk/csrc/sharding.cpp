@@ -124,6 +124,14 @@ int tdc_set_grad(tdc_tensor t, tdc_tensor grad) {
   })
 }
 
+int tdc_copy_async(tdc_tensor dst, tdc_tensor src) {
+  TDC_PROTECT(TDC_ERROR, {
+    at::NoGradGuard no_grad;
+    tensor(dst).copy_(tensor(src), /*non_blocking=*/true);
+    return TDC_OK;
+  })
+}
+
 int tdc_hook_gradient(
     tdc_tensor t, tdc_callback callback, void* ctx, tdc_drop drop, int index) {
   TDC_PROTECT(TDC_ERROR, {

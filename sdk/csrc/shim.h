@@ -232,6 +232,9 @@ int tdc_storage_bytes(tdc_tensor t, size_t* out);
 uintptr_t tdc_tensor_key(tdc_tensor t);
 // Sets `t`'s `.grad` to `grad` (NULL: none).
 int tdc_set_grad(tdc_tensor t, tdc_tensor grad);
+// Copies `src` into `dst` (any devices) without waiting: between pinned host memory and
+// a GPU the copy is queued on the current stream (`copy_(src, non_blocking=true)`).
+int tdc_copy_async(tdc_tensor dst, tdc_tensor src);
 // Calls `callback(ctx, index)` each time `t`'s gradient is computed in a backward pass.
 int tdc_hook_gradient(
     tdc_tensor t, tdc_callback callback, void* ctx, tdc_drop drop, int index);

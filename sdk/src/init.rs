@@ -17,7 +17,7 @@ use crate::random_state::RandomState;
 use crate::rendezvous::job_token::{self, JobToken};
 use crate::rendezvous::store::Store;
 use crate::rendezvous::{self, GlooAddress};
-use crate::settings::{DebugLevel, Settings};
+use crate::settings::{DebugLevel, Offload, Settings};
 
 /// The timeout of collectives and rendezvous when none is given: 30 minutes, as
 /// `torch.distributed`'s `default_pg_timeout`.
@@ -184,6 +184,23 @@ pub(crate) fn all_reduce_scalar(value: i64, op: crate::ReduceOp) -> Result<i64> 
     }
 }
 
+/// `offload` moves what ZeRO stages 2 and 3 shard: with `zero` set to 0 or 1 it has
+/// nothing to move.
+///
+/// # Errors
+/// [`Error::Config`] naming both settings and the fix.
+fn check_offload(settings: &Settings) -> Result<()> {
+    match (settings.offload, settings.zero) {
+        (Some(offload), Some(stage)) if offload != Offload::None && stage < 2 => {
+            Err(Error::Config(format!(
+                "offload = \"{offload}\" with zero = {stage}: offload keeps the shards of ZeRO \
+                 stages 2 and 3 in host memory. Set zero = 2 (or 3), or offload = \"none\""
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// The job's backend: the one asked for (the attribute, [`InitOptions`], or
 /// `TCH_DISTRIBUTED_BACKEND`), else NCCL on CUDA devices and Gloo on the CPU, as
 /// PyTorch's users choose them. Returns a note for rank 0 to print when Gloo was asked
@@ -269,6 +286,7 @@ impl Context {
         if let (Some(note), 0) = (note, env.rank) {
             crate::log::warn(note);
         }
+        check_offload(&settings)?;
 
         // Store and process-group failures name the rendezvous point and this rank.
         let place = |e: Error| match e {

@@ -34,7 +34,8 @@ mod values;
 pub use error::{Error, Result};
 
 pub use values::{
-    Backend, CommHook, DebugLevel, Implementation, MixedPrecision, MixedPrecisionMode, ShardGroup,
+    Backend, CommHook, DebugLevel, Implementation, MixedPrecision, MixedPrecisionMode, Offload,
+    ShardGroup,
 };
 
 pub use file::{config_named_by_env, default_path, default_path_from, CONFIG_ENV};
@@ -164,6 +165,22 @@ impl Value for ShardGroup {
                         .into(),
                 ),
             },
+        }
+    }
+}
+
+impl Value for Offload {
+    fn parse(text: &str) -> std::result::Result<Self, String> {
+        match text.to_ascii_lowercase().as_str() {
+            "none" => Ok(Offload::None),
+            "optimizer" => Ok(Offload::Optimizer),
+            "all" => Ok(Offload::All),
+            _ => Err(
+                "use none, optimizer (the optimizer's state and step in host memory, as \
+                 DeepSpeed's offload_optimizer) or all (the parameter shards too, as FSDP2's \
+                 CPUOffloadPolicy)"
+                    .into(),
+            ),
         }
     }
 }
@@ -501,6 +518,12 @@ settings! {
         attribute: true, flag: Some("shard-group"), alias: None,
         var: "TCH_DISTRIBUTED_SHARD_GROUP", file: true, value_name: "GROUP",
         values: "node, or a number of ranks that divides the world size", default: "every rank (flat sharding)",
+    }
+    /// At ZeRO stages 2 and 3, what lives in host memory rather than on the GPU: optimizer (the optimizer state, the gradient shards and the fp32 shards it steps, stepped by the CPU, as DeepSpeed's offload_optimizer) or all (the parameter shards too, each copied to the GPU for its all-gather, as FSDP2's CPUOffloadPolicy); pinned memory, copies overlapping the compute. Nothing to offload on the CPU.
+    offload: Offload [any] {
+        attribute: true, flag: Some("offload"), alias: None,
+        var: "TCH_DISTRIBUTED_OFFLOAD", file: true, value_name: "WHAT",
+        values: "none, optimizer or all", default: "none",
     }
     /// Whether DDP looks for variables that the loss leaves out, each step.
     find_unused_parameters: bool [any] {

@@ -277,6 +277,7 @@ fn good(row: &Setting) -> &'static str {
         "MODE" => "bf16",
         "IDS" => "0,1",
         "ADDR" => "10.0.0.1",
+        "WHAT" => "optimizer",
         _ => "3",
     }
 }
@@ -398,6 +399,19 @@ fn an_option_the_attribute_does_not_take_is_named_with_the_valid_ones() {
         .unwrap_err()
         .to_string();
     assert_eq!(e, "backend = \"mpi\": use gloo or nccl");
+}
+
+#[test]
+fn offloads() {
+    assert_eq!(Offload::parse("all"), Ok(Offload::All));
+    assert_eq!(Offload::parse("Optimizer"), Ok(Offload::Optimizer));
+    assert_eq!(Offload::parse("none"), Ok(Offload::None));
+    assert!(Offload::parse("cpu")
+        .unwrap_err()
+        .contains("use none, optimizer"));
+    for offload in [Offload::None, Offload::Optimizer, Offload::All] {
+        assert_eq!(Offload::parse(&offload.to_string()), Ok(offload));
+    }
 }
 
 #[test]

@@ -102,10 +102,42 @@ impl ShardGroup {
         };
         if size == 0 || world_size % size != 0 {
             return Err(format!(
-                "shard groups of {what} do not divide the job's {world_size} ranks: give a                  size that divides the world size (every node the same number of ranks for                  \"node\")"
+                "shard groups of {what} do not divide the job's {world_size} ranks: give a \
+                 size that divides the world size (every node the same number of ranks for \
+                 \"node\")"
             ));
         }
         Ok(size)
+    }
+}
+
+/// Where ZeRO stages 2 and 3 keep what the optimizer steps (DeepSpeed's
+/// `offload_optimizer` and `offload_param`, FSDP2's `CPUOffloadPolicy`): the GPU's
+/// memory, or the host's. On a run whose parameters are in host memory already (the
+/// CPU) there is nothing to offload, and each value trains as `None`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Offload {
+    /// Everything on the device (the default).
+    #[default]
+    None,
+    /// The optimizer state, the gradient shards and the shards the optimizer steps
+    /// (fp32) in pinned host memory, stepped by the CPU (DeepSpeed's
+    /// `offload_optimizer: {device: cpu, pin_memory: true}`); the device keeps a copy
+    /// of the parameter shards for the all-gathers, refreshed after each step.
+    Optimizer,
+    /// As `Optimizer`, and the device keeps no parameter shard: each all-gather's input
+    /// is copied from the host as it starts (FSDP2's `CPUOffloadPolicy`, DeepSpeed's
+    /// `offload_param`). Only the units being computed are on the device.
+    All,
+}
+
+impl fmt::Display for Offload {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Offload::None => "none",
+            Offload::Optimizer => "optimizer",
+            Offload::All => "all",
+        })
     }
 }
 

@@ -629,3 +629,101 @@ fn hybrid_sharding_trains_as_ddp_with_half_the_state_on_each_rank() {
         uneven.stderr
     );
 }
+
+/// CPU offload (`offload`, DeepSpeed's `offload_optimizer`, FSDP2's
+/// `CPUOffloadPolicy`). On the CPU there is nothing to offload: the banner says so and
+/// the run is the one without it, bit for bit. With the SDK's test switch that keeps
+/// the stepped shards apart from the parameters on the CPU, as on a GPU
+/// (`TCH_DISTRIBUTED_OFFLOAD_COPIES_ON_CPU`), every copy between them runs: the
+/// gradient shards to the host after each reduce-scatter, the stepped shards back for
+/// the all-gathers. At stage 2 (`optimizer`) and stage 3 with units (`all`, and
+/// `optimizer` with clipping, accumulation and bf16), the parameters are those without
+/// offload, bit for bit, and a checkpoint resumes as it stopped. With `zero = 1` it is
+/// an error that names both settings.
+#[test]
+fn offloaded_shards_train_as_shards_on_the_device() {
+    let dir = scratch_dir("sharding-offload");
+    let apart = ("TCH_DISTRIBUTED_OFFLOAD_COPIES_ON_CPU", "1");
+    let units = ("UNITS", "1");
+    let optimizer = ("TCH_DISTRIBUTED_OFFLOAD", "optimizer");
+    let all = ("TCH_DISTRIBUTED_OFFLOAD", "all");
+    let mixed = [
+        units,
+        ("CLIP", "0.05"),
+        ("TCH_DISTRIBUTED_GRAD_ACCUM", "2"),
+        ("TCH_DISTRIBUTED_MIXED_PRECISION", "bf16"),
+    ];
+    let exact = |base: &str, out: &str| {
+        let diff = compare(&dir.join(base), &dir.join(out));
+        eprintln!("{out} against {base}: {diff:?}");
+        assert!(diff.is_exact(), "{out} against {base}: {diff:?}");
+    };
+    run(&dir, 2, 2, "zero2.safetensors", &[]);
+    let stdout = run(
+        &dir,
+        2,
+        2,
+        "zero2-optimizer.safetensors",
+        &[optimizer, apart],
+    );
+    assert!(stdout.contains("optimizer offloaded ("), "{stdout}");
+    exact("zero2.safetensors", "zero2-optimizer.safetensors");
+    run(&dir, 2, 3, "zero3.safetensors", &[units]);
+    let stdout = run(&dir, 2, 3, "zero3-all.safetensors", &[units, all, apart]);
+    assert!(stdout.contains("everything offloaded ("), "{stdout}");
+    exact("zero3.safetensors", "zero3-all.safetensors");
+    // The state is in the same place: half of every parameter's rows on each rank.
+    for r in 0..2 {
+        assert_eq!(
+            state_bytes(&dir, "zero3-all.safetensors", r),
+            state_bytes(&dir, "zero3.safetensors", r)
+        );
+    }
+    run(&dir, 2, 3, "mixed.safetensors", &mixed);
+    let env = [&mixed[..], &[optimizer, apart]].concat();
+    run(&dir, 2, 3, "mixed-optimizer.safetensors", &env);
+    exact("mixed.safetensors", "mixed-optimizer.safetensors");
+    // Nothing to offload on the CPU.
+    let stdout = run(&dir, 2, 3, "zero3-cpu.safetensors", &[units, all]);
+    assert!(
+        stdout.contains("offload = all: nothing to offload on the CPU"),
+        "{stdout}"
+    );
+    exact("zero3.safetensors", "zero3-cpu.safetensors");
+    // A checkpoint of offloaded shards resumes as it stopped.
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    let stop = [
+        units,
+        all,
+        apart,
+        ("CKPT", c),
+        ("SAVE_AT", "5"),
+        ("STOP_AT", "5"),
+    ];
+    run(&dir, 2, 3, "stopped.safetensors", &stop);
+    let stdout = run(
+        &dir,
+        2,
+        3,
+        "resumed.safetensors",
+        &[units, all, apart, ("CKPT", c)],
+    );
+    assert!(stdout.contains("resumed at step 5"), "{stdout}");
+    exact("zero3.safetensors", "resumed.safetensors");
+    // Offload moves what stages 2 and 3 shard.
+    let mut cmd = Command::new(tchrun());
+    cmd.args(["--nproc-per-node", "2", WORKER])
+        .args([dir.to_str().unwrap(), "zero1.safetensors"])
+        .env("TCH_DISTRIBUTED_ZERO", "1")
+        .env("TCH_DISTRIBUTED_OFFLOAD", "optimizer");
+    let refused = run_with(cmd, &dir, TIMEOUT, |_, _| {});
+    assert!(!refused.status.success(), "{refused:?}");
+    assert!(
+        refused
+            .stderr
+            .contains("offload = \"optimizer\" with zero = 1: offload keeps the shards"),
+        "{}",
+        refused.stderr
+    );
+}

@@ -69,6 +69,21 @@ pub(crate) fn set_grad(t: &Tensor, grad: Option<&Tensor>) -> Result<(), String> 
     check(unsafe { sys::tdc_set_grad(ptr(t), grad) })
 }
 
+/// Copies `src` into `dst` without waiting (`tdc_copy_async`): between pinned host
+/// memory and a GPU the copy is queued on the current stream, and the host must wait
+/// for the stream before it reads or writes the host side.
+///
+/// # Errors
+/// libtorch's message (shapes that do not broadcast, say).
+pub(crate) fn copy_async(dst: &Tensor, src: &Tensor) -> Result<(), String> {
+    // SAFETY: `dst` and `src` are tensors borrowed for the call. A copy still in
+    // flight when they are dropped reads and writes no freed memory: device memory is
+    // reused in stream order, after the copy, and pinned host memory comes from
+    // libtorch's caching host allocator, which reuses a block only once the copies
+    // recorded on it have completed.
+    check(unsafe { sys::tdc_copy_async(ptr(dst), ptr(src)) })
+}
+
 /// A hook's context for the shim: a boxed `Arc` of it, which [`drop_hook`] frees.
 fn context(hook: &Arc<Hook>) -> *mut c_void {
     Box::into_raw(Box::new(hook.clone())).cast::<c_void>()

@@ -284,6 +284,7 @@ extern "C" {
     pub(super) fn tdc_storage_bytes(t: Tensor, out: *mut usize) -> c_int;
     pub(super) fn tdc_tensor_key(t: Tensor) -> usize;
     pub(super) fn tdc_set_grad(t: Tensor, grad: Tensor) -> c_int;
+    pub(super) fn tdc_copy_async(dst: Tensor, src: Tensor) -> c_int;
     pub(super) fn tdc_hook_gradient(
         t: Tensor,
         callback: Callback,

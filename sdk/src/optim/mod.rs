@@ -340,9 +340,7 @@ impl Optimizer {
             params,
             &all,
             ctx.units(),
-            crate::precision::autocast_kind(ctx.mixed_precision()),
-            // DeepSpeed ZeRO-2's `reduce_bucket_size`.
-            crate::shard::bucket_bytes(&ctx),
+            crate::shard::Policy::of(&ctx),
         )?);
         Ok(self)
     }

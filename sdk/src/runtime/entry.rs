@@ -153,6 +153,12 @@ fn banner(ctx: &Context) -> String {
             ),
         };
     }
+    if let Some(offload) = settings
+        .offload
+        .and_then(|o| crate::shard::offload::banner(o, ctx.device()))
+    {
+        line += &format!(", {offload}");
+    }
     if let Some(k) = settings.grad_accum.filter(|&k| k > 1) {
         let world = ctx.world_size();
         line += &format!(

@@ -55,23 +55,21 @@ pub(super) struct Bucket {
     pub(super) used: Vec<bool>,
 }
 
-/// Reduce-scatters (averages) the bucket's full gradients into its gradient shard,
-/// one collective; each full gradient is dropped once copied into the collective's
+/// Reduce-scatters (averages) the bucket's full gradients into `out` (its gradient
+/// shard, or a tensor of its shape on the parameters' device), one collective; each full gradient is dropped once copied into the collective's
 /// buffer, and whether this rank had it is kept for [`agree_used`]. A member without
 /// a gradient here counts as zero, as DDP's `find_unused_parameters`.
 pub(super) fn reduce_scatter(
     group: &ProcessGroup,
     params: &[Tensor],
     bucket: &mut Bucket,
+    out: &Tensor,
 ) -> Result<()> {
     let world = group.world_size();
-    let len = bucket.grad.numel() as i64;
+    let len = out.numel() as i64;
     // Only the padding, and the pieces of members without a gradient, are zeroed:
     // the rest is written below.
-    let buffer = bucket.grad.new_empty(
-        [world as i64 * len],
-        (bucket.grad.kind(), bucket.grad.device()),
-    );
+    let buffer = out.new_empty([world as i64 * len], (out.kind(), out.device()));
     let chunks: Vec<Tensor> = (0..world)
         .map(|r| buffer.narrow(0, r as i64 * len, len))
         .collect();
@@ -101,26 +99,31 @@ pub(super) fn reduce_scatter(
         }
         Ok(())
     })?;
-    group.reduce_scatter_into(&bucket.grad, &chunks, ReduceOp::Avg)
+    group.reduce_scatter_into(out, &chunks, ReduceOp::Avg)
 }
 
 /// After a cycle's reduce-scatters, which members some rank had a gradient for: one
 /// all-reduce (max) of every bucket's `used` flags, as the Reducer's
 /// `local_used_map`. Their shards get their gradient chunk as `.grad`; the others
 /// none for this step, so that the optimizer skips them, as DDP leaves an unused
-/// variable's gradient undefined.
+/// variable's gradient undefined. The flags are all-reduced on `device`, the
+/// parameters'.
 ///
 /// # Errors
 /// [`Error::Collective`](crate::Error::Collective) when the all-reduce fails;
 /// [`Error::Torch`](crate::Error::Torch) when a gradient cannot be set.
-pub(super) fn agree_used(group: &ProcessGroup, buckets: &[Mutex<Bucket>]) -> Result<()> {
+pub(super) fn agree_used(
+    group: &ProcessGroup,
+    buckets: &[Mutex<Bucket>],
+    device: tch::Device,
+) -> Result<()> {
     let mut buckets: Vec<_> = buckets
         .iter()
         .map(|b| b.lock().expect("bucket lock"))
         .collect();
-    let Some(device) = buckets.first().map(|b| b.grad.device()) else {
+    if buckets.is_empty() {
         return Ok(());
-    };
+    }
     let local: Vec<f32> = buckets
         .iter()
         .flat_map(|b| b.used.iter().map(|&u| f32::from(u8::from(u))))
@@ -137,16 +140,4 @@ pub(super) fn agree_used(group: &ProcessGroup, buckets: &[Mutex<Bucket>]) -> Res
         }
     }
     Ok(())
-}
-
-/// The run's bucket cap at stages 2 and 3 in bytes (`reduce_bucket_mb`, else
-/// `bucket_cap_mb`, DDP's 25 MiB by default): what caps the root's gradient buckets
-/// and every all-gather's buffer.
-pub(crate) fn bucket_bytes(ctx: &crate::init::Context) -> usize {
-    let settings = ctx.settings();
-    let mib = settings
-        .reduce_bucket_mb
-        .or(settings.bucket_cap_mb)
-        .unwrap_or(crate::ddp::DdpOptions::default().bucket_cap_mb);
-    (mib * (1 << 20) as f64) as usize
 }

@@ -17,12 +17,14 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::collectives::{agree_used, reduce_scatter, Bucket, Order};
 use super::hooks::{self, GradHooks, Hook};
 use super::layout::{layout, Piece};
+use super::offload;
 use super::param_group::UnitParams;
+use super::policy::Policy;
 use crate::error::{Error, Result};
 use crate::ffi::tensor::SyncTensors;
 use crate::ffi::tensor_key;
@@ -77,6 +79,10 @@ pub(crate) struct Inner {
     /// all-reduced after its reduce-scatter.
     replicate: Option<ProcessGroup>,
     stage: u8,
+    /// The parameters' device: that of the collectives' tensors.
+    device: Device,
+    /// Whether some unit keeps its shard in host memory (the `offload` setting).
+    offloaded: bool,
     /// The optimizer's parameters (whole), in its order (read from autograd's threads
     /// too: see [`SyncTensors`]).
     params: SyncTensors,
@@ -133,9 +139,9 @@ impl Sharding {
     /// (2 or 3), or over `mesh`'s shard group and replicated across its replicate
     /// group (hybrid sharding), in the units declared in `registry` that claim some of them (or
     /// that were sharded already, as `fully_shard` does in a stage-3 job), and
-    /// registers the units there. Under mixed precision, `param_dtype` (bf16 or fp16)
-    /// is the dtype fp32 units are all-gathered and computed in. `bucket_bytes` caps
-    /// the root's gradient buckets. Every rank gets rank 0's values of `all` (the
+    /// registers the units there, with the run's `policy`: under mixed precision, the
+    /// dtype fp32 units are all-gathered and computed in; the bucket cap of the root's
+    /// gradient buckets; what is offloaded to host memory. Every rank gets rank 0's values of `all` (the
     /// store's variables and buffers, in an order every rank agrees on) first, as
     /// DDP's construction does, but those sharded before (agreed then).
     ///
@@ -143,7 +149,6 @@ impl Sharding {
     /// [`Error::Collective`] when the ranks' models differ or a collective fails;
     /// [`Error::Usage`] for a parameter that is not a whole contiguous tensor or a
     /// unit that mixes dtypes or devices.
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         group: &ProcessGroup,
         mesh: Option<&Mesh>,
@@ -151,9 +156,9 @@ impl Sharding {
         params: Vec<(String, Tensor)>,
         all: &[Tensor],
         registry: &Units,
-        param_dtype: Option<Kind>,
-        bucket_bytes: usize,
+        policy: Policy,
     ) -> Result<Sharding> {
+        let bucket_bytes = policy.bucket_bytes;
         let declared = registry.declared();
         let shard = mesh.map_or(group, |m| &m.shard);
         let (names, params): (Vec<String>, Vec<Tensor>) = params.into_iter().unzip();
@@ -209,8 +214,7 @@ impl Sharding {
                         shard,
                         members.iter().map(|&i| names[i].clone()).collect(),
                         members.iter().map(|&i| params[i].shallow_clone()).collect(),
-                        param_dtype,
-                        bucket_bytes,
+                        &policy,
                         reshard_after_forward,
                     )?);
                     registry.add_sharded(unit.clone() as Arc<dyn ShardedParameters>);
@@ -304,6 +308,8 @@ impl Sharding {
             .filter(|&i| !params[i].requires_grad())
             .collect();
         let n_buckets = buckets.len();
+        let device = params.first().map_or(Device::Cpu, Tensor::device);
+        let offloaded = units.iter().any(|(_, unit)| unit.placement.offloaded());
         let slots: Vec<Option<usize>> = units.iter().map(|(slot, _)| *slot).collect();
         let inner = Arc::new_cyclic(|me: &Weak<Inner>| {
             let me = me.clone();
@@ -316,6 +322,8 @@ impl Sharding {
                 shard: shard.clone(),
                 replicate: mesh.map(|m| m.replicate.clone()),
                 stage,
+                device,
+                offloaded,
                 unit_of,
                 bucket_of,
                 frozen,
@@ -435,11 +443,13 @@ impl Sharding {
 
     /// This rank's chunk of `full` (a tensor of parameter `i`'s shape), padded with
     /// zeros to the chunk's rows.
+    /// The chunk is where the optimizer steps parameter `i` (host memory, offloaded).
     pub fn chunk(&self, i: usize, full: &Tensor) -> Tensor {
+        let full = full.to_device(self.shards[i].device());
         let piece = self.piece(i);
         let rank = self.inner.shard.rank();
         let chunk = full.new_zeros([piece.chunk_len()], (full.kind(), full.device()));
-        if let Some(mine) = piece.rows_in_full(full, rank) {
+        if let Some(mine) = piece.rows_in_full(&full, rank) {
             tch::no_grad(|| {
                 piece
                     .rows_in_shard(&chunk, rank)
@@ -535,7 +545,11 @@ impl Sharding {
         }
         order.next = inner.buckets.len();
         if !order.finished {
-            agree_used(&inner.group, &inner.buckets)?;
+            agree_used(&inner.group, &inner.buckets, inner.device)?;
+            if inner.offloaded {
+                // The gradient shards' copies to the host, before the CPU reads them.
+                offload::wait_for_copies(inner.device);
+            }
             order.finished = true;
         }
         for unit in &inner.units {
@@ -562,6 +576,7 @@ impl Sharding {
         }
         for unit in &self.inner.units {
             let mut state = unit.lock();
+            state.shard_written();
             if !state.reshard_after_forward {
                 // The step changed the shard: all-gathered again (after any all-gather
                 // still in flight, of the shard before).
@@ -587,12 +602,14 @@ impl Sharding {
         let Some(first) = grads.first() else {
             return Ok(0.0);
         };
-        let mut squares = tch::no_grad(|| {
+        let squares = tch::no_grad(|| {
             let total = first.zeros_like().sum(Kind::Double);
             grads.iter().fold(total, |acc, g| {
                 acc + g.to_kind(Kind::Double).square().sum(Kind::Double)
             })
         });
+        // On the collectives' device (the gradients may be offloaded to the host).
+        let mut squares = squares.to_device(self.inner.device);
         self.inner.shard.all_reduce(&mut squares, ReduceOp::Sum)?;
         let total = squares.double_value(&[]).sqrt();
         let coef = max / (total + 1e-6);
@@ -808,11 +825,24 @@ impl Inner {
 
     /// Reduce-scatters bucket `bucket` over the shard group (see [`reduce_scatter`])
     /// and, under hybrid sharding, all-reduces (averages) its shard across the
-    /// replicate group, as FSDP2's HSDP; counts it.
+    /// replicate group, as FSDP2's HSDP; an offloaded unit's shard is reduced on the
+    /// device and copied to the host without waiting (see [`offload`]); counts it.
     fn reduce(&self, bucket: &mut Bucket) -> Result<()> {
-        reduce_scatter(&self.shard, &self.params, bucket)?;
+        let unit = &self.units[bucket.unit];
+        let offloaded = unit.placement.offloaded();
+        let mut out = match offloaded {
+            true => Tensor::empty(
+                [bucket.grad.numel() as i64],
+                (bucket.grad.kind(), unit.device),
+            ),
+            false => bucket.grad.shallow_clone(),
+        };
+        reduce_scatter(&self.shard, &self.params, bucket, &out)?;
         if let Some(replicate) = &self.replicate {
-            replicate.all_reduce(&mut bucket.grad.shallow_clone(), ReduceOp::Avg)?;
+            replicate.all_reduce(&mut out, ReduceOp::Avg)?;
+        }
+        if offloaded {
+            offload::copy(&bucket.grad, &out)?;
         }
         // For the sharded loop's check that its steps averaged gradients.
         self.group.count_gradient_average();

@@ -14,21 +14,27 @@
 //!   agreement on which members had a gradient, the bucket cap (FSDP2's
 //!   `_fsdp_collectives`);
 //! - [`unit`]: [`fully_shard`], the units gathered around their passes;
+//! - [`policy`]: what the run asks of the units (mixed precision, bucket cap,
+//!   offload), read from its settings;
+//! - [`offload`]: CPU offload, where a unit keeps the shard its optimizer steps and
+//!   the copies between host and device;
+//! - [`hooks`]: the shim's storage and autograd hooks.
 //!
 //! Hybrid sharding's groups are [`crate::mesh`]'s.
-//! - [`hooks`]: the shim's storage and autograd hooks.
 
 mod collectives;
 mod engine;
 mod hooks;
 pub(crate) mod layout;
+pub(crate) mod offload;
 mod param;
 mod param_group;
+pub(crate) mod policy;
 mod unit;
 
-pub(crate) use collectives::bucket_bytes;
 pub use engine::ShardingStats;
 pub(crate) use engine::{named, Sharding};
 pub(crate) use hooks::set_grad;
 pub(crate) use layout::Piece;
+pub(crate) use policy::Policy;
 pub use unit::{fully_shard, summon_full_params, FullyShard};

@@ -11,11 +11,13 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::hooks::{self, Hook};
 use super::layout::{layout, Piece};
+use super::offload::{self, Placement};
 use super::param::FsdpParam;
+use super::policy::Policy;
 use crate::error::{Error, Result};
 use crate::process_group::{Pending, ProcessGroup};
 use crate::unit_registry::ShardedParameters;
@@ -50,6 +52,9 @@ pub(crate) struct UnitParams {
     /// The most bytes one all-gather's buffer holds, but for a member alone (the run's
     /// bucket cap).
     gather_bytes: usize,
+    /// Where the shard is kept (the `offload` setting), and the members' device.
+    pub placement: Placement,
+    pub device: Device,
     pub counts: GatherCounts,
     state: Mutex<Unit>,
 }
@@ -58,8 +63,14 @@ pub(crate) struct UnitParams {
 pub(crate) struct Unit {
     /// The members, in their order in the shard.
     pub members: Vec<FsdpParam>,
-    /// This rank's flat shard of the members (padded chunks, one after another).
+    /// This rank's flat shard of the members (padded chunks, one after another): what
+    /// the optimizer steps, in host memory when offloaded ([`Placement`]).
     pub shard: Tensor,
+    /// With [`Placement::HostAndDevice`], the shard's copy on the device that the
+    /// all-gathers read, and whether it holds the shard's values (not since a step or
+    /// a load wrote the shard: see [`shard_written`](Self::shard_written)).
+    device_shard: Option<Tensor>,
+    device_fresh: bool,
     /// Whether the members hold every rank's values, or an all-gather of them is on
     /// its way.
     pub state: ShardedState,
@@ -105,9 +116,10 @@ impl ShardedState {
 
 impl UnitParams {
     /// Shards `params` (named `names`, whole and holding every rank's agreed values)
-    /// over `group`: this rank keeps its rows of each. With `reshard_after_forward`, the members'
-    /// memory is freed now, and after each of the unit's passes. `gather_bytes` caps an
-    /// all-gather's buffer (see [`runs`](Self::runs)).
+    /// over `group`: this rank keeps its rows of each, where `policy` offloads them.
+    /// With `reshard_after_forward`, the members' memory is freed now, and after each
+    /// of the unit's passes. The policy's bucket cap caps an all-gather's buffer (see
+    /// [`runs`](Self::runs)).
     ///
     /// # Errors
     /// [`Error::Usage`] for members of different dtypes or devices, or one
@@ -117,8 +129,7 @@ impl UnitParams {
         group: &ProcessGroup,
         names: Vec<String>,
         params: Vec<Tensor>,
-        param_dtype: Option<Kind>,
-        gather_bytes: usize,
+        policy: &Policy,
         reshard_after_forward: bool,
     ) -> Result<UnitParams> {
         let (rank, world) = (group.rank(), group.world_size());
@@ -152,7 +163,15 @@ impl UnitParams {
         }
         let shapes: Vec<Vec<i64>> = params.iter().map(Tensor::size).collect();
         let (pieces, len) = layout(&shapes, world);
-        let shard = Tensor::zeros([len], options);
+        let placement = Placement::of(policy.offload, options.1);
+        let shard = match placement {
+            Placement::Device => Tensor::zeros([len], options),
+            Placement::HostAndDevice | Placement::Host => {
+                offload::host_zeros(len, options.0, options.1)
+            }
+        };
+        let device_shard =
+            (placement == Placement::HostAndDevice).then(|| Tensor::zeros([len], options));
         let members = names
             .into_iter()
             .zip(params)
@@ -162,6 +181,8 @@ impl UnitParams {
         let mut unit = Unit {
             members,
             shard,
+            device_shard,
+            device_fresh: false,
             state: ShardedState::Unsharded { rounded: false },
             reshard_after_forward,
             inputs_pending: 0,
@@ -171,8 +192,10 @@ impl UnitParams {
         unit.cut(rank);
         let me = UnitParams {
             group: group.clone(),
-            param_dtype,
-            gather_bytes,
+            param_dtype: policy.param_dtype,
+            gather_bytes: policy.bucket_bytes,
+            placement,
+            device: options.1,
             counts: GatherCounts::default(),
             state: Mutex::new(unit),
         };
@@ -180,7 +203,7 @@ impl UnitParams {
             let mut unit = me.lock();
             if reshard_after_forward {
                 free_unsharded(&mut unit)?;
-            } else if param_dtype.is_some() {
+            } else if policy.param_dtype.is_some() {
                 // A unit that stays unsharded holds the rounded parameters from the
                 // start, as after each step.
                 me.mark_sharded(&mut unit)?;
@@ -206,7 +229,8 @@ impl UnitParams {
         let mut unit = self.lock();
         if matches!(unit.state, ShardedState::Sharded) && !unit.members.is_empty() {
             let members = 0..unit.members.len();
-            unit.state = ShardedState::Unsharding(self.start_all_gather(&unit, false, members)?);
+            let gathering = self.start_all_gather(&mut unit, false, members)?;
+            unit.state = ShardedState::Unsharding(gathering);
         }
         Ok(())
     }
@@ -311,7 +335,7 @@ impl UnitParams {
     /// under mixed precision, unless `exact`.
     fn start_all_gather(
         &self,
-        unit: &Unit,
+        unit: &mut Unit,
         exact: bool,
         members: std::ops::Range<usize>,
     ) -> Result<AllGatherResult> {
@@ -323,7 +347,7 @@ impl UnitParams {
         let low = self
             .param_dtype
             .filter(|_| !exact && unit.shard.kind() == Kind::Float);
-        let range = unit.shard.narrow(0, start, len);
+        let range = self.gather_input(unit, start, len)?;
         let input = match low {
             Some(kind) => range.to_kind(kind),
             None => range,
@@ -343,6 +367,28 @@ impl UnitParams {
             members,
             _input: input,
         })
+    }
+
+    /// Elements `start..start + len` of the shard on the members' device, as an
+    /// all-gather's input: the shard itself, or its copy on the device (refreshed first
+    /// if the shard was written since), or a copy made now ([`Placement`]).
+    ///
+    /// # Errors
+    /// [`Error::Torch`] when a copy fails.
+    fn gather_input(&self, unit: &mut Unit, start: i64, len: i64) -> Result<Tensor> {
+        match (self.placement, &unit.device_shard) {
+            (Placement::HostAndDevice, Some(copy)) => {
+                if !unit.device_fresh {
+                    offload::copy(copy, &unit.shard)?;
+                    unit.device_fresh = true;
+                }
+                Ok(copy.narrow(0, start, len))
+            }
+            (Placement::Host, _) => {
+                offload::to_device(&unit.shard.narrow(0, start, len), self.device)
+            }
+            _ => Ok(unit.shard.narrow(0, start, len)),
+        }
     }
 
     /// The members in runs whose all-gather buffer (every rank's chunks) holds at most
@@ -441,6 +487,13 @@ impl Unit {
         for member in &self.members {
             member.cut(&self.shard, rank);
         }
+        self.shard_written();
+    }
+
+    /// The shard was written (by a step, a load or [`cut`](Self::cut)): a copy of it
+    /// on the device is refreshed before the next all-gather reads it.
+    pub fn shard_written(&mut self) {
+        self.device_fresh = false;
     }
 }
 
@@ -547,18 +600,21 @@ impl ShardedParameters for UnitParams {
     }
 
     fn whole(&self, key: usize) -> Result<Option<Tensor>> {
-        let unit = self.lock();
+        let mut unit = self.lock();
         let Some(j) = unit.member(key) else {
             return Ok(None);
         };
-        let (param, piece) = (&unit.members[j].unsharded, &unit.members[j].piece);
+        let (param, piece) = (
+            unit.members[j].unsharded.shallow_clone(),
+            unit.members[j].piece.clone(),
+        );
         if unit.state.is_exact() {
-            return Ok(Some(param.shallow_clone()));
+            return Ok(Some(param));
         }
         // The member's chunk alone, from every rank.
         let world = self.group.world_size();
         let len = piece.chunk_len();
-        let input = unit.shard.narrow(0, piece.offset, len);
+        let input = self.gather_input(&mut unit, piece.offset, len)?;
         let buffer = input.new_empty([world as i64 * len], (input.kind(), input.device()));
         let chunks: Vec<Tensor> = (0..world)
             .map(|r| buffer.narrow(0, r as i64 * len, len))
@@ -584,11 +640,11 @@ impl ShardedParameters for UnitParams {
         key: usize,
         rows: &mut dyn FnMut(i64, i64) -> Result<Tensor>,
     ) -> Result<bool> {
-        let unit = self.lock();
+        let mut unit = self.lock();
         let Some(j) = unit.member(key) else {
             return Ok(false);
         };
-        let piece = &unit.members[j].piece;
+        let piece = unit.members[j].piece.clone();
         let rank = self.group.rank();
         let (first, count) = piece.rows_of(rank);
         if count > 0 {
@@ -600,6 +656,7 @@ impl ShardedParameters for UnitParams {
                     .f_copy_(&values.reshape([count, piece.row_len]))?;
                 Ok(())
             })?;
+            unit.shard_written();
         }
         Ok(true)
     }

@@ -93,8 +93,7 @@ fn shard_now(ctx: &crate::init::Context, slot: &Slot, path: &Path) -> crate::Res
         shard,
         names,
         params,
-        crate::precision::autocast_kind(ctx.mixed_precision()),
-        super::collectives::bucket_bytes(ctx),
+        &super::Policy::of(ctx),
         true,
     )?);
     ctx.units().add_sharded(unit.clone());
