@@ -14,7 +14,9 @@
 //! one visible GPU over Gloo and the memory is the CUDA caching allocator's: its peak
 //! of allocated bytes less what was allocated before the model was made
 //! (`torch.cuda.max_memory_allocated()` on PyTorch's side); the rows under the SDK's
-//! thresholds are left out.
+//! thresholds are left out, and two rows are added: ZeRO-2 with `offload =
+//! "optimizer"` and ZeRO-3 with `offload = "all"` (CPU offload: what they leave on
+//! the GPU, and what the copies cost a step).
 //!
 //! ```text
 //! scripts/bench.sh sharding [--python PYTHON] [--device cuda] [--ranks 2,4]   # prints a table
@@ -163,12 +165,13 @@ fn print_row(ranks: usize, side: &str, m: &Measured, ddp: f64) {
 }
 
 /// One configuration of ours: ranks, ZeRO stage, every layer a unit, glibc's mmap
-/// threshold fixed.
+/// threshold fixed, the `offload` setting (only on CUDA: nothing to offload on the CPU).
 struct Configuration {
     ranks: usize,
     zero: &'static str,
     units: bool,
     fixed: bool,
+    offload: &'static str,
 }
 
 const fn ours(ranks: usize, zero: &'static str, units: bool, fixed: bool) -> Configuration {
@@ -177,6 +180,15 @@ const fn ours(ranks: usize, zero: &'static str, units: bool, fixed: bool) -> Con
         zero,
         units,
         fixed,
+        offload: "none",
+    }
+}
+
+/// ZeRO stage `zero` on 2 ranks, every layer a unit, with `offload`.
+const fn offloaded(zero: &'static str, offload: &'static str) -> Configuration {
+    Configuration {
+        offload,
+        ..ours(2, zero, true, true)
     }
 }
 
@@ -221,6 +233,8 @@ fn main() -> anyhow::Result<()> {
         ours(2, "2", false, true),
         ours(2, "3", true, true),
         ours(2, "3", false, true),
+        offloaded("2", "optimizer"),
+        offloaded("3", "all"),
         ours(4, "0", true, true),
         ours(4, "2", false, true),
         ours(4, "3", true, true),
@@ -235,8 +249,8 @@ fn main() -> anyhow::Result<()> {
         .collect();
     let mut ddp = 0.0;
     for (i, c) in configurations.iter().enumerate() {
-        // glibc's settings do not move CUDA memory.
-        if cuda && !c.fixed {
+        // glibc's settings do not move CUDA memory; the CPU has nothing to offload.
+        if (cuda && !c.fixed) || (!cuda && c.offload != "none") {
             continue;
         }
         let ranks = c.ranks;
@@ -246,6 +260,7 @@ fn main() -> anyhow::Result<()> {
                 .arg(&exe)
                 .arg("--worker")
                 .env("TCH_DISTRIBUTED_ZERO", c.zero)
+                .env("TCH_DISTRIBUTED_OFFLOAD", c.offload)
                 .env("TCHD_BENCH_UNITS", if c.units { "1" } else { "0" })
                 .env("TCHD_BENCH_DEVICE", if cuda { "cuda" } else { "cpu" });
             if cuda {
@@ -272,6 +287,9 @@ fn main() -> anyhow::Result<()> {
                 } else {
                     ", no units"
                 };
+            }
+            if c.offload != "none" {
+                side += &format!(", offload = {}", c.offload);
             }
             if !c.fixed {
                 side += " (the SDK's thresholds)";

@@ -7,7 +7,7 @@
 #
 #   scripts/mutants.sh                 every file below
 #   scripts/mutants.sh ddp optim       some of them (by the names below; optim is its
-#                                      five files' entries, shard its seven, rendezvous
+#                                      five files' entries, shard its eight, rendezvous
 #                                      the store's, job token's, network's and join's)
 #   scripts/mutants.sh --list [NAMES]  list the mutants only (no builds)
 #   scripts/mutants.sh NAMES -- ARGS   ARGS go to cargo-mutants (e.g. --shard 1/4)
@@ -80,6 +80,7 @@ FILE[shard_params]=sdk/src/shard/param_group.rs; TESTS[shard_params]="sharding f
 FILE[shard_param]=sdk/src/shard/param.rs;   TESTS[shard_param]="sharding frozen"
 # Hybrid sharding's groups (shard_group): one host's 2 × 2 and two hosts'.
 FILE[mesh]=sdk/src/mesh.rs;                  TESTS[mesh]="sharding multi_node"
+FILE[shard_offload]=sdk/src/shard/offload.rs; TESTS[shard_offload]="sharding"
 FILE[shard_unit]=sdk/src/shard/unit.rs;     TESTS[shard_unit]="sharding frozen activation"
 FILE[model_file]=sdk/src/checkpoint/model_file.rs; TESTS[model_file]="sharding frozen checkpoint"
 FILE[shard_collectives]=sdk/src/shard/collectives.rs; TESTS[shard_collectives]="sharding frozen"
@@ -104,12 +105,12 @@ FILE[rewrites]=sdk/src/runtime/rewrites.rs; TESTS[rewrites]="outside_optimizer a
 # The attribute's reading of the function: which calls it finds (a forward pass for
 # autocast, inside closures too; the optimizers `.build` makes), under the ui cases.
 FILE[macro_analysis]=sdk-macros/src/analysis.rs; TESTS[macro_analysis]="ui"; PACKAGE[macro_analysis]=tch-distributed-macros
-ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record shard_engine shard_collectives shard_params shard_param shard_unit shard_hooks shard_layout mesh model_file rng activation split batch_retry macro_analysis)
+ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record shard_engine shard_collectives shard_params shard_param shard_unit shard_hooks shard_layout shard_offload mesh model_file rng activation split batch_retry macro_analysis)
 # A NAME that stands for several.
 declare -A GROUP
 GROUP[optim]="optim_mod optim_kernels optim_state optim_zero optim_scaler"
 GROUP[rendezvous]="store job_token network join"
-GROUP[shard]="shard_engine shard_collectives shard_params shard_param shard_unit shard_hooks shard_layout"
+GROUP[shard]="shard_engine shard_collectives shard_params shard_param shard_unit shard_hooks shard_layout shard_offload"
 # NAME -> tests of those targets to skip for it (they exercise none of its paths and
 # take long): the preemption-signal runs, which only deliver signals and check a
 # checkpoint that the other checkpoint tests check too.

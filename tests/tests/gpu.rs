@@ -653,6 +653,52 @@ fn zero_3_on_the_gpu_trains_as_ddp() {
     run(1, Backend::Nccl, "3", "nccl.safetensors");
 }
 
+/// CPU offload on CUDA (`offload`): two ranks sharing the GPU over Gloo, at stage 3
+/// with units (`optimizer`: the state and step on the host, a device copy of the
+/// shards; `all`: the shards on the host, copied for each all-gather) and at stage 2
+/// (`optimizer`, DeepSpeed's ZeRO-2 offload), in fp32 and under bf16, end where the
+/// same run without offload ends (the CPU's Adam against the GPU's: within 1e-6).
+/// What each leaves on the GPU, and the step time, are the GPU bench's
+/// (`scripts/bench_gpu.sh`, bench/sharding.rs).
+#[test]
+fn offload_on_the_gpu_trains_as_without_it() {
+    require_gpu();
+    let worker = binary("sharding_worker");
+    let dir = scratch_dir("gpu-offload");
+    let d = dir.to_str().unwrap();
+    for precision in ["no", "bf16"] {
+        for (zero, offload) in [
+            ("3", "none"),
+            ("3", "optimizer"),
+            ("3", "all"),
+            ("2", "none"),
+            ("2", "optimizer"),
+        ] {
+            let out = format!("{precision}-{zero}-{offload}.safetensors");
+            let envs = [
+                CUDA,
+                ("TCH_DISTRIBUTED_ZERO", zero),
+                ("TCH_DISTRIBUTED_OFFLOAD", offload),
+                ("UNITS", "1"),
+                ("TCH_DISTRIBUTED_MIXED_PRECISION", precision),
+            ];
+            let run = launch(2, Backend::Gloo, &worker, &[d, &out], &envs, &dir);
+            run.assert_success();
+            if offload == "none" {
+                continue;
+            }
+            assert!(run.stdout.contains("offloaded ("), "{}", run.stdout);
+            assert!(run.stdout.contains("pinned host memory"), "{}", run.stdout);
+            let diff = tch_distributed_tests::compare::files(
+                &dir.join(format!("{precision}-{zero}-none.safetensors")),
+                &dir.join(&out),
+            );
+            eprintln!("{out}: {diff:?}");
+            assert!(diff.max_abs < 1e-6, "{out}: {diff:?}");
+        }
+    }
+}
+
 /// Activation checkpointing on CUDA: three blocks (Linear(64, 64), tanh, dropout 0.3)
 /// on the GPU, checkpointed or not, from the same seed, two passes with a step of
 /// gradient descent between, in fp32 and under bf16 autocast: the recompute draws
