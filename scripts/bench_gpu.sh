@@ -13,7 +13,9 @@
 # --help). The package holds the stripped `ddp`, `sharding` and `tchrun` binaries (linked dynamically
 # against libtorch: run.sh points LD_LIBRARY_PATH at the torch/lib of the python3 on PATH,
 # which must be torch 2.11.0 with CUDA), the Python scripts and tinyshakespeare. Builds go
-# to $CARGO_TARGET_DIR when set, else target/.
+# to $CARGO_TARGET_DIR when set, else target/. TCHD_PACKAGE_PROFILE=dev builds the
+# package unoptimized in target/debug, sharing the test suite's build (what CI does:
+# it checks that the package builds); release otherwise.
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
 TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
@@ -24,9 +26,11 @@ if [ "${1:-}" = "--package" ]; then
   shift 2
 fi
 
+PROFILE="${TCHD_PACKAGE_PROFILE:-release}"
+PROFILE_DIR="$([ "$PROFILE" = dev ] && echo debug || echo "$PROFILE")"
 build() {
-  cargo build --release --quiet -p tch-distributed --bin tchrun
-  cargo build --release --quiet -p tch-distributed-bench --bin ddp --bin sharding
+  cargo build --profile "$PROFILE" --quiet -p tch-distributed --bin tchrun
+  cargo build --profile "$PROFILE" --quiet -p tch-distributed-bench --bin ddp --bin sharding
 }
 
 if [ -z "$package" ]; then
@@ -41,11 +45,11 @@ if [ -z "$package" ]; then
   DATA="$(tinyshakespeare)"
   build
   git -C "$ROOT" describe --always --dirty >"$TARGET/bench-gpu-version" 2>/dev/null || true
-  "$PYTHON" bench/python/gpu_suite.py --bin "$TARGET/release" --data "$DATA" \
+  "$PYTHON" bench/python/gpu_suite.py --bin "$TARGET/$PROFILE_DIR" --data "$DATA" \
     --version-file "$TARGET/bench-gpu-version" --out "$TARGET/gpu-bench-out" "$@"
   # Sharding's memory on the GPU: DDP and ZeRO stages 1-3 against PyTorch's DDP and
   # FSDP2, 2 and 4 ranks sharing the GPU over Gloo.
-  exec "$TARGET/release/sharding" --device cuda --python "$PYTHON"
+  exec "$TARGET/$PROFILE_DIR/sharding" --device cuda --python "$PYTHON"
 fi
 
 DATA="$(tinyshakespeare)"
@@ -54,7 +58,7 @@ mkdir -p "$package/bin" "$package/python" "$package/data"
 for bin in ddp sharding tchrun; do
   # The binaries keep a RUNPATH naming this machine's libtorch; LD_LIBRARY_PATH, which
   # run.sh sets to the GPU machine's torch/lib, is searched before it.
-  strip -o "$package/bin/$bin" "$TARGET/release/$bin"
+  strip -o "$package/bin/$bin" "$TARGET/$PROFILE_DIR/$bin"
 done
 cp bench/python/ddp_bench.py bench/python/gpu_suite.py bench/python/fsdp_bench.py "$package/python/"
 cp "$DATA" "$package/data/tinyshakespeare.txt"

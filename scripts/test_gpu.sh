@@ -15,6 +15,8 @@
 # these binaries are built against) through LD_LIBRARY_PATH. The binaries link
 # libtorch dynamically and carry the NCCL backend when scripts/env.sh's CUDA headers
 # were found at build time. `gpu-package/` at the repository root is git-ignored.
+# TCHD_PACKAGE_PROFILE=dev builds it unoptimized in target/debug, sharing the test
+# suite's build (what CI does: it checks that the package builds); release otherwise.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
@@ -61,15 +63,17 @@ if [ -z "$PACKAGE" ]; then
   fi
 fi
 
-echo "test_gpu.sh: building (release)" >&2
-cargo build --release -p tch-distributed --bin tchrun
-cargo build --release -p tch-distributed-examples --examples
+PROFILE="${TCHD_PACKAGE_PROFILE:-release}"
+PROFILE_DIR="$([ "$PROFILE" = dev ] && echo debug || echo "$PROFILE")"
+echo "test_gpu.sh: building ($PROFILE)" >&2
+cargo build --profile "$PROFILE" -p tch-distributed --bin tchrun
+cargo build --profile "$PROFILE" -p tch-distributed-examples --examples
 # Building a test target builds its package's programs too; the JSON messages name
 # the test executables.
 declare -A EXE
 for spec in "tch-distributed-tests gpu" "tch-distributed-corpus corpus_gpu"; do
   read -r pkg test <<<"$spec"
-  path=$(cargo test --release -p "$pkg" --features gpu --test "$test" --no-run \
+  path=$(cargo test --profile "$PROFILE" -p "$pkg" --features gpu --test "$test" --no-run \
     --message-format=json-render-diagnostics |
     python3 -c '
 import json, sys
@@ -100,7 +104,7 @@ fi
 rm -rf "$PACKAGE"
 mkdir -p "$PACKAGE/release/deps" "$PACKAGE/release/examples"
 PACKAGE="$(cd "$PACKAGE" && pwd)"
-BIN="$ROOT/target/release"
+BIN="${CARGO_TARGET_DIR:-$ROOT/target}/$PROFILE_DIR"
 copy() { # SRC DEST: a stripped copy
   cp "$1" "$2"
   strip --strip-all "$2" 2>/dev/null || strip "$2"
