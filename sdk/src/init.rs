@@ -17,7 +17,7 @@ use crate::random_state::RandomState;
 use crate::rendezvous::job_token::{self, JobToken};
 use crate::rendezvous::store::Store;
 use crate::rendezvous::{self, GlooAddress};
-use crate::settings::{DebugLevel, Offload, Settings};
+use crate::settings::{DebugLevel, DeepSpeed, Offload, Settings};
 
 /// The timeout of collectives and rendezvous when none is given: 30 minutes, as
 /// `torch.distributed`'s `default_pg_timeout`.
@@ -65,6 +65,9 @@ pub struct Context {
 #[derive(Debug)]
 struct Run {
     settings: Settings,
+    /// The DeepSpeed file the `deepspeed` setting names, read (its settings are in
+    /// `settings`; its optimizer, scheduler and loss scaling apply at `.build`).
+    deepspeed: Option<DeepSpeed>,
     precision: MixedPrecision,
     why: String,
     /// The DDPs `#[distributed]` built for optimizers the function did not build.
@@ -266,6 +269,18 @@ impl Context {
             master_port: 0,
             agent_store_prefix: None,
         });
+        // The DeepSpeed file's settings, where it names one.
+        let (settings, deepspeed) = settings.with_deepspeed()?;
+        if let Some(ds) = &deepspeed {
+            ds.check_batch(settings.grad_accum.unwrap_or(1), env.world_size)?;
+            if env.rank == 0 && !ds.advisory.is_empty() {
+                crate::log::warn(format_args!(
+                    "{}: these keys change nothing here: {}",
+                    ds.path.display(),
+                    ds.advisory.join("; ")
+                ));
+            }
+        }
         let timeout = settings
             .timeout
             .map_or(DEFAULT_TIMEOUT, Duration::from_secs_f64);
@@ -405,6 +420,7 @@ impl Context {
             gpus,
             run: Arc::new(Run {
                 settings,
+                deepspeed,
                 precision: precision.0,
                 why: precision.1,
                 optimizer_ddps: OptimizerDdps::default(),
@@ -460,6 +476,11 @@ impl Context {
     /// function, the environment's (and `tchrun`'s) over the attribute's options.
     pub(crate) fn settings(&self) -> &Settings {
         &self.run.settings
+    }
+
+    /// The DeepSpeed file the run's `deepspeed` setting names, read.
+    pub(crate) fn deepspeed(&self) -> Option<&DeepSpeed> {
+        self.run.deepspeed.as_ref()
     }
 
     /// Why the run resolved its [mixed precision](Context::mixed_precision), for the

@@ -27,10 +27,12 @@ use std::fmt;
 use std::path::Path;
 
 mod ask;
+mod deepspeed;
 mod error;
 mod file;
 mod values;
 
+pub use deepspeed::{DeepSpeed, LossScaling, OptimizerBlock, SchedulerBlock, SCHEDULERS};
 pub use error::{Error, Result};
 
 pub use values::{
@@ -488,6 +490,12 @@ settings! {
         var: "TCH_DISTRIBUTED_GRAD_ACCUM", file: true, value_name: "K",
         values: "1 or more", default: "1",
     }
+    /// At each step of the optimizers a `#[distributed]` function builds, the gradients' global L2 norm clipped to this (after unscaling, on the averaged gradients), as DeepSpeed's gradient_clipping and the HF Trainer's max_grad_norm.
+    gradient_clipping: f64 [positive] {
+        attribute: true, flag: Some("gradient-clipping"), alias: Some("max_grad_norm"),
+        var: "TCH_DISTRIBUTED_GRADIENT_CLIPPING", file: true, value_name: "NORM",
+        values: "a positive number", default: "none (the program clips, if it does)",
+    }
     /// The kernels of the optimizers a `#[distributed]` function builds.
     optimizer: Implementation [any] {
         attribute: true, flag: Some("optimizer"), alias: None,
@@ -524,6 +532,12 @@ settings! {
         attribute: true, flag: Some("offload"), alias: None,
         var: "TCH_DISTRIBUTED_OFFLOAD", file: true, value_name: "WHAT",
         values: "none, optimizer or all", default: "none",
+    }
+    /// A DeepSpeed JSON configuration (ds_config.json, as the HF Trainer's --deepspeed): its zero_optimization, fp16/bf16, gradient_accumulation_steps and gradient_clipping give the settings of the same meaning, its optimizer and scheduler apply to the optimizers .build makes, its batch sizes are checked; "auto" takes the run's value. Every rank reads it.
+    deepspeed: String [any] {
+        attribute: true, flag: Some("deepspeed"), alias: None,
+        var: "TCH_DISTRIBUTED_DEEPSPEED", file: true, value_name: "FILE",
+        values: "the path of a DeepSpeed JSON file", default: "none",
     }
     /// Whether DDP looks for variables that the loss leaves out, each step.
     find_unused_parameters: bool [any] {
@@ -719,6 +733,19 @@ impl Settings {
             })
             .collect();
         Ok((env.or(attribute), notes))
+    }
+
+    /// These settings with those of the DeepSpeed file that `deepspeed` names, if any
+    /// (see [`DeepSpeed::over`]), and the file, read.
+    ///
+    /// # Errors
+    /// As [`DeepSpeed::load`] and [`DeepSpeed::over`].
+    pub fn with_deepspeed(self) -> Result<(Settings, Option<DeepSpeed>)> {
+        let Some(path) = self.deepspeed.clone() else {
+            return Ok((self, None));
+        };
+        let ds = DeepSpeed::load(Path::new(&path))?;
+        Ok((ds.over(self)?, Some(ds)))
     }
 
     /// The settings given here that differ from those the process joined its job with

@@ -377,8 +377,12 @@ fn every_row_reads_alike_and_fails_alike_wherever_it_is_given() {
         }
     }
     // Text of any kind: the address (a blank one is refused where it is given, and a
-    // blank variable is unset), the job's secret, the record directory.
-    assert_eq!(free_text, ["master_addr", "job_token", "record"]);
+    // blank variable is unset), the DeepSpeed file (read when the run starts), the job's
+    // secret, the record directory.
+    assert_eq!(
+        free_text,
+        ["master_addr", "deepspeed", "job_token", "record"]
+    );
 }
 
 #[test]
@@ -427,4 +431,192 @@ fn shard_groups() {
         .size(4, 2)
         .unwrap_err()
         .contains("do not divide the job's 4 ranks"));
+}
+
+mod deepspeed {
+    use super::*;
+
+    /// The FSDP/DeepSpeed guide's `ds_config.json`, verbatim (also `examples/ds_config.json`).
+    const GUIDE: &str = r#"{
+  "train_batch_size": "auto",
+  "train_micro_batch_size_per_gpu": "auto",
+  "gradient_accumulation_steps": "auto",
+  "gradient_clipping": 1.0,
+  "zero_optimization": {
+    "stage": 2,
+    "offload_optimizer": {
+      "device": "cpu",
+      "pin_memory": true
+    },
+    "allgather_partitions": true,
+    "allgather_bucket_size": 2e8,
+    "reduce_scatter": true,
+    "reduce_bucket_size": 2e8,
+    "overlap_comm": true,
+    "contiguous_gradients": true
+  },
+  "fp16": {
+    "enabled": false
+  },
+  "bf16": {
+    "enabled": true
+  },
+  "optimizer": {
+    "type": "AdamW",
+    "params": {
+      "lr": "auto",
+      "betas": "auto",
+      "eps": "auto",
+      "weight_decay": "auto"
+    }
+  },
+  "scheduler": {
+    "type": "WarmupLR",
+    "params": {
+      "warmup_min_lr": "auto",
+      "warmup_max_lr": "auto",
+      "warmup_num_steps": "auto"
+    }
+  }
+}"#;
+
+    fn parse(text: &str) -> Result<DeepSpeed> {
+        DeepSpeed::parse(Path::new("ds_config.json"), text)
+    }
+
+    #[test]
+    fn the_guides_file_gives_its_settings() {
+        let ds = parse(GUIDE).unwrap();
+        let s = &ds.settings;
+        assert_eq!(s.zero, Some(2));
+        assert_eq!(s.offload, Some(Offload::Optimizer));
+        assert_eq!(s.gradient_clipping, Some(1.0));
+        assert_eq!(
+            s.mixed_precision,
+            Some(MixedPrecisionMode::Exactly(MixedPrecision::Bf16))
+        );
+        // 2e8 elements of 4 bytes.
+        assert_eq!(s.reduce_bucket_mb, Some(2e8 * 4.0 / 1048576.0));
+        // "auto": the run's.
+        assert_eq!(s.grad_accum, None);
+        assert_eq!((ds.train_batch_size, ds.micro_batch_size), (None, None));
+        let optimizer = ds.optimizer.unwrap();
+        assert_eq!(optimizer.kind, "adamw");
+        assert_eq!(
+            (optimizer.lr, optimizer.betas, optimizer.eps),
+            (None, None, None)
+        );
+        let scheduler = ds.scheduler.unwrap();
+        assert_eq!(scheduler.kind, "WarmupLR");
+        assert!(scheduler.params.is_empty());
+        let advisory = ds.advisory.join("; ");
+        for key in [
+            "overlap_comm",
+            "contiguous_gradients",
+            "allgather_partitions",
+            "reduce_scatter",
+        ] {
+            assert!(advisory.contains(key), "{advisory}");
+        }
+    }
+
+    #[test]
+    fn the_run_and_the_file_give_a_setting_in_one_place() {
+        let ds = parse(GUIDE).unwrap();
+        let run = Settings {
+            zero: Some(3),
+            ..Settings::default()
+        };
+        let e = ds.over(run).unwrap_err().to_string();
+        assert!(
+            e.contains("zero_optimization.stage gives zero = 2, and the run gives zero = 3"),
+            "{e}"
+        );
+        let run = Settings {
+            zero: Some(2),
+            grad_accum: Some(4),
+            ..Settings::default()
+        };
+        let merged = ds.over(run).unwrap();
+        assert_eq!(
+            (merged.zero, merged.grad_accum, merged.offload),
+            (Some(2), Some(4), Some(Offload::Optimizer))
+        );
+    }
+
+    #[test]
+    fn batch_sizes_agree_with_the_accumulation_and_the_world() {
+        let ds = parse(r#"{"train_batch_size": 64, "train_micro_batch_size_per_gpu": 8}"#).unwrap();
+        assert_eq!(ds.check_batch(2, 4).unwrap(), Some(8));
+        let e = ds.check_batch(4, 4).unwrap_err().to_string();
+        assert!(
+            e.contains("train_batch_size 64 is not train_micro_batch_size_per_gpu 8 × gradient_accumulation_steps 4 × 4 ranks = 128"),
+            "{e}"
+        );
+        let ds = parse(r#"{"train_batch_size": 64}"#).unwrap();
+        assert_eq!(ds.check_batch(2, 4).unwrap(), Some(8));
+        assert!(ds
+            .check_batch(3, 4)
+            .unwrap_err()
+            .to_string()
+            .contains("a multiple of 12"));
+    }
+
+    #[test]
+    fn keys_it_cannot_honour_are_named() {
+        for (text, needle) in [
+            (
+                r#"{"zero_optimization": {"stage": 2, "bogus": 1}}"#,
+                "`zero_optimization.bogus` is not a DeepSpeed key",
+            ),
+            (
+                r#"{"fp16": {"enabled": true}, "bf16": {"enabled": true}}"#,
+                "both true",
+            ),
+            (
+                r#"{"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}"#,
+                "NVMe is not supported",
+            ),
+            (r#"{"fp16": {"loss_scale": 128}}"#, "static loss scale"),
+            (r#"{"optimizer": {"type": "Lamb"}}"#, "Adam, AdamW and SGD"),
+            (
+                r#"{"scheduler": {"type": "OneCycle"}}"#,
+                "WarmupLR, WarmupDecayLR, WarmupCosineLR",
+            ),
+            (
+                r#"{"zero_optimization": {"stage": 5}}"#,
+                "zero_optimization.stage: 5",
+            ),
+            ("{", "not JSON"),
+        ] {
+            let e = parse(text).unwrap_err().to_string();
+            assert!(e.starts_with("ds_config.json: "), "{e}");
+            assert!(e.contains(needle), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn offload_param_offloads_everything_and_fp16_keeps_its_loss_scaling() {
+        let ds = parse(
+            r#"{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                "offload_optimizer": {"device": "cpu"}},
+                "fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 12,
+                "loss_scale_window": 500, "hysteresis": 2, "min_loss_scale": 1}}"#,
+        )
+        .unwrap();
+        assert_eq!(ds.settings.offload, Some(Offload::All));
+        assert_eq!(
+            ds.settings.mixed_precision,
+            Some(MixedPrecisionMode::Exactly(MixedPrecision::Fp16))
+        );
+        assert_eq!(
+            ds.loss_scaling,
+            LossScaling {
+                initial_scale_power: Some(12),
+                loss_scale_window: Some(500),
+            }
+        );
+        let advisory = ds.advisory.join(" ");
+        assert!(advisory.contains("fp16.hysteresis") && advisory.contains("fp16.min_loss_scale"));
+    }
 }

@@ -14,6 +14,7 @@ use crate::ddp::DistributedDataParallel;
 use crate::error::{Error, Result};
 use crate::ffi;
 
+mod deepspeed;
 mod kernels;
 mod scaler;
 mod state;
@@ -152,6 +153,8 @@ pub struct Optimizer {
     /// The last backward ended a cycle: the gradients are complete and `step` steps.
     cycle_complete: bool,
     scaler: Option<GradScaler>,
+    /// The run's `gradient_clipping`: each step clips the gradients' global norm to it.
+    clip_norm_at_step: Option<f64>,
 }
 
 /// How an [`Optimizer`] averages the gradients and holds its state over the ranks: one
@@ -236,6 +239,7 @@ impl Optimizer {
             sync_next: false,
             cycle_complete: false,
             scaler: None,
+            clip_norm_at_step: None,
         };
         opt.add_missing_variables()?;
         Ok(opt)
@@ -422,6 +426,14 @@ impl Optimizer {
                     .copy();
             }
         }
+    }
+
+    /// Clips the gradients' global L2 norm to `max` at each step, before the update
+    /// (the run's `gradient_clipping`, as DeepSpeed's engine and the HF Trainer's
+    /// `max_grad_norm` do), as [`clip_grad_norm`](Self::clip_grad_norm) would.
+    pub(crate) fn clip_norm_at_step(mut self, max: f64) -> Self {
+        self.clip_norm_at_step = Some(max);
+        self
     }
 
     /// Which kernels run the updates.
@@ -636,6 +648,11 @@ impl Optimizer {
     /// # Errors
     /// [`Error::Torch`] from libtorch; from the scaler, [`Error::Diverged`] after too many skipped steps in a row and [`Error::Collective`] when its all-reduce fails.
     pub fn step(&mut self) -> Result<bool> {
+        if let Some(max) = self.clip_norm_at_step {
+            if self.cycle_complete || self.micro_step == 0 {
+                self.clip_grad_norm(max)?;
+            }
+        }
         if !std::mem::take(&mut self.cycle_complete) && self.micro_step > 0 {
             return Ok(false);
         }

@@ -153,6 +153,9 @@ fn banner(ctx: &Context) -> String {
             ),
         };
     }
+    if let Some(ds) = ctx.deepspeed() {
+        line += &format!(", DeepSpeed configuration {}", ds.path.display());
+    }
     if let Some(offload) = settings
         .offload
         .and_then(|o| crate::shard::offload::banner(o, ctx.device()))

@@ -65,8 +65,26 @@ pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Opti
             .with_implementation(implementation)
             .unwrap_or_else(|e| fail("the attribute's optimizer", e));
     }
+    let deepspeed = ctx.deepspeed();
+    if let Some(block) = deepspeed.and_then(|ds| ds.optimizer.as_ref().map(|o| (ds, o))) {
+        let (ds, block) = block;
+        opt.apply_deepspeed(block, &ds.path)
+            .unwrap_or_else(|e| fail("the DeepSpeed file's optimizer", e));
+    }
+    if let Some(max) = options.gradient_clipping {
+        opt = opt.clip_norm_at_step(max);
+    }
     if ctx.mixed_precision() == MixedPrecision::Fp16 {
-        opt = opt.grad_scaler(GradScaler::new());
+        let mut scaler = GradScaler::new();
+        if let Some(scaling) = deepspeed.map(|ds| ds.loss_scaling) {
+            if let Some(power) = scaling.initial_scale_power {
+                scaler = scaler.init_scale(2f64.powi(power as i32));
+            }
+            if let Some(window) = scaling.loss_scale_window {
+                scaler = scaler.growth_interval(window as i64);
+            }
+        }
+        opt = opt.grad_scaler(scaler);
     }
     Ok(opt)
 }

@@ -5,7 +5,8 @@
 //! Run with `TCH_DISTRIBUTED_ZERO=2|3` to shard it; with `UNITS=1`, l2 and l3 are units
 //! of their own (`fully_shard`) and l1 is the root's (l2 runs through the unit's
 //! `forward_t`, a `ModuleT`'s pass, the others through `Module::forward`); with
-//! `CLIP=x` the steps clip the gradients' global norm to x; with `CKPT=path` it resumes
+//! `CLIP=x` the steps clip the gradients' global norm to x; with `ADAMW=1` the optimizer
+//! is AdamW (the same weight decay, decoupled); with `CKPT=path` it resumes
 //! from the newest checkpoint there, saves one after step `SAVE_AT`, and with `STOP_AT`
 //! = `SAVE_AT` stops there; with `EXPORT=1` (and `CKPT`) it writes the loaded state
 //! whole, as `torch.optim`'s `state_dict` (DIR/OUT.optimizer.safetensors), and the
@@ -99,11 +100,18 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
             initial.double_value(&[]).to_string(),
         )?;
     }
-    let mut opt = nn::Adam {
-        wd: 1e-2,
-        ..Default::default()
-    }
-    .build(&vs, 0.01)?;
+    let mut opt = match env("ADAMW").is_some() {
+        true => nn::AdamW {
+            wd: 1e-2,
+            ..Default::default()
+        }
+        .build(&vs, 0.01)?,
+        false => nn::Adam {
+            wd: 1e-2,
+            ..Default::default()
+        }
+        .build(&vs, 0.01)?,
+    };
     let clip: Option<f64> = env("CLIP").and_then(|c| c.parse().ok());
     let number = |k: &str| env(k).and_then(|v| v.parse::<u64>().ok());
     let checkpoints = env("CKPT").map(Checkpointer::new);

@@ -1,0 +1,167 @@
+//! DeepSpeed's `optimizer` block (the `deepspeed` setting's file) applied to the
+//! optimizer that `.build` makes, as DeepSpeed builds the optimizer its configuration
+//! names: its `type` decides between Adam and AdamW (or is SGD), and each of its
+//! `params` given (not `"auto"`) replaces the program's option; `"auto"` keeps the
+//! program's, as the HF integration fills `"auto"` from the training arguments.
+
+use std::path::Path;
+
+use super::kernels::Algorithm;
+use super::Optimizer;
+use crate::error::{Error, Result};
+use crate::settings::OptimizerBlock;
+
+impl Optimizer {
+    /// Applies `block`, read from the DeepSpeed file at `path`, to every parameter
+    /// group and to the options new groups start from.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the file's type and the program's when they are not the
+    /// same kind of optimizer (Adam or AdamW against SGD or RMSprop): DeepSpeed would
+    /// build the file's, here the program builds it; and for a parameter the kind
+    /// does not take (`betas` for SGD).
+    pub(crate) fn apply_deepspeed(&mut self, block: &OptimizerBlock, path: &Path) -> Result<()> {
+        let mismatch = |what: &str| {
+            Error::Config(format!(
+                "{}: optimizer.type = \"{}\", and the program builds {what}: give the file the \
+                 program's optimizer (or \"auto\" params), or build the file's in the program",
+                path.display(),
+                block.kind
+            ))
+        };
+        let adam = matches!(block.kind.as_str(), "adam" | "adamw");
+        let apply = |algorithm: &mut Algorithm| -> Result<()> {
+            match algorithm {
+                Algorithm::Adam {
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay,
+                    decoupled,
+                    ..
+                } if adam => {
+                    if block.momentum.is_some() {
+                        return Err(mismatch("Adam, which has no momentum parameter"));
+                    }
+                    // DeepSpeed's Adam is AdamW unless `adam_w_mode` is false.
+                    *decoupled = block.kind == "adamw" || block.adam_w_mode.unwrap_or(true);
+                    if let Some((b1, b2)) = block.betas {
+                        (*beta1, *beta2) = (b1, b2);
+                    }
+                    *eps = block.eps.unwrap_or(*eps);
+                    *weight_decay = block.weight_decay.unwrap_or(*weight_decay);
+                    Ok(())
+                }
+                Algorithm::Sgd {
+                    momentum,
+                    weight_decay,
+                    ..
+                } if block.kind == "sgd" => {
+                    if block.betas.is_some() || block.eps.is_some() {
+                        return Err(mismatch("SGD, which has no betas or eps"));
+                    }
+                    *momentum = block.momentum.unwrap_or(*momentum);
+                    *weight_decay = block.weight_decay.unwrap_or(*weight_decay);
+                    Ok(())
+                }
+                Algorithm::Adam { decoupled, .. } => {
+                    Err(mismatch(if *decoupled { "AdamW" } else { "Adam" }))
+                }
+                Algorithm::Sgd { .. } => Err(mismatch("SGD")),
+                Algorithm::RmsProp { .. } => Err(mismatch("RMSprop")),
+            }
+        };
+        apply(&mut self.defaults.algorithm)?;
+        for group in &mut self.groups {
+            apply(&mut group.algorithm)?;
+        }
+        if let Some(lr) = block.lr {
+            self.set_lr(lr)?;
+            self.defaults.lr = lr;
+        }
+        self.defaults.algorithm.check(self.defaults.lr)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tch::nn::{self, Module, OptimizerConfig};
+    use tch::{Device, Kind, Tensor};
+
+    use super::*;
+
+    /// Two steps of `opt` on a fixed linear model and batch: the weights after.
+    fn trained(config: impl FnOnce(&nn::VarStore) -> Optimizer) -> Vec<f32> {
+        tch::manual_seed(0);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = nn::linear(vs.root(), 4, 3, Default::default());
+        let xs = Tensor::randn([8, 4], (Kind::Float, Device::Cpu));
+        let mut opt = config(&vs);
+        for _ in 0..2 {
+            let loss = net.forward(&xs).square().mean(Kind::Float);
+            opt.backward_step(&loss).unwrap();
+        }
+        Vec::<f32>::try_from(net.ws.flatten(0, -1)).unwrap()
+    }
+
+    fn block(kind: &str) -> OptimizerBlock {
+        OptimizerBlock {
+            kind: kind.into(),
+            lr: Some(0.05),
+            betas: Some((0.8, 0.99)),
+            eps: Some(1e-6),
+            weight_decay: Some(0.1),
+            ..OptimizerBlock::default()
+        }
+    }
+
+    /// The file's AdamW with its params over the program's Adam trains as AdamW built
+    /// with them, bit for bit; "auto" params keep the program's.
+    #[test]
+    fn the_files_optimizer_replaces_the_programs_options() {
+        let path = Path::new("ds_config.json");
+        let from_file = trained(|vs| {
+            let mut opt = Optimizer::new(&nn::Adam::default(), vs, 0.001).unwrap();
+            opt.apply_deepspeed(&block("adamw"), path).unwrap();
+            opt
+        });
+        let direct = trained(|vs| {
+            let config = nn::AdamW {
+                beta1: 0.8,
+                beta2: 0.99,
+                wd: 0.1,
+                eps: 1e-6,
+                amsgrad: false,
+            };
+            Optimizer::new(&config, vs, 0.05).unwrap()
+        });
+        assert_eq!(from_file, direct);
+        let auto = trained(|vs| {
+            let mut opt = Optimizer::new(&nn::Adam::default(), vs, 0.001).unwrap();
+            let block = OptimizerBlock {
+                kind: "adam".into(),
+                adam_w_mode: Some(false),
+                ..OptimizerBlock::default()
+            };
+            opt.apply_deepspeed(&block, path).unwrap();
+            opt
+        });
+        let program = trained(|vs| Optimizer::new(&nn::Adam::default(), vs, 0.001).unwrap());
+        assert_eq!(auto, program);
+    }
+
+    #[test]
+    fn another_kind_of_optimizer_is_an_error_naming_both() {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let _ = nn::linear(vs.root(), 2, 2, Default::default());
+        let mut opt = Optimizer::new(&nn::Sgd::default(), &vs, 0.1).unwrap();
+        let e = opt
+            .apply_deepspeed(&block("adamw"), Path::new("ds.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("ds.json: optimizer.type = \"adamw\", and the program builds SGD"),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,143 @@
+//! `deepspeed = FILE` (`tchrun --deepspeed FILE`, `TCH_DISTRIBUTED_DEEPSPEED`): DeepSpeed's
+//! JSON configuration read into the run's settings, against the same run with those
+//! settings spelled out (DeepSpeed's documented meaning of each key) and the program's
+//! own clipping.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use tch_distributed_tests::compare::files as compare;
+use tch_distributed_tests::{run_with, scratch_dir, tchrun, Run};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_sharding_worker");
+const TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The FSDP/DeepSpeed guide's `ds_config.json`, verbatim.
+fn guide() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/ds_config.json")
+}
+
+/// `tchrun ARGS sharding_worker DIR OUT` on 2 ranks with `env`.
+fn run(dir: &Path, args: &[&str], out: &str, env: &[(&str, &str)]) -> Run {
+    let mut cmd = Command::new(tchrun());
+    cmd.args(["--nproc-per-node", "2"])
+        .args(args)
+        .arg(WORKER)
+        .args([dir.to_str().unwrap(), out])
+        .envs(env.iter().copied());
+    run_with(cmd, dir, TIMEOUT, |_, _| {})
+}
+
+/// The guide's file, as it is: ZeRO-2 with the optimizer offloaded (nothing to offload
+/// on the CPU), bf16, gradient clipping at 1.0, 2e8-element buckets, AdamW over the
+/// program's Adam (its options "auto": the program's), "auto" for the rest. The run is the one with those settings given one by one, bit for bit, and
+/// its clipping is the program's own `clip_grad_norm(1.0)` at each step, bit for bit.
+/// The keys that change nothing here are listed once.
+#[test]
+fn the_guides_ds_config_is_its_settings_spelled_out() {
+    let dir = scratch_dir("deepspeed");
+    let guide = guide();
+    let from_file = run(
+        &dir,
+        &["--deepspeed", guide.to_str().unwrap()],
+        "file.safetensors",
+        &[],
+    );
+    from_file.assert_success();
+    for needle in [
+        "ZeRO stage 2 (",
+        "mixed precision bf16",
+        "offload = optimizer: nothing to offload on the CPU",
+        "DeepSpeed configuration ",
+    ] {
+        assert!(
+            from_file.stdout.contains(needle),
+            "{needle}: {}",
+            from_file.stdout
+        );
+    }
+    assert!(
+        from_file
+            .stderr
+            .contains("these keys change nothing here: ")
+            && from_file.stderr.contains("zero_optimization.overlap_comm"),
+        "{}",
+        from_file.stderr
+    );
+    let spelled = [
+        ("ADAMW", "1"),
+        ("TCH_DISTRIBUTED_ZERO", "2"),
+        ("TCH_DISTRIBUTED_OFFLOAD", "optimizer"),
+        ("TCH_DISTRIBUTED_MIXED_PRECISION", "bf16"),
+        ("TCH_DISTRIBUTED_GRADIENT_CLIPPING", "1"),
+        ("TCH_DISTRIBUTED_REDUCE_BUCKET_MB", "762.939453125"),
+    ];
+    run(&dir, &[], "spelled.safetensors", &spelled).assert_success();
+    let diff = compare(
+        &dir.join("spelled.safetensors"),
+        &dir.join("file.safetensors"),
+    );
+    assert!(diff.is_exact(), "the file against its settings: {diff:?}");
+    // The program clipping at 1.0 itself, without the setting.
+    let program = [&spelled[..4], &[("CLIP", "1.0")]].concat();
+    run(&dir, &[], "program.safetensors", &program).assert_success();
+    let diff = compare(
+        &dir.join("program.safetensors"),
+        &dir.join("file.safetensors"),
+    );
+    assert!(
+        diff.is_exact(),
+        "gradient_clipping against clip_grad_norm: {diff:?}"
+    );
+    // Clipping did something: without it the run ends elsewhere.
+    run(&dir, &[], "unclipped.safetensors", &spelled[..4]).assert_success();
+    let diff = compare(
+        &dir.join("unclipped.safetensors"),
+        &dir.join("file.safetensors"),
+    );
+    assert!(diff.max_abs > 1e-4, "clipping changed nothing: {diff:?}");
+}
+
+/// A setting given both by the file and by the run, to other values, and batch sizes
+/// that do not multiply out, are errors that name both places or all three values.
+#[test]
+fn a_conflict_with_the_run_and_inconsistent_batch_sizes_are_errors() {
+    let dir = scratch_dir("deepspeed-errors");
+    let guide = guide();
+    let conflict = run(
+        &dir,
+        &["--deepspeed", guide.to_str().unwrap(), "--zero", "3"],
+        "conflict.safetensors",
+        &[],
+    );
+    assert!(!conflict.status.success(), "{conflict:?}");
+    assert!(
+        conflict
+            .stderr
+            .contains("zero_optimization.stage gives zero = 2, and the run gives zero = 3"),
+        "{}",
+        conflict.stderr
+    );
+    let file = dir.join("batch.json");
+    std::fs::write(
+        &file,
+        r#"{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}"#,
+    )
+    .unwrap();
+    let batch = run(
+        &dir,
+        &["--deepspeed", file.to_str().unwrap()],
+        "batch.safetensors",
+        &[],
+    );
+    assert!(!batch.status.success(), "{batch:?}");
+    assert!(
+        batch.stderr.contains(
+            "train_batch_size 10 is not train_micro_batch_size_per_gpu 4 × \
+             gradient_accumulation_steps 1 × 2 ranks = 8"
+        ),
+        "{}",
+        batch.stderr
+    );
+}
