@@ -26,12 +26,14 @@
 use std::fmt;
 use std::path::Path;
 
+mod accelerate;
 mod ask;
 mod deepspeed;
 mod error;
 mod file;
 mod values;
 
+pub use accelerate::Accelerate;
 pub use deepspeed::{DeepSpeed, LossScaling, OptimizerBlock, SchedulerBlock, SCHEDULERS};
 pub use error::{Error, Result};
 
@@ -803,6 +805,24 @@ impl Settings {
     /// the key for a value that is not allowed.
     pub fn load(path: &Path) -> Result<Settings> {
         file::load(path)
+    }
+
+    /// Reads the run's configuration file `path`: Accelerate's (see [`Accelerate`])
+    /// when it ends in `.yaml`, `.yml` or `.json`, as `accelerate config` writes it,
+    /// else tch-distributed's TOML ([`load`](Self::load)). Also returns the keys that
+    /// change nothing here, each with why, for the launcher to list.
+    ///
+    /// # Errors
+    /// As [`load`](Self::load) and [`Accelerate::load`].
+    pub fn load_run_file(path: &Path) -> Result<(Settings, Vec<String>)> {
+        let accelerate = path
+            .extension()
+            .and_then(|e| e.to_str())
+            .is_some_and(|e| ["yaml", "yml", "json"].contains(&e.to_ascii_lowercase().as_str()));
+        match accelerate {
+            true => Accelerate::load(path).map(|a| (a.settings, a.advisory)),
+            false => Settings::load(path).map(|s| (s, Vec::new())),
+        }
     }
 
     /// The configuration file's text: a header comment, then one `key = value` line

@@ -620,3 +620,126 @@ mod deepspeed {
         assert!(advisory.contains("fp16.hysteresis") && advisory.contains("fp16.min_loss_scale"));
     }
 }
+
+mod accelerate {
+    use super::*;
+
+    /// A file of `examples/accelerate/`, written by Accelerate 1.15 itself
+    /// (`accelerate config default`, and its `ClusterConfig.to_yaml_file`).
+    fn written_by_accelerate(name: &str) -> Accelerate {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../examples/accelerate")
+            .join(name);
+        Accelerate::load(&path).unwrap()
+    }
+
+    #[test]
+    fn accelerates_own_files_give_their_settings() {
+        let cpu = written_by_accelerate("multi_cpu.yaml");
+        assert_eq!(cpu.settings.nproc_per_node, Some(2));
+        assert_eq!(cpu.settings.nnodes, Some(1));
+        assert_eq!(cpu.settings.node_rank, Some(0));
+        assert_eq!(cpu.settings.backend, Some(Backend::Gloo));
+        assert_eq!(
+            cpu.settings.mixed_precision,
+            Some(MixedPrecisionMode::Exactly(MixedPrecision::No))
+        );
+        let fsdp = written_by_accelerate("fsdp.yaml");
+        assert_eq!(fsdp.settings.zero, Some(3));
+        assert_eq!(fsdp.settings.nproc_per_node, Some(2));
+        assert_eq!(
+            fsdp.settings.gpus.as_ref().map(ToString::to_string),
+            Some("all".into())
+        );
+        assert_eq!(
+            fsdp.settings.mixed_precision,
+            Some(MixedPrecisionMode::Exactly(MixedPrecision::Bf16))
+        );
+        assert!(fsdp
+            .advisory
+            .join(" ")
+            .contains("fsdp_config.fsdp_auto_wrap_policy"));
+        // `accelerate config default` writes JSON into default_config.yaml.
+        let default = written_by_accelerate("default_config.yaml");
+        assert_eq!(default.settings.nproc_per_node, Some(1));
+        // Only what would matter: the CPU asked for; not the keys Accelerate writes for
+        // its own launcher.
+        assert_eq!(default.advisory.len(), 1, "{:?}", default.advisory);
+        assert!(default.advisory[0].starts_with("use_cpu"));
+        assert!(
+            cpu.advisory.iter().all(|a| a.starts_with("use_cpu")),
+            "{:?}",
+            cpu.advisory
+        );
+        let (settings, _) = Settings::load_run_file(
+            &Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/accelerate/fsdp.yaml"),
+        )
+        .unwrap();
+        assert_eq!(settings, fsdp.settings);
+    }
+
+    fn parse(text: &str) -> Result<Accelerate> {
+        Accelerate::parse(Path::new("default_config.yaml"), text)
+    }
+
+    #[test]
+    fn strategies_map_to_stages_and_groups() {
+        for (strategy, zero, group) in [
+            ("FULL_SHARD", 3, None),
+            ("SHARD_GRAD_OP", 2, None),
+            ("NO_SHARD", 0, None),
+            ("HYBRID_SHARD", 3, Some(ShardGroup::Node)),
+            ("_HYBRID_SHARD_ZERO2", 2, Some(ShardGroup::Node)),
+        ] {
+            let a = parse(&format!(
+                "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: {strategy}\n  fsdp_offload_params: true\n"
+            ))
+            .unwrap();
+            assert_eq!(a.settings.zero, Some(zero), "{strategy}");
+            assert_eq!(a.settings.shard_group, group, "{strategy}");
+            assert_eq!(a.settings.offload, Some(Offload::All), "{strategy}");
+        }
+        let a = parse(
+            "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n  offload_optimizer_device: cpu\n  gradient_accumulation_steps: 4\n  gradient_clipping: 1.0\n",
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                a.settings.zero,
+                a.settings.offload,
+                a.settings.grad_accum,
+                a.settings.gradient_clipping
+            ),
+            (Some(2), Some(Offload::Optimizer), Some(4), Some(1.0))
+        );
+    }
+
+    #[test]
+    fn keys_it_cannot_honour_are_named() {
+        for (text, needle) in [
+            ("bogus_key: 1\n", "`bogus_key` is not an Accelerate key"),
+            (
+                "distributed_type: TPU\n",
+                "distributed_type = TPU: use NO, MULTI_CPU",
+            ),
+            (
+                "num_processes: 3\nnum_machines: 2\n",
+                "does not divide into num_machines = 2",
+            ),
+            ("mixed_precision: fp8\n", "mixed_precision = fp8"),
+            (
+                "distributed_type: FSDP\nfsdp_config:\n  fsdp_bogus: 1\n",
+                "`fsdp_config.fsdp_bogus`",
+            ),
+            (
+                "parallelism_config:\n  parallelism_config_tp_size: 2\n",
+                "tensor and context parallelism",
+            ),
+            ("[1, 2]\n", "not a mapping"),
+        ] {
+            let e = parse(text).unwrap_err().to_string();
+            assert!(e.starts_with("default_config.yaml: "), "{e}");
+            assert!(e.contains(needle), "{text}: {e}");
+        }
+    }
+}

@@ -52,8 +52,14 @@ struct Args {
     #[command(flatten)]
     settings: Settings,
 
-    /// The run configuration file to read (see Configuration file below).
-    #[arg(long, value_name = "FILE")]
+    /// The run configuration file to read (see Configuration file below); a .yaml,
+    /// .yml or .json file is Accelerate's (`accelerate config`'s default_config.yaml).
+    #[arg(
+        long,
+        value_name = "FILE",
+        visible_alias = "config-file",
+        alias = "config_file"
+    )]
     config: Option<PathBuf>,
 
     /// Seconds ranks get to exit after SIGTERM before they are killed.
@@ -239,8 +245,15 @@ fn resolve(flags: &Settings, config: Option<PathBuf>) -> tch_distributed::Result
     let named = config.is_some() || tch_distributed::settings::config_named_by_env();
     let file = match config.or_else(default_path) {
         Some(path) if named || path.exists() => {
-            let file = Settings::load(&path)?;
+            let (file, advisory) = Settings::load_run_file(&path)?;
             tch_distributed::eprintln_whole!("tchrun: run configuration {}", path.display());
+            if !advisory.is_empty() {
+                tch_distributed::eprintln_whole!(
+                    "tchrun: these keys of {} change nothing here: {}",
+                    path.display(),
+                    advisory.join("; ")
+                );
+            }
             file
         }
         _ => Settings::default(),

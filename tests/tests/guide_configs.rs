@@ -1,7 +1,8 @@
-//! `deepspeed = FILE` (`tchrun --deepspeed FILE`, `TCH_DISTRIBUTED_DEEPSPEED`): DeepSpeed's
-//! JSON configuration read into the run's settings, against the same run with those
-//! settings spelled out (DeepSpeed's documented meaning of each key) and the program's
-//! own clipping.
+//! The guides' own configuration files: `deepspeed = FILE` (`tchrun --deepspeed FILE`,
+//! `TCH_DISTRIBUTED_DEEPSPEED`), DeepSpeed's JSON, and `tchrun --config
+//! default_config.yaml`, Accelerate's, read into the run's settings, against the same
+//! run with those settings spelled out (each key's documented meaning) and, for
+//! clipping, the program's own.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -20,9 +21,13 @@ fn guide() -> PathBuf {
 
 /// `tchrun ARGS sharding_worker DIR OUT` on 2 ranks with `env`.
 fn run(dir: &Path, args: &[&str], out: &str, env: &[(&str, &str)]) -> Run {
+    run_as(dir, &[&["--nproc-per-node", "2"], args].concat(), out, env)
+}
+
+/// `tchrun ARGS sharding_worker DIR OUT` with `env`.
+fn run_as(dir: &Path, args: &[&str], out: &str, env: &[(&str, &str)]) -> Run {
     let mut cmd = Command::new(tchrun());
-    cmd.args(["--nproc-per-node", "2"])
-        .args(args)
+    cmd.args(args)
         .arg(WORKER)
         .args([dir.to_str().unwrap(), out])
         .envs(env.iter().copied());
@@ -140,4 +145,43 @@ fn a_conflict_with_the_run_and_inconsistent_batch_sizes_are_errors() {
         "{}",
         batch.stderr
     );
+}
+
+/// Files written by Accelerate 1.15 itself (`examples/accelerate/`, by its own
+/// `ClusterConfig.to_yaml_file`): `multi_cpu.yaml` (MULTI_CPU, 2 processes) launches 2
+/// ranks over Gloo, as `--nproc-per-node 2` does, bit for bit; `fsdp.yaml` (FSDP2,
+/// `reshard_after_forward: true`, bf16, 2 processes) runs ZeRO-3 in bf16 on 2 ranks, as
+/// those settings spelled out do, bit for bit.
+#[test]
+fn accelerates_own_config_files_launch_the_job_they_describe() {
+    let dir = scratch_dir("accelerate-configs");
+    let file = |name: &str| {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../examples/accelerate")
+            .join(name)
+            .to_str()
+            .unwrap()
+            .to_string()
+    };
+    let cpu = run_as(&dir, &["--config", &file("multi_cpu.yaml")], "cpu.safetensors", &[]);
+    cpu.assert_success();
+    assert!(cpu.stdout.contains("backend gloo, world size 2,"), "{}", cpu.stdout);
+    run(&dir, &[], "two.safetensors", &[]).assert_success();
+    let diff = compare(&dir.join("two.safetensors"), &dir.join("cpu.safetensors"));
+    assert!(diff.is_exact(), "multi_cpu.yaml: {diff:?}");
+    let fsdp = run_as(&dir, &["--config-file", &file("fsdp.yaml")], "fsdp.safetensors", &[]);
+    fsdp.assert_success();
+    assert!(fsdp.stdout.contains("ZeRO stage 3 ("), "{}", fsdp.stdout);
+    assert!(
+        fsdp.stderr.contains("fsdp_config.fsdp_auto_wrap_policy"),
+        "{}",
+        fsdp.stderr
+    );
+    let spelled = [
+        ("TCH_DISTRIBUTED_ZERO", "3"),
+        ("TCH_DISTRIBUTED_MIXED_PRECISION", "bf16"),
+    ];
+    run(&dir, &[], "zero3.safetensors", &spelled).assert_success();
+    let diff = compare(&dir.join("zero3.safetensors"), &dir.join("fsdp.safetensors"));
+    assert!(diff.is_exact(), "fsdp.yaml: {diff:?}");
 }
