@@ -116,6 +116,11 @@ GROUP[shard]="shard_engine shard_collectives shard_params shard_param shard_unit
 # checkpoint that the other checkpoint tests check too.
 declare -A SKIP
 SKIP[loader]="ctrl_c_in_a_terminal a_signal_to_every_process_of_the_job"
+# NAME -> the only tests of those targets to run for it (a libtest name filter): those
+# that exercise its paths, where the rest of a target takes long and never reaches
+# them (offload runs only when the setting asks for it).
+declare -A ONLY
+ONLY[shard_offload]="offloaded_shards"
 
 list=""
 if [ "${1:-}" = --list ]; then
@@ -160,7 +165,7 @@ for name in "${names[@]}"; do
   done
   # After cargo-mutants' own `--`, its arguments go to `cargo test` as they are: the
   # second `--` sends the skips on to the test binaries.
-  harness=()
+  harness=(${ONLY[$name]:-})
   for t in ${SKIP[$name]:-}; do
     harness+=(--skip "$t")
   done

@@ -163,13 +163,27 @@ fn accelerates_own_config_files_launch_the_job_they_describe() {
             .unwrap()
             .to_string()
     };
-    let cpu = run_as(&dir, &["--config", &file("multi_cpu.yaml")], "cpu.safetensors", &[]);
+    let cpu = run_as(
+        &dir,
+        &["--config", &file("multi_cpu.yaml")],
+        "cpu.safetensors",
+        &[],
+    );
     cpu.assert_success();
-    assert!(cpu.stdout.contains("backend gloo, world size 2,"), "{}", cpu.stdout);
+    assert!(
+        cpu.stdout.contains("backend gloo, world size 2,"),
+        "{}",
+        cpu.stdout
+    );
     run(&dir, &[], "two.safetensors", &[]).assert_success();
     let diff = compare(&dir.join("two.safetensors"), &dir.join("cpu.safetensors"));
     assert!(diff.is_exact(), "multi_cpu.yaml: {diff:?}");
-    let fsdp = run_as(&dir, &["--config-file", &file("fsdp.yaml")], "fsdp.safetensors", &[]);
+    let fsdp = run_as(
+        &dir,
+        &["--config-file", &file("fsdp.yaml")],
+        "fsdp.safetensors",
+        &[],
+    );
     fsdp.assert_success();
     assert!(fsdp.stdout.contains("ZeRO stage 3 ("), "{}", fsdp.stdout);
     assert!(
@@ -182,6 +196,9 @@ fn accelerates_own_config_files_launch_the_job_they_describe() {
         ("TCH_DISTRIBUTED_MIXED_PRECISION", "bf16"),
     ];
     run(&dir, &[], "zero3.safetensors", &spelled).assert_success();
-    let diff = compare(&dir.join("zero3.safetensors"), &dir.join("fsdp.safetensors"));
+    let diff = compare(
+        &dir.join("zero3.safetensors"),
+        &dir.join("fsdp.safetensors"),
+    );
     assert!(diff.is_exact(), "fsdp.yaml: {diff:?}");
 }

@@ -18,13 +18,20 @@ impl Optimizer {
     /// # Errors
     /// [`Error::Config`] naming the file's type and the program's when they are not the
     /// same kind of optimizer (Adam or AdamW against SGD or RMSprop): DeepSpeed would
-    /// build the file's, here the program builds it; and for a parameter the kind
-    /// does not take (`betas` for SGD).
+    /// build the file's, here the program builds it; and naming a parameter the kind
+    /// does not take (`betas` for SGD, `momentum` for Adam).
     pub(crate) fn apply_deepspeed(&mut self, block: &OptimizerBlock, path: &Path) -> Result<()> {
         let mismatch = |what: &str| {
             Error::Config(format!(
                 "{}: optimizer.type = \"{}\", and the program builds {what}: give the file the \
                  program's optimizer (or \"auto\" params), or build the file's in the program",
+                path.display(),
+                block.kind
+            ))
+        };
+        let not_taken = |param: &str| {
+            Error::Config(format!(
+                "{}: optimizer.params.{param}: {} takes no {param}: remove it (or write \"auto\")",
                 path.display(),
                 block.kind
             ))
@@ -41,7 +48,7 @@ impl Optimizer {
                     ..
                 } if adam => {
                     if block.momentum.is_some() {
-                        return Err(mismatch("Adam, which has no momentum parameter"));
+                        return Err(not_taken("momentum"));
                     }
                     // DeepSpeed's Adam is AdamW unless `adam_w_mode` is false.
                     *decoupled = block.kind == "adamw" || block.adam_w_mode.unwrap_or(true);
@@ -57,8 +64,11 @@ impl Optimizer {
                     weight_decay,
                     ..
                 } if block.kind == "sgd" => {
-                    if block.betas.is_some() || block.eps.is_some() {
-                        return Err(mismatch("SGD, which has no betas or eps"));
+                    if block.betas.is_some() {
+                        return Err(not_taken("betas"));
+                    }
+                    if block.eps.is_some() {
+                        return Err(not_taken("eps"));
                     }
                     *momentum = block.momentum.unwrap_or(*momentum);
                     *weight_decay = block.weight_decay.unwrap_or(*weight_decay);
