@@ -126,18 +126,24 @@ pub fn init() -> Result<Context> {
 /// `WORLD_SIZE` or the same `RANK`,
 /// [`Error::BackendUnavailable`] when NCCL is asked for and cannot be used.
 pub fn init_with(options: InitOptions) -> Result<Context> {
-    init_with_settings(options.over_env()?, options.device)
+    let (settings, deepspeed) = options.over_env()?.with_deepspeed()?;
+    init_with_settings(settings, deepspeed, options.device)
 }
 
 /// [`init_with`] for the run's resolved settings (the `#[distributed]` entry's: the
-/// environment over the attribute), which the context keeps.
-pub(crate) fn init_with_settings(settings: Settings, device: Option<Device>) -> Result<Context> {
+/// environment over the attribute, with the DeepSpeed file's that `deepspeed` names,
+/// read: [`Settings::with_deepspeed`]), which the context keeps.
+pub(crate) fn init_with_settings(
+    settings: Settings,
+    deepspeed: Option<DeepSpeed>,
+    device: Option<Device>,
+) -> Result<Context> {
     let mut slot = CONTEXT.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(ctx) = slot.as_ref() {
         return Ok(ctx.clone());
     }
     crate::host_memory::keep_freed_memory();
-    let ctx = Context::join_with(LaunchEnv::from_env()?, settings, device)?;
+    let ctx = Context::join_with(LaunchEnv::from_env()?, settings, deepspeed, device)?;
     *slot = Some(ctx.clone());
     Ok(ctx)
 }
@@ -251,13 +257,16 @@ impl Context {
     /// # Errors
     /// As [`init_with`].
     pub fn join(env: Option<LaunchEnv>, options: InitOptions) -> Result<Context> {
-        Context::join_with(env, options.over_env()?, options.device)
+        let (settings, deepspeed) = options.over_env()?.with_deepspeed()?;
+        Context::join_with(env, settings, deepspeed, options.device)
     }
 
-    /// [`Context::join`] with the run's settings, which the context keeps.
+    /// [`Context::join`] with the run's settings and DeepSpeed file, which the context
+    /// keeps.
     fn join_with(
         env: Option<LaunchEnv>,
         settings: Settings,
+        deepspeed: Option<DeepSpeed>,
         device: Option<Device>,
     ) -> Result<Context> {
         let env = env.unwrap_or(LaunchEnv {
@@ -269,8 +278,6 @@ impl Context {
             master_port: 0,
             agent_store_prefix: None,
         });
-        // The DeepSpeed file's settings, where it names one.
-        let (settings, deepspeed) = settings.with_deepspeed()?;
         if let Some(ds) = &deepspeed {
             ds.check_batch(settings.grad_accum.unwrap_or(1), env.world_size)?;
             if env.rank == 0 && !ds.advisory.is_empty() {

@@ -220,12 +220,12 @@ impl DeepSpeed {
                     _ => {}
                 },
                 "zero_optimization" => self.zero(object(key, value)?)?,
-                "fp16" => fp16 = self.fp16(object(key, value)?)?,
+                "fp16" => fp16 = Some(self.fp16(object(key, value)?)?),
                 "bf16" | "bfloat16" => {
                     let block = object(key, value)?;
                     for (k, v) in block {
                         match k.as_str() {
-                            "enabled" => bf16 = flag(&format!("{key}.enabled"), v)?,
+                            "enabled" => bf16 = Some(flag(&format!("{key}.enabled"), v)?),
                             "immediate_grad_update" | "check_grad_overflow" => self.note(
                                 &format!("{key}.{k}"),
                                 "the step reads the gradients as they are",
@@ -249,17 +249,18 @@ impl DeepSpeed {
                 other => return Err(unknown(other)),
             }
         }
+        // `enabled`: given, "auto" (the run decides), or no block at all.
         let (precision, source) = match (fp16, bf16) {
-            (Some(true), Some(true)) => {
+            (Some(Some(true)), Some(Some(true))) => {
                 return Err(
                     "fp16.enabled and bf16.enabled are both true: enable one of them".into(),
                 )
             }
-            (_, Some(true)) => (MixedPrecision::Bf16, "bf16.enabled"),
-            (Some(true), _) => (MixedPrecision::Fp16, "fp16.enabled"),
-            (Some(false), _) => (MixedPrecision::No, "fp16.enabled"),
-            (_, Some(false)) => (MixedPrecision::No, "bf16.enabled"),
-            (None, None) => return Ok(()),
+            (_, Some(Some(true))) => (MixedPrecision::Bf16, "bf16.enabled"),
+            (Some(Some(true)), _) => (MixedPrecision::Fp16, "fp16.enabled"),
+            (Some(None), _) | (_, Some(None)) | (None, None) => return Ok(()),
+            (Some(Some(false)), _) => (MixedPrecision::No, "fp16.enabled"),
+            (_, Some(Some(false))) => (MixedPrecision::No, "bf16.enabled"),
         };
         let mode = MixedPrecisionMode::Exactly(precision);
         self.give("mixed_precision", source, &mode.to_string())

@@ -596,6 +596,26 @@ mod deepspeed {
     }
 
     #[test]
+    fn an_auto_precision_leaves_it_to_the_run() {
+        for text in [
+            r#"{"fp16": {"enabled": "auto"}, "bf16": {"enabled": false}}"#,
+            r#"{"bf16": {"enabled": "auto"}}"#,
+            "{}",
+        ] {
+            assert_eq!(
+                parse(text).unwrap().settings.mixed_precision,
+                None,
+                "{text}"
+            );
+        }
+        let off = parse(r#"{"fp16": {"enabled": false}, "bf16": {"enabled": false}}"#).unwrap();
+        assert_eq!(
+            off.settings.mixed_precision,
+            Some(MixedPrecisionMode::Exactly(MixedPrecision::No))
+        );
+    }
+
+    #[test]
     fn offload_param_offloads_everything_and_fp16_keeps_its_loss_scaling() {
         let ds = parse(
             r#"{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},

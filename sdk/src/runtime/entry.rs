@@ -59,6 +59,11 @@ pub fn enter(attribute: &[(&str, &str)]) -> Session {
         .unwrap_or_else(|e| fail("reading the attribute's settings", e));
     let (settings, overridden) = Settings::over_attribute(attribute)
         .unwrap_or_else(|e| fail("reading the run's settings", e));
+    // The DeepSpeed file's settings, where `deepspeed` names one: checked before any
+    // rank starts.
+    let (settings, deepspeed) = settings
+        .with_deepspeed()
+        .unwrap_or_else(|e| fail("reading the run's settings", e));
     let env = LaunchEnv::from_env().unwrap_or_else(|e| fail("reading the launch environment", e));
     if env.is_none() {
         // Without a launcher: the ranks asked for, else one per visible GPU
@@ -92,7 +97,7 @@ pub fn enter(attribute: &[(&str, &str)]) -> Session {
         }
     }
     record_panics();
-    let ctx = init::init_with_settings(settings, None)
+    let ctx = init::init_with_settings(settings, deepspeed, None)
         .unwrap_or_else(|e| fail("joining the process group", e));
     if ctx.world_size() > 1 {
         // Every rank continues from rank 0's random state (initial weights, dropout):
