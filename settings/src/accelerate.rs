@@ -15,6 +15,7 @@ use serde_json::{Map, Value as Json};
 use yaml_rust2::{Yaml, YamlLoader};
 
 use crate::error::{Error, Result};
+use crate::foreign::{self, object, unknown};
 use crate::{Settings, TABLE};
 
 /// An Accelerate configuration, read.
@@ -34,10 +35,7 @@ impl Accelerate {
     /// key when it is not YAML, a value is not what Accelerate writes, or a key is one
     /// the SDK does not read.
     pub fn load(path: &Path) -> Result<Accelerate> {
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
-            context: format!("reading the Accelerate configuration {}", path.display()),
-            source,
-        })?;
+        let text = foreign::read(path, "Accelerate")?;
         Accelerate::parse(path, &text)
     }
 
@@ -160,7 +158,7 @@ impl Accelerate {
                         self.note(key, "Accelerate's own; nothing to do here");
                     }
                 }
-                other => return Err(unknown(other)),
+                other => return Err(unknown("an Accelerate", other)),
             }
         }
         if let Some(n) = processes {
@@ -230,7 +228,7 @@ impl Accelerate {
                     "units are sharded as they are built, every rank gets rank 0's values, \
                          the next unit is prefetched, and checkpoints hold each rank's shards",
                 ),
-                _ => return Err(unknown(&key)),
+                _ => return Err(unknown("an Accelerate", &key)),
             }
         }
         self.give("zero", "fsdp_config", &stage.to_string())
@@ -267,7 +265,7 @@ impl Accelerate {
                     &key,
                     "units are sharded as they are built, saves write fp32, and tchrun launches",
                 ),
-                _ => return Err(unknown(&key)),
+                _ => return Err(unknown("an Accelerate", &key)),
             }
         }
         Ok(())
@@ -290,7 +288,7 @@ impl Accelerate {
                         "{key} = {size}: tensor and context parallelism are not supported: use 1"
                     ))
                 }
-                _ => return Err(unknown(&key)),
+                _ => return Err(unknown("an Accelerate", &key)),
             }
         }
         Ok(())
@@ -336,17 +334,4 @@ fn is_off(value: &Json) -> bool {
         Json::Object(o) => o.is_empty(),
         _ => false,
     }
-}
-
-fn object<'a>(key: &str, value: &'a Json) -> std::result::Result<&'a Map<String, Json>, String> {
-    value
-        .as_object()
-        .ok_or_else(|| format!("{key}: a mapping is needed"))
-}
-
-fn unknown(key: &str) -> String {
-    format!(
-        "`{key}` is not an Accelerate key that tch-distributed reads: remove it (the book's \
-         \"Your ds_config.json and default_config.yaml\" lists the keys and what each does here)"
-    )
 }

@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value as Json};
 
 use crate::error::{Error, Result};
+use crate::foreign::{self, object, unknown};
 use crate::values::{MixedPrecision, MixedPrecisionMode};
 use crate::{Settings, TABLE};
 
@@ -101,10 +102,7 @@ impl DeepSpeed {
     /// key when it is not JSON, a value is not what DeepSpeed takes, or a key is one the
     /// SDK does not read (with what to do).
     pub fn load(path: &Path) -> Result<DeepSpeed> {
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
-            context: format!("reading the DeepSpeed configuration {}", path.display()),
-            source,
-        })?;
+        let text = foreign::read(path, "DeepSpeed")?;
         DeepSpeed::parse(path, &text)
     }
 
@@ -137,8 +135,11 @@ impl DeepSpeed {
     /// [`Error::Config`] naming both places when `given` sets a setting that the file
     /// sets to another value: a setting is given in one place.
     pub fn over(&self, given: Settings) -> Result<Settings> {
-        for (key, source) in &self.sources {
-            let row = TABLE.iter().find(|r| r.key == *key).expect("a row");
+        let rows = self
+            .sources
+            .iter()
+            .filter_map(|(key, source)| Some((crate::row(key)?, key, source)));
+        for (row, key, source) in rows {
             if let (Some(run), Some(file)) = (row.text(&given), row.text(&self.settings)) {
                 if run != file {
                     return Err(Error::Config(format!(
@@ -230,7 +231,7 @@ impl DeepSpeed {
                                 &format!("{key}.{k}"),
                                 "the step reads the gradients as they are",
                             ),
-                            other => return Err(unknown(&format!("{key}.{other}"))),
+                            other => return Err(unknown("a DeepSpeed", &format!("{key}.{other}"))),
                         }
                     }
                 }
@@ -246,7 +247,7 @@ impl DeepSpeed {
                     key,
                     "gradients are averaged in the collective, as with prescaling, up to rounding",
                 ),
-                other => return Err(unknown(other)),
+                other => return Err(unknown("a DeepSpeed", other)),
             }
         }
         // `enabled`: given, "auto" (the run decides), or no block at all.
@@ -298,7 +299,7 @@ impl DeepSpeed {
                     "the scale halves at each overflow, as PyTorch's GradScaler",
                 ),
                 "auto_cast" => self.note(&key, "the forward pass runs under autocast"),
-                _ => return Err(unknown(&key)),
+                _ => return Err(unknown("a DeepSpeed", &key)),
             }
         }
         Ok(enabled)
@@ -348,7 +349,7 @@ impl DeepSpeed {
                     "the units (fully_shard) decide what is gathered when, a save writes the \
                      fp32 weights, and variables without gradients are handled",
                 ),
-                _ => return Err(unknown(&key)),
+                _ => return Err(unknown("a DeepSpeed", &key)),
             }
         }
         // offload_param moves the parameters too, which includes the optimizer.
@@ -415,7 +416,7 @@ impl DeepSpeed {
                     &inner,
                     "CPU offload here keeps every offloaded shard in host memory",
                 ),
-                _ => return Err(unknown(&inner)),
+                _ => return Err(unknown("a DeepSpeed", &inner)),
             }
         }
         Ok(cpu)
@@ -459,11 +460,11 @@ fn optimizer(block: &Map<String, Json>) -> std::result::Result<OptimizerBlock, S
                         }
                         "adam_w_mode" => out.adam_w_mode = flag(&key, value)?,
                         "torch_adam" | "fused" => {}
-                        _ => return Err(unknown(&key)),
+                        _ => return Err(unknown("a DeepSpeed", &key)),
                     }
                 }
             }
-            other => return Err(unknown(&format!("optimizer.{other}"))),
+            other => return Err(unknown("a DeepSpeed", &format!("optimizer.{other}"))),
         }
     }
     if out.kind.is_empty() {
@@ -504,11 +505,11 @@ fn scheduler(block: &Map<String, Json>) -> std::result::Result<SchedulerBlock, S
                             }
                         }
                         "last_batch_iteration" => {}
-                        _ => return Err(unknown(&key)),
+                        _ => return Err(unknown("a DeepSpeed", &key)),
                     }
                 }
             }
-            other => return Err(unknown(&format!("scheduler.{other}"))),
+            other => return Err(unknown("a DeepSpeed", &format!("scheduler.{other}"))),
         }
     }
     if out.kind.is_empty() {
@@ -522,12 +523,6 @@ fn scheduler(block: &Map<String, Json>) -> std::result::Result<SchedulerBlock, S
 
 fn is_auto(value: &Json) -> bool {
     value.as_str() == Some("auto")
-}
-
-fn object<'a>(key: &str, value: &'a Json) -> std::result::Result<&'a Map<String, Json>, String> {
-    value
-        .as_object()
-        .ok_or_else(|| format!("{key}: a JSON object is needed"))
 }
 
 fn number(key: &str, value: &Json) -> std::result::Result<Option<f64>, String> {
@@ -558,11 +553,4 @@ fn flag(key: &str, value: &Json) -> std::result::Result<Option<bool>, String> {
         .as_bool()
         .map(Some)
         .ok_or_else(|| format!("{key} = {value}: true, false or \"auto\" is needed"))
-}
-
-fn unknown(key: &str) -> String {
-    format!(
-        "`{key}` is not a DeepSpeed key that tch-distributed reads: remove it (the book's \
-         \"Your ds_config.json and default_config.yaml\" lists the keys and what each does here)"
-    )
 }

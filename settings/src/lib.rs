@@ -31,6 +31,7 @@ mod ask;
 mod deepspeed;
 mod error;
 mod file;
+mod foreign;
 mod values;
 
 pub use accelerate::Accelerate;

@@ -1,0 +1,38 @@
+//! What reading the other tools' configuration files shares ([`crate::deepspeed`],
+//! [`crate::accelerate`]): the file's text, a block of keys, and the error for a key
+//! that is not read.
+
+use std::path::Path;
+
+use serde_json::{Map, Value as Json};
+
+use crate::error::{Error, Result};
+
+/// The text of `path`, `tool`'s configuration.
+///
+/// # Errors
+/// [`Error::Io`] naming the file when it cannot be read.
+pub(crate) fn read(path: &Path, tool: &str) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|source| Error::Io {
+        context: format!("reading the {tool} configuration {}", path.display()),
+        source,
+    })
+}
+
+/// `value`, the block of keys under `key`.
+pub(crate) fn object<'a>(
+    key: &str,
+    value: &'a Json,
+) -> std::result::Result<&'a Map<String, Json>, String> {
+    value
+        .as_object()
+        .ok_or_else(|| format!("{key}: a block of keys (a mapping, a JSON object) is needed"))
+}
+
+/// The error for `key`, which tch-distributed does not read from `tool`'s file.
+pub(crate) fn unknown(tool: &str, key: &str) -> String {
+    format!(
+        "`{key}` is not {tool} key that tch-distributed reads: remove it (the book's \
+         \"Your ds_config.json and default_config.yaml\" lists the keys and what each does here)"
+    )
+}
