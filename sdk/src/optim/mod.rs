@@ -152,6 +152,8 @@ pub struct Optimizer {
     /// The last backward ended a cycle: the gradients are complete and `step` steps.
     cycle_complete: bool,
     scaler: Option<GradScaler>,
+    /// The updates made ([`steps_taken`](Optimizer::steps_taken)).
+    steps_taken: u64,
 }
 
 /// How an [`Optimizer`] averages the gradients and holds its state over the ranks: one
@@ -236,6 +238,7 @@ impl Optimizer {
             sync_next: false,
             cycle_complete: false,
             scaler: None,
+            steps_taken: 0,
         };
         opt.add_missing_variables()?;
         Ok(opt)
@@ -658,7 +661,28 @@ impl Optimizer {
         if let Some(sharding) = self.mode.sharding() {
             sharding.after_step()?;
         }
+        if stepped {
+            self.steps_taken += 1;
+        }
         Ok(stepped)
+    }
+
+    /// The optimizer steps taken: the updates of the parameters, one per accumulation
+    /// cycle (the micro-batches in between are not steps), without the steps that the
+    /// fp16 loss scaler skipped (as DeepSpeed's engine counts `global_steps` apart from
+    /// `skipped_steps`). The same on every rank. An [`LrScheduler`](crate::LrScheduler)
+    /// reads it, and checkpoints keep it
+    /// ([`TrainState::optimizer_steps`](crate::TrainState::optimizer_steps)).
+    pub fn steps_taken(&self) -> u64 {
+        self.steps_taken
+    }
+
+    /// Sets the count of [`steps_taken`](Self::steps_taken), for a resume:
+    /// [`Checkpointer::load_state`](crate::Checkpointer::load_state) does it from the
+    /// checkpoint; a program that saves the optimizer's [`state`](Self::state) itself
+    /// restores the count it saved with it.
+    pub fn set_steps_taken(&mut self, steps: u64) {
+        self.steps_taken = steps;
     }
 
     /// With a [`grad_scaler`](Self::grad_scaler), divides this cycle's complete
