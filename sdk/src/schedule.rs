@@ -609,9 +609,11 @@ mod tests {
             assert_eq!(s.lr(BASE, 10), 0.01 + (BASE - 0.01));
             assert_eq!(s.lr(BASE, 1_000_000), s.lr(BASE, 10));
         }
-        // Log: the ninth step is ln(10)/ln(10) of the way, the top.
+        // Log: the ninth step is ln(10)/ln(10) of the way, the top, to the rounding of
+        // DeepSpeed's `(1 / ln(W)) · ln(s + 1)` (0.09999999999999999, as in Python).
         let log = LrSchedule::warmup_lr(10, WarmupType::Log);
-        assert_eq!(log.lr(BASE, 9), BASE);
+        assert_eq!(log.lr(BASE, 9), BASE * ((1.0 / 10f64.ln()) * 10f64.ln()));
+        assert!((log.lr(BASE, 9) - BASE).abs() < 1e-16);
         // Linear: 9/10 of the way.
         let linear = LrSchedule::warmup_lr(10, WarmupType::Linear);
         assert_eq!(linear.lr(BASE, 9), BASE * 0.9);
