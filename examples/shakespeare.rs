@@ -179,9 +179,10 @@ fn train(args: &Args) -> Result<()> {
                 .view([-1, labels])
                 .cross_entropy_for_logits(&ys.reshape([-1]));
             // ANCHOR: schedule_step
-            let lr = lr_schedule.lr(); // this step's
+            // This step's rate; after the step, the next one's.
+            let lr = lr_schedule.lr();
             opt.backward_step_clip_norm(&loss, 0.5);
-            lr_schedule.step(&mut opt)?; // the next step's
+            lr_schedule.step(&mut opt)?;
             // ANCHOR_END: schedule_step
 
             step += 1;

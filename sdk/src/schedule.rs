@@ -758,7 +758,11 @@ mod tests {
             warmup_num_steps: 10,
             warmup_type: WarmupType::Log,
         };
-        assert!(nan.check().unwrap_err().to_string().contains("warmup_min_lr is NaN"));
+        assert!(nan
+            .check()
+            .unwrap_err()
+            .to_string()
+            .contains("warmup_min_lr is NaN"));
         let vs = nn::VarStore::new(tch::Device::Cpu);
         let _ = vs.root().zeros("w", &[1]);
         let mut opt = Optimizer::new(&nn::Sgd::default(), &vs, 0.1).unwrap();

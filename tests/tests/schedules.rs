@@ -55,7 +55,9 @@ fn cases() -> Vec<(String, LrSchedule)> {
             }
             for (min_ratio, cos_min_ratio) in [(0.0, 1e-4), (0.1, 0.05)] {
                 cases.push((
-                    format!("warmup_cosine_lr {total} {min_ratio:?} {warmup} {cos_min_ratio:?} {ty}"),
+                    format!(
+                        "warmup_cosine_lr {total} {min_ratio:?} {warmup} {cos_min_ratio:?} {ty}"
+                    ),
                     WarmupCosineLr {
                         total_num_steps: total,
                         warmup_min_ratio: min_ratio,
@@ -251,7 +253,11 @@ fn every_step_equals_lambda_lr_and_deepspeed() {
             }
         }
     }
-    assert_eq!(lines.next(), None, "Python printed more lines than schedules");
+    assert_eq!(
+        lines.next(),
+        None,
+        "Python printed more lines than schedules"
+    );
 }
 
 const WORKER: &str = env!("CARGO_BIN_EXE_checkpoint_worker");

@@ -633,12 +633,7 @@ impl Checkpointer {
             if let (Some(scaler), Some(saved)) = (opt.scaler_mut(), loaded.state.grad_scaler) {
                 scaler.load_state(saved);
             }
-            opt.set_steps_taken(
-                loaded
-                    .state
-                    .optimizer_steps
-                    .unwrap_or(loaded.state.step),
-            );
+            opt.set_steps_taken(loaded.state.optimizer_steps.unwrap_or(loaded.state.step));
             if let Some(ctx) = &ctx {
                 ctx.loops().resume_from(&loaded.state.loops);
                 ctx.loops().resume_loaders_from(&loaded.state.loaders);
@@ -698,7 +693,10 @@ mod tests {
             without.loops.is_empty(),
             "a checkpoint without loops resumes none"
         );
-        assert_eq!(without.optimizer_steps, None, "restored from `step` on load");
+        assert_eq!(
+            without.optimizer_steps, None,
+            "restored from `step` on load"
+        );
         let mut scaler = crate::GradScaler::new();
         scaler.load_state((512.0, 3));
         assert_eq!(scaler.state(), (512.0, 3));
