@@ -45,8 +45,10 @@ impl WarmupType {
 /// optimizer steps (one per accumulation cycle, not per micro-batch); rates are those
 /// the optimizer takes (`lr`, in its units).
 ///
-/// Steps past the end of a decaying schedule keep its last rate (0, or the minimum),
-/// as the references' `max(0, …)` and `min(1, …)` give.
+/// Past its total steps a decaying schedule stays at its last rate (0, or the
+/// minimum), as the references' `max(0, …)` and `min(1, …)` give, except transformers'
+/// cosine, which goes on along its cosine and climbs back, as transformers' does: give
+/// it the run's length.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum LrSchedule {
     /// As DeepSpeed's `WarmupLR`: from `warmup_min_lr` up to `warmup_max_lr` (the
@@ -480,10 +482,11 @@ impl ScheduledOptimizer for nn::Optimizer {
 /// process ends `num_processes` times sooner; here a schedule is written in optimizer
 /// steps, whatever the world size).
 ///
-/// DeepSpeed's engine applies `get_lr()` at `last_batch_iteration = s − 1` to step `s`
-/// (its scheduler starts at −1, at the minimum rate, and steps after the optimizer);
-/// this scheduler, as PyTorch's `LambdaLR`, applies the schedule's value at `s`.
-/// Both give the first step the minimum rate.
+/// DeepSpeed's schedulers start at `last_batch_iteration = −1` (the rate `warmup_min_lr`,
+/// or 0 for `WarmupCosineLR`) and are stepped after each optimizer step, so that
+/// DeepSpeed's step `s` takes their value at `s − 1`; this scheduler, as PyTorch's
+/// `LambdaLR`, gives step `s` the value at `s` ([`LrSchedule::lr`] at `step = s`), one
+/// step further along the warmup.
 #[derive(Clone, Debug)]
 pub struct LrScheduler {
     schedule: LrSchedule,
