@@ -669,8 +669,8 @@ impl Optimizer {
 
     /// The optimizer steps taken: the updates of the parameters, one per accumulation
     /// cycle (the micro-batches in between are not steps), without the steps that the
-    /// fp16 loss scaler skipped (as DeepSpeed's engine counts `global_steps` apart from
-    /// `skipped_steps`). The same on every rank. An [`LrScheduler`](crate::LrScheduler)
+    /// fp16 loss scaler skipped (on which DeepSpeed's engine does not step its
+    /// learning-rate scheduler either). The same on every rank. An [`LrScheduler`](crate::LrScheduler)
     /// reads it, and checkpoints keep it
     /// ([`TrainState::optimizer_steps`](crate::TrainState::optimizer_steps)).
     pub fn steps_taken(&self) -> u64 {
