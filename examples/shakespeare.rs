@@ -19,7 +19,7 @@ use std::time::Instant;
 use tch::data::TextData;
 use tch::nn::{self, Module, OptimizerConfig, RNN};
 use tch::{Device, Kind, Tensor};
-use tch_distributed::{Checkpointer, Tracker, TrainState};
+use tch_distributed::{Checkpointer, LrSchedule, LrScheduler, Tracker, TrainState};
 
 #[derive(Parser, Debug, serde::Serialize)]
 #[command(about = "Character-level LSTM on tinyshakespeare, data-parallel over tch-distributed")]
@@ -43,6 +43,11 @@ struct Args {
     /// Adam learning rate.
     #[arg(long, default_value_t = 0.003)]
     lr: f64,
+    /// Optimizer steps over which the learning rate rises linearly from 0 to `--lr`,
+    /// then stays there (transformers' constant schedule with warmup); 0 trains at
+    /// `--lr` from the first step. With more than 0 the rate is also a metric (`lr`).
+    #[arg(long, default_value_t = 0)]
+    warmup_steps: u64,
     /// Print every this many steps.
     #[arg(long, default_value_t = 20)]
     log_every: usize,
@@ -154,6 +159,13 @@ fn train(args: &Args) -> Result<()> {
         }
     }
     // ANCHOR_END: resume
+    let first_step = step;
+    // ANCHOR: schedule
+    // The rate of each optimizer step. Built after the resume: the schedule goes on
+    // from the optimizer's count of steps, which the checkpoint restored.
+    let schedule = LrSchedule::constant_with_warmup(args.warmup_steps);
+    let mut lr_schedule = LrScheduler::new(&mut opt, schedule, args.lr)?;
+    // ANCHOR_END: schedule
     'training: for epoch in first_epoch.. {
         for batch in data.iter_shuffle(args.seq_len + 1, args.batch_size) {
             if step >= args.steps {
@@ -166,11 +178,20 @@ fn train(args: &Args) -> Result<()> {
             let loss = logits
                 .view([-1, labels])
                 .cross_entropy_for_logits(&ys.reshape([-1]));
+            // ANCHOR: schedule_step
+            // This step's rate; after the step, the next one's.
+            let lr = lr_schedule.lr();
             opt.backward_step_clip_norm(&loss, 0.5);
+            lr_schedule.step(&mut opt)?;
+            // ANCHOR_END: schedule_step
 
             step += 1;
             let loss = loss.double_value(&[]);
-            tracker.log(step as u64, &[("loss", loss)])?;
+            if args.warmup_steps > 0 {
+                tracker.log(step as u64, &[("loss", loss), ("lr", lr)])?;
+            } else {
+                tracker.log(step as u64, &[("loss", loss)])?;
+            }
             loss_sum += loss;
             losses += 1;
             if step % args.log_every == 0 || step == args.steps {
@@ -201,11 +222,16 @@ fn train(args: &Args) -> Result<()> {
         }
     }
     let elapsed = start.elapsed().as_secs_f64();
-    let tokens = (args.steps as i64 * args.batch_size * args.seq_len) as f64;
+    // The steps this run trained: a resumed run's rate counts only its own.
+    let trained = step - first_step;
+    let tokens = (trained as i64 * args.batch_size * args.seq_len) as f64;
     vs.save(&args.checkpoint)?;
+    let resumed = match first_step {
+        0 => String::new(),
+        from => format!(" ({trained} in this run, resumed from step {from})"),
+    };
     println!(
-        "trained {} steps in {elapsed:.1} s: {:.0} tokens/s per process; wrote {}",
-        args.steps,
+        "trained {step} steps{resumed} in {elapsed:.1} s: {:.0} tokens/s per process; wrote {}",
         tokens / elapsed,
         args.checkpoint.display()
     );

@@ -49,6 +49,7 @@ mod recompute;
 pub mod record;
 mod rendezvous;
 mod rng;
+mod schedule;
 mod self_test;
 pub mod settings;
 mod shard;
@@ -82,6 +83,7 @@ pub use recompute::{
 };
 pub use rendezvous::{GlooAddress, Store};
 pub use rng::AgreedSeed;
+pub use schedule::{LrSchedule, LrScheduler, ScheduledOptimizer, WarmupType};
 #[doc(hidden)]
 pub use self_test::rank_check;
 pub use shard::{fully_shard, summon_full_params, FullyShard, ShardingStats};

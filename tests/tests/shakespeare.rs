@@ -144,30 +144,75 @@ fn a_killed_rank_under_max_restarts_resumes_from_the_newest_checkpoint() {
 
 /// A run that ends at `--steps` leaves a checkpoint of its last step: the same job with
 /// more `--steps` continues from there, to the weights of one run of that many steps,
-/// bit for bit.
+/// bit for bit, with a learning-rate warmup that the resume lands in the middle of
+/// (the schedule goes on from the checkpoint's step). Its closing line counts the steps
+/// that run trained: its rate is no more than its last report's, which covers the same
+/// steps in a little less time (it said 4 times as much, 12 steps' tokens over 3
+/// steps' time, until it counted only its own).
 #[test]
 fn more_steps_continue_from_the_last_step() {
+    const WARMUP: &[&str] = &["--warmup-steps", "10"];
     let (mut cmd, dir) = main_job_under_tchrun("shakespeare-continue", &[]);
-    restart_args(&mut cmd, "6");
+    restart_args(&mut cmd, "9");
+    cmd.args(WARMUP);
     run_with(cmd, &dir, Duration::from_secs(120), |_, _| {}).assert_success();
     assert!(
-        dir.join("ckpt/step-0000000006/COMPLETE").exists(),
+        dir.join("ckpt/step-0000000009/COMPLETE").exists(),
         "the last step's checkpoint"
     );
     let mut cmd = main_job_in(&dir, &[]);
     restart_args(&mut cmd, "12");
-    let run = run_with(cmd, &dir, Duration::from_secs(120), |_, _| {});
+    cmd.args(WARMUP);
+    let run = run_with(cmd, &dir, Duration::from_secs(120), |_, _| {}).without_rank_prefixes();
     run.assert_success();
-    assert!(run.stdout.contains("resumed from step 6"), "{}", run.stdout);
+    assert!(run.stdout.contains("resumed from step 9"), "{}", run.stdout);
+    let rate = |line: &str| -> f64 {
+        let (before, _) = line.split_once(" tokens/s per process").unwrap();
+        before.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let report = run
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("epoch ") && l.contains(" step    12 |"))
+        .unwrap_or_else(|| panic!("no report of step 12:\n{}", run.stdout));
+    let closing = run
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("trained 12 steps (3 in this run, resumed from step 9) in "))
+        .unwrap_or_else(|| panic!("no closing line:\n{}", run.stdout));
+    let (report, closing) = (rate(report), rate(closing));
+    assert!(
+        closing > 0.0 && closing <= 1.1 * report,
+        "closing {closing} tokens/s against the report's {report}:\n{}",
+        run.stdout
+    );
 
     let (mut cmd, whole) = main_job_under_tchrun("shakespeare-twelve", &[]);
     restart_args(&mut cmd, "12");
+    cmd.args(WARMUP);
     run_with(cmd, &whole, Duration::from_secs(120), |_, _| {}).assert_success();
     let same = compare::files(
         &dir.join("model.safetensors"),
         &whole.join("model.safetensors"),
     );
-    assert_eq!(same.max_abs, 0.0, "6 then 6 more against 12: {same:?}");
+    assert_eq!(same.max_abs, 0.0, "9 then 3 more against 12: {same:?}");
+    // Each step's rate, as the tracker logged it: the warmup's, in both runs.
+    let schedule = tch_distributed::LrSchedule::constant_with_warmup(10);
+    for run in [&dir, &whole] {
+        let metrics = fs::read_to_string(run.join("runs").join("metrics.jsonl")).unwrap();
+        let mut steps = Vec::new();
+        for line in metrics.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            let step = v["step"].as_u64().unwrap();
+            assert_eq!(
+                v["lr"].as_f64(),
+                Some(schedule.lr(0.003, step - 1)),
+                "step {step}: {line}"
+            );
+            steps.push(step);
+        }
+        assert_eq!(steps, (1..=12).collect::<Vec<_>>(), "{metrics}");
+    }
 }
 
 /// The main job on 2 ranks under `tchrun` with `flags`, on a small text, writing its

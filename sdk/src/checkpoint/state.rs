@@ -73,6 +73,14 @@ pub struct TrainState {
     /// called). Empty without a context.
     #[serde(default)]
     pub loaders: Vec<LoaderPosition>,
+    /// The optimizer's [`steps_taken`](crate::Optimizer::steps_taken), where an
+    /// [`LrScheduler`](crate::LrScheduler) stands: `save_state` fills it from the
+    /// optimizer when left `None`, and `load_state` restores the optimizer's count from
+    /// it, so that a resumed run's schedule goes on from the same step, bit for bit.
+    /// A checkpoint written before it existed restores the count from
+    /// [`step`](Self::step).
+    #[serde(default)]
+    pub optimizer_steps: Option<u64>,
 }
 
 impl TrainState {
@@ -100,7 +108,7 @@ impl TrainState {
 /// | `model.safetensors` | rank 0 | parameters and buffers, named as `VarStore::save` names them (loads in 1 rank, N ranks, or PyTorch's `safetensors.torch.load_file`) |
 /// | `optimizer.safetensors` | rank 0 | the optimizer's state in `torch.optim`'s `state_dict` layout (moments, step counts, the groups' options: see [`Optimizer::state`]); loads into PyTorch. Checkpoints of tch-distributed 0.1, with libtorch's `optimizer.pt` instead, still load |
 /// | `optimizer-rank-R.safetensors` | rank R, with ZeRO ([`Optimizer::zero`]) instead of the above (under hybrid sharding, the ranks of the first shard group, R being the place in it) | rank R's rows (dim 0, as `torch.chunk` cuts) of every parameter's state, in the same layout and numbering, with `dim0_shard` in the metadata: together the whole state; they load at any world size, with or without ZeRO |
-/// | `state.json` | rank 0 | [`TrainState`]: step, epoch, samples consumed, world size, configuration |
+/// | `state.json` | rank 0 | [`TrainState`]: step, epoch, samples consumed, world size, configuration, the optimizer's count of steps (where a learning-rate schedule stands) |
 /// | `rank-R.safetensors` | rank R | that rank's random-generator states: `cpu`, and `cuda` when the model is on a GPU |
 /// | `COMPLETE` | rank 0, last | every file's size and hash |
 ///
@@ -332,6 +340,7 @@ impl Checkpointer {
                     grad_scaler: state
                         .grad_scaler
                         .or_else(|| opt.scaler().map(|s| s.state())),
+                    optimizer_steps: state.optimizer_steps.or(Some(opt.steps_taken())),
                     loops,
                     loaders,
                     ..state.clone()
@@ -517,7 +526,9 @@ impl Checkpointer {
         })
     }
 
-    /// Restores the newest usable checkpoint into `vs`, `opt` and this rank's random
+    /// Restores the newest usable checkpoint into `vs`, `opt` (its state, and its
+    /// count of [`steps_taken`](Optimizer::steps_taken), which an
+    /// [`LrScheduler`](crate::LrScheduler) follows) and this rank's random
     /// generator, and returns its [`TrainState`]; `Ok(None)` when `root` holds no
     /// checkpoint (a fresh start). Incomplete and corrupt checkpoints are skipped with
     /// a warning (on stderr, by rank 0) that names them and says why. A collective:
@@ -622,6 +633,7 @@ impl Checkpointer {
             if let (Some(scaler), Some(saved)) = (opt.scaler_mut(), loaded.state.grad_scaler) {
                 scaler.load_state(saved);
             }
+            opt.set_steps_taken(loaded.state.optimizer_steps.unwrap_or(loaded.state.step));
             if let Some(ctx) = &ctx {
                 ctx.loops().resume_from(&loaded.state.loops);
                 ctx.loops().resume_loaders_from(&loaded.state.loaders);
@@ -668,6 +680,7 @@ mod tests {
                 epoch: 2,
                 samples_in_epoch: 24,
             }],
+            optimizer_steps: Some(7),
         };
         let json = serde_json::to_vec(&state).unwrap();
         assert_eq!(serde_json::from_slice::<TrainState>(&json).unwrap(), state);
@@ -679,6 +692,10 @@ mod tests {
         assert!(
             without.loops.is_empty(),
             "a checkpoint without loops resumes none"
+        );
+        assert_eq!(
+            without.optimizer_steps, None,
+            "restored from `step` on load"
         );
         let mut scaler = crate::GradScaler::new();
         scaler.load_state((512.0, 3));

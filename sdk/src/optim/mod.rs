@@ -155,6 +155,8 @@ pub struct Optimizer {
     scaler: Option<GradScaler>,
     /// The run's `gradient_clipping`: each step clips the gradients' global norm to it.
     clip_norm_at_step: Option<f64>,
+    /// The updates made ([`steps_taken`](Optimizer::steps_taken)).
+    steps_taken: u64,
 }
 
 /// How an [`Optimizer`] averages the gradients and holds its state over the ranks: one
@@ -240,6 +242,7 @@ impl Optimizer {
             cycle_complete: false,
             scaler: None,
             clip_norm_at_step: None,
+            steps_taken: 0,
         };
         opt.add_missing_variables()?;
         Ok(opt)
@@ -675,7 +678,28 @@ impl Optimizer {
         if let Some(sharding) = self.mode.sharding() {
             sharding.after_step()?;
         }
+        if stepped {
+            self.steps_taken += 1;
+        }
         Ok(stepped)
+    }
+
+    /// The optimizer steps taken: the updates of the parameters, one per accumulation
+    /// cycle (the micro-batches in between are not steps), without the steps that the
+    /// fp16 loss scaler skipped (on which DeepSpeed's engine does not step its
+    /// learning-rate scheduler either). The same on every rank. An [`LrScheduler`](crate::LrScheduler)
+    /// reads it, and checkpoints keep it
+    /// ([`TrainState::optimizer_steps`](crate::TrainState::optimizer_steps)).
+    pub fn steps_taken(&self) -> u64 {
+        self.steps_taken
+    }
+
+    /// Sets the count of [`steps_taken`](Self::steps_taken), for a resume:
+    /// [`Checkpointer::load_state`](crate::Checkpointer::load_state) does it from the
+    /// checkpoint; a program that saves the optimizer's [`state`](Self::state) itself
+    /// restores the count it saved with it.
+    pub fn set_steps_taken(&mut self, steps: u64) {
+        self.steps_taken = steps;
     }
 
     /// With a [`grad_scaler`](Self::grad_scaler), divides this cycle's complete

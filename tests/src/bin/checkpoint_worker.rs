@@ -9,7 +9,10 @@
 //! and resuming from the newest usable one at start. With `KILL_AT=s` and
 //! `KILL_RANK=r`, rank r SIGKILLs itself after step s; with `HIDDEN=n` the hidden
 //! layer has n units instead of 16; with `CKPT_PER_RANK=1` rank r uses `CKPT-rank{r}`;
-//! with `EPOCH=e` the saved states name epoch e themselves (the program's own count). On SIGTERM/SIGINT the ranks
+//! with `EPOCH=e` the saved states name epoch e themselves (the program's own count);
+//! with `SCHEDULE=1` an `LrScheduler` (transformers' linear schedule, 3 warmup steps
+//! of `STEPS`) sets the rate of each step, and rank 0 appends `step S: lr R` to
+//! `OUT/lr` for each step it trains. On SIGTERM/SIGINT the ranks
 //! checkpoint at the end of the step and exit with 128 + the signal. Rank 0 writes
 //! the last finished step to `OUT/progress`. At the end every rank writes
 //! its parameters to `OUT/final{rank}.safetensors`, then takes two more steps on a
@@ -25,7 +28,9 @@
 
 use tch::nn::{self, ModuleT, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
-use tch_distributed::{Checkpointer, DataLoader, Preemption, TensorDataset, TrainState};
+use tch_distributed::{
+    Checkpointer, DataLoader, LrSchedule, LrScheduler, Preemption, TensorDataset, TrainState,
+};
 
 fn main() -> anyhow::Result<()> {
     tch::set_num_threads(1);
@@ -56,13 +61,14 @@ fn train(out: &str, ckpt: &str, steps: u64, kind: &str) -> anyhow::Result<()> {
         .add_fn(|x| x.relu())
         .add_fn_t(|x, train| x.dropout(0.2, train))
         .add(nn::linear(vs.root() / "l2", hidden, 1, Default::default()));
+    let lr = if kind == "sgd" { 0.05 } else { 0.01 };
     let mut opt = match kind {
         "sgd" => nn::Sgd {
             momentum: 0.9,
             ..Default::default()
         }
-        .build(&vs, 0.05)?,
-        _ => nn::Adam::default().build(&vs, 0.01)?,
+        .build(&vs, lr)?,
+        _ => nn::Adam::default().build(&vs, lr)?,
     };
     // A rank-local draw, as a rank that samples on its own makes: from here on the
     // ranks' generators (the one dropout draws from) differ, so each rank must get its
@@ -84,12 +90,33 @@ fn train(out: &str, ckpt: &str, steps: u64, kind: &str) -> anyhow::Result<()> {
         step = state.step;
         println!("resumed at step {step}, epoch {}", state.epoch);
     }
+    // Built after the load: it starts where the optimizer's restored count says.
+    let mut schedule = match env("SCHEDULE") {
+        Some(1) => Some(LrScheduler::new(
+            &mut opt,
+            LrSchedule::linear_with_warmup(3, steps),
+            lr,
+        )?),
+        _ => None,
+    };
+    let mut lr_log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(format!("{out}/lr"))?;
     'training: while step < steps {
         for batch in &loader {
             let (x, y) = batch?;
             let loss = net.forward_t(&x, true).mse_loss(&y, tch::Reduction::Mean);
+            let rate = schedule.as_ref().map(LrScheduler::lr);
             opt.backward_step(&loss);
             step += 1;
+            if let Some(schedule) = &mut schedule {
+                schedule.step(&mut opt)?;
+            }
+            if let (Some(rate), 0) = (rate, rank) {
+                use std::io::Write as _;
+                writeln!(lr_log, "step {step}: lr {rate:?}")?;
+            }
             let state = || TrainState {
                 step,
                 epoch: env("EPOCH").unwrap_or(0),

@@ -2,7 +2,9 @@
 //! counts, with the SDK's functions. Its output is `book/listings/output/batch_math.txt`
 //! (the test checks that it still is).
 
-use tch_distributed::{global_batch_size, per_rank_batch_size, DistributedSampler, LrScaling};
+use tch_distributed::{
+    global_batch_size, per_rank_batch_size, DistributedSampler, LrScaling, LrSchedule, WarmupType,
+};
 
 // ANCHOR: steps
 /// Steps per epoch on each rank for `len` samples at `batch` samples per rank and
@@ -18,19 +20,6 @@ fn steps_per_epoch(len: usize, world_size: usize, batch: usize, drop_last: bool)
     }
 }
 // ANCHOR_END: steps
-
-// ANCHOR: warmup
-/// Linear warm-up to `peak` over `warmup` steps, then constant: what the linear
-/// scaling rule needs for its first steps, when the scaled rate is too large for
-/// the random initial weights.
-fn lr_at(step: usize, warmup: usize, peak: f64) -> f64 {
-    if step < warmup {
-        peak * (step + 1) as f64 / warmup as f64
-    } else {
-        peak
-    }
-}
-// ANCHOR_END: warmup
 
 fn main() -> tch_distributed::Result<()> {
     // The output is Markdown; the guide includes its tables by these anchors.
@@ -80,10 +69,27 @@ fn main() -> tch_distributed::Result<()> {
 
     println!("<!-- ANCHOR_END: lr_table -->");
     println!("<!-- ANCHOR: warmup_table -->");
-    println!("| step | learning rate |");
-    println!("|---|---|");
-    for step in [0, 99, 249, 499, 500, 10_000] {
-        println!("| {step} | {:.4} |", lr_at(step, 500, 0.8));
+    // ANCHOR: warmup
+    // The rate of 8 ranks above, warmed up over the first 500 of 10,000 steps.
+    let peak = LrScaling::Linear.scale(0.1, 32, 256)?;
+    let schedules = [
+        LrSchedule::constant_with_warmup(500),
+        LrSchedule::linear_with_warmup(500, 10_000),
+        LrSchedule::cosine_with_warmup(500, 10_000),
+        LrSchedule::warmup_lr(500, WarmupType::Log),
+    ];
+    for schedule in &schedules {
+        schedule.check()?;
+    }
+    // ANCHOR_END: warmup
+    println!("| step | constant | linear decay | cosine decay | DeepSpeed's WarmupLR, log |");
+    println!("|---|---|---|---|---|");
+    for step in [0, 1, 100, 250, 499, 500, 5_000, 9_999, 10_000] {
+        // ANCHOR: lr
+        let rates = schedules.map(|schedule| schedule.lr(peak, step));
+        // ANCHOR_END: lr
+        let [constant, linear, cosine, log] = rates;
+        println!("| {step} | {constant:.4} | {linear:.4} | {cosine:.4} | {log:.4} |");
     }
     println!("<!-- ANCHOR_END: warmup_table -->");
     Ok(())
