@@ -12,8 +12,8 @@ use std::path::Path;
 pub use tch_distributed_settings::{
     attribute_options, config_named_by_env, default_path, default_path_from, reference_table, row,
     var, Backend, CommHook, DebugLevel, DeepSpeed, Gpus, Implementation, Literal, MixedPrecision,
-    MixedPrecisionMode, Offload, OptimizerBlock, Origin, Secret, Setting, Settings, ShardGroup,
-    Value, CONFIG_ENV, TABLE,
+    MixedPrecisionMode, Offload, OptimizerBlock, Origin, SchedulerBlock, Secret, Setting, Settings,
+    ShardGroup, Value, CONFIG_ENV, TABLE,
 };
 
 use crate::error::Result;

@@ -36,7 +36,9 @@ fn run_as(dir: &Path, args: &[&str], out: &str, env: &[(&str, &str)]) -> Run {
 
 /// The guide's file, as it is: ZeRO-2 with the optimizer offloaded (nothing to offload
 /// on the CPU), bf16, gradient clipping at 1.0, 2e8-element buckets, AdamW over the
-/// program's Adam (its options "auto": the program's), "auto" for the rest. The run is the one with those settings given one by one, bit for bit, and
+/// program's Adam (its options "auto": the program's), WarmupLR with its "auto"
+/// params (DeepSpeed's defaults: log warmup from 0 to the program's rate over 1000
+/// steps), "auto" for the rest. The run is the one with those settings given one by one, bit for bit, and
 /// its clipping is the program's own `clip_grad_norm(1.0)` at each step, bit for bit.
 /// The keys that change nothing here are listed once.
 #[test]
@@ -72,6 +74,7 @@ fn the_guides_ds_config_is_its_settings_spelled_out() {
     );
     let spelled = [
         ("ADAMW", "1"),
+        ("WARMUP_LR", "1000"),
         ("TCH_DISTRIBUTED_ZERO", "2"),
         ("TCH_DISTRIBUTED_OFFLOAD", "optimizer"),
         ("TCH_DISTRIBUTED_MIXED_PRECISION", "bf16"),
@@ -85,7 +88,7 @@ fn the_guides_ds_config_is_its_settings_spelled_out() {
     );
     assert!(diff.is_exact(), "the file against its settings: {diff:?}");
     // The program clipping at 1.0 itself, without the setting.
-    let program = [&spelled[..4], &[("CLIP", "1.0")]].concat();
+    let program = [&spelled[..5], &[("CLIP", "1.0")]].concat();
     run(&dir, &[], "program.safetensors", &program).assert_success();
     let diff = compare(
         &dir.join("program.safetensors"),
@@ -96,12 +99,23 @@ fn the_guides_ds_config_is_its_settings_spelled_out() {
         "gradient_clipping against clip_grad_norm: {diff:?}"
     );
     // Clipping did something: without it the run ends elsewhere.
-    run(&dir, &[], "unclipped.safetensors", &spelled[..4]).assert_success();
+    run(&dir, &[], "unclipped.safetensors", &spelled[..5]).assert_success();
     let diff = compare(
         &dir.join("unclipped.safetensors"),
         &dir.join("file.safetensors"),
     );
     assert!(diff.max_abs > 1e-4, "clipping changed nothing: {diff:?}");
+    // The schedule did something: without it the run ends elsewhere.
+    let constant = [&spelled[..1], &spelled[2..]].concat();
+    run(&dir, &[], "constant.safetensors", &constant).assert_success();
+    let diff = compare(
+        &dir.join("constant.safetensors"),
+        &dir.join("file.safetensors"),
+    );
+    assert!(
+        diff.max_abs > 1e-4,
+        "the scheduler changed nothing: {diff:?}"
+    );
 }
 
 /// A setting given both by the file and by the run, to other values, and batch sizes

@@ -54,7 +54,8 @@ pub fn save_trainable(vs: &VarStore, path: impl AsRef<Path>) -> Result<()> {
     let path = path.as_ref();
     if !model_file::is_safetensors(path) {
         return Err(Error::InvalidInput(format!(
-            "save_trainable writes a safetensors file, and {} does not end in .safetensors:              name it adapter_model.safetensors, say",
+            "save_trainable writes a safetensors file, and {} does not end in .safetensors: \
+             name it adapter_model.safetensors, say",
             path.display()
         )));
     }

@@ -101,7 +101,8 @@ impl TrainState {
 }
 
 /// Saves and restores everything a resumed run needs, as Accelerate's `save_state` /
-/// `load_state`, in `root/step-NNNNNNNNNN/`:
+/// `load_state`, in `root/step-NNNNNNNNNN/` (or `root/checkpoint-N/`, the HF Trainer's
+/// names, with [`named`](Checkpointer::named)):
 ///
 /// | file | written by | contents |
 /// |---|---|---|
@@ -124,6 +125,10 @@ impl TrainState {
 pub struct Checkpointer {
     root: PathBuf,
     keep_last: Option<usize>,
+    /// Each checkpoint's directory is `{prefix}{step}`, the step padded to `width`
+    /// digits.
+    prefix: String,
+    width: usize,
 }
 
 /// FNV-1a, 64 bits: detects torn and corrupted files.
@@ -198,7 +203,18 @@ impl Checkpointer {
         Checkpointer {
             root: root.into(),
             keep_last: None,
+            prefix: "step-".into(),
+            width: 10,
         }
+    }
+
+    /// Names each checkpoint `{prefix}{step}`, the step unpadded: `named("checkpoint-")`
+    /// gives the HF Trainer's `checkpoint-40/` (rather than `step-0000000040/`). Only the
+    /// directories of this name are listed and loaded.
+    pub fn named(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self.width = 0;
+        self
     }
 
     /// Keep only the newest `k` complete checkpoints (at least 1).
@@ -209,7 +225,8 @@ impl Checkpointer {
 
     /// The directory of the checkpoint at `step`.
     pub fn path_of(&self, step: u64) -> PathBuf {
-        self.root.join(format!("step-{step:010}"))
+        self.root
+            .join(format!("{}{step:0width$}", self.prefix, width = self.width))
     }
 
     /// The checkpoint directories under `root`, newest first, complete or not; empty
@@ -230,7 +247,7 @@ impl Checkpointer {
             let Some(step) = entry
                 .file_name()
                 .to_str()
-                .and_then(|name| name.strip_prefix("step-")?.parse().ok())
+                .and_then(|name| name.strip_prefix(self.prefix.as_str())?.parse().ok())
             else {
                 continue;
             };

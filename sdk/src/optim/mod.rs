@@ -16,6 +16,7 @@ use crate::ffi;
 
 mod deepspeed;
 mod kernels;
+pub(crate) use deepspeed::schedule_of;
 mod scaler;
 mod state;
 mod zero;
@@ -157,6 +158,9 @@ pub struct Optimizer {
     clip_norm_at_step: Option<f64>,
     /// The updates made ([`steps_taken`](Optimizer::steps_taken)).
     steps_taken: u64,
+    /// A schedule that each step moves the rate along (the DeepSpeed file's
+    /// `scheduler`), and the rate it is relative to.
+    schedule: Option<(crate::LrSchedule, f64)>,
 }
 
 /// How an [`Optimizer`] averages the gradients and holds its state over the ranks: one
@@ -243,6 +247,7 @@ impl Optimizer {
             scaler: None,
             clip_norm_at_step: None,
             steps_taken: 0,
+            schedule: None,
         };
         opt.add_missing_variables()?;
         Ok(opt)
@@ -680,6 +685,9 @@ impl Optimizer {
         }
         if stepped {
             self.steps_taken += 1;
+            if let Some((schedule, base)) = self.schedule {
+                self.set_lr(schedule.lr(base, self.steps_taken))?;
+            }
         }
         Ok(stepped)
     }

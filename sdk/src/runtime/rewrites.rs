@@ -66,10 +66,16 @@ pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Opti
             .unwrap_or_else(|e| fail("the attribute's optimizer", e));
     }
     let deepspeed = ctx.deepspeed();
-    if let Some(block) = deepspeed.and_then(|ds| ds.optimizer.as_ref().map(|o| (ds, o))) {
-        let (ds, block) = block;
-        opt.apply_deepspeed(block, &ds.path)
-            .unwrap_or_else(|e| fail("the DeepSpeed file's optimizer", e));
+    if let Some(ds) = deepspeed {
+        if let Some(block) = &ds.optimizer {
+            opt.apply_deepspeed(block, &ds.path)
+                .unwrap_or_else(|e| fail("the DeepSpeed file's optimizer", e));
+        }
+        if let Some(block) = &ds.scheduler {
+            crate::optim::schedule_of(block, &ds.path)
+                .and_then(|schedule| opt.schedule_lr(schedule))
+                .unwrap_or_else(|e| fail("the DeepSpeed file's scheduler", e));
+        }
     }
     if let Some(max) = options.gradient_clipping {
         opt = opt.clip_norm_at_step(max);

@@ -6,7 +6,8 @@
 //! of their own (`fully_shard`) and l1 is the root's (l2 runs through the unit's
 //! `forward_t`, a `ModuleT`'s pass, the others through `Module::forward`); with
 //! `CLIP=x` the steps clip the gradients' global norm to x; with `ADAMW=1` the optimizer
-//! is AdamW (the same weight decay, decoupled); with `CKPT=path` it resumes
+//! is AdamW (the same weight decay, decoupled); with `WARMUP_LR=W` an `LrScheduler`
+//! moves the rate along DeepSpeed's `WarmupLR` (log warmup over W steps); with `CKPT=path` it resumes
 //! from the newest checkpoint there, saves one after step `SAVE_AT`, and with `STOP_AT`
 //! = `SAVE_AT` stops there; with `EXPORT=1` (and `CKPT`) it writes the loaded state
 //! whole, as `torch.optim`'s `state_dict` (DIR/OUT.optimizer.safetensors), and the
@@ -125,6 +126,15 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
             return Ok(());
         }
     }
+    // DeepSpeed's WarmupLR (log warmup over WARMUP_LR steps) by the program itself.
+    let mut schedule = match number("WARMUP_LR") {
+        Some(w) => Some(tch_distributed::LrScheduler::new(
+            &mut opt,
+            tch_distributed::LrSchedule::warmup_lr(w, tch_distributed::WarmupType::Log),
+            0.01,
+        )?),
+        None => None,
+    };
     for step in start + 1..=10 {
         let first = l1.forward(&x).tanh();
         let mut second = l2.forward_t(&first, true);
@@ -138,6 +148,9 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
         match clip {
             Some(max) => opt.backward_step_clip_norm(&loss, max),
             None => opt.backward_step(&loss),
+        }
+        if let Some(schedule) = &mut schedule {
+            schedule.step(&mut opt)?;
         }
         if let (Some(c), Some(save_at)) = (&checkpoints, number("SAVE_AT")) {
             if step == save_at {
