@@ -11,6 +11,7 @@ use tch::nn;
 
 use crate::error::{Error, Result};
 use crate::optim::Optimizer;
+use crate::settings::SchedulerBlock;
 
 /// How DeepSpeed's schedules ramp the rate up during their warmup, as their
 /// `warmup_type`, with `W = max(2, warmup_num_steps)` and `s` the step.
@@ -406,6 +407,57 @@ impl LrSchedule {
             }
         }
     }
+}
+
+/// DeepSpeed's `scheduler` block (from the file at `path`) as a schedule: its
+/// parameters given, DeepSpeed's defaults for those left out or `"auto"`
+/// (`warmup_min_lr` 0, `warmup_max_lr` the optimizer's rate, `warmup_num_steps` 1000,
+/// `warmup_type` log, `warmup_min_ratio` 0, `cos_min_ratio` 1e-4), checked.
+///
+/// # Errors
+/// [`Error::Config`] naming the file when a decaying schedule has no
+/// `total_num_steps`, which nothing else gives, and from [`LrSchedule::check`].
+pub(crate) fn from_deepspeed(block: &SchedulerBlock, path: &std::path::Path) -> Result<LrSchedule> {
+    let param = |key: &str| block.params.get(key).copied();
+    let steps = |key: &str, default: u64| param(key).map_or(default, |v| v as u64);
+    let warmup_type = match block.warmup_type.as_deref() {
+        Some("linear") => WarmupType::Linear,
+        _ => WarmupType::Log,
+    };
+    let total = || {
+        param("total_num_steps").map(|v| v as u64).ok_or_else(|| {
+            Error::Config(format!(
+                "{}: scheduler {} needs params.total_num_steps (the run's optimizer steps): \
+                 give the number, \"auto\" has nothing to take it from here",
+                path.display(),
+                block.kind
+            ))
+        })
+    };
+    let schedule = match block.kind.as_str() {
+        "WarmupDecayLR" => LrSchedule::WarmupDecayLr {
+            total_num_steps: total()?,
+            warmup_min_lr: param("warmup_min_lr").unwrap_or(0.0),
+            warmup_max_lr: param("warmup_max_lr"),
+            warmup_num_steps: steps("warmup_num_steps", 1000),
+            warmup_type,
+        },
+        "WarmupCosineLR" => LrSchedule::WarmupCosineLr {
+            total_num_steps: total()?,
+            warmup_min_ratio: param("warmup_min_ratio").unwrap_or(0.0),
+            warmup_num_steps: steps("warmup_num_steps", 1000),
+            cos_min_ratio: param("cos_min_ratio").unwrap_or(1e-4),
+            warmup_type,
+        },
+        _ => LrSchedule::WarmupLr {
+            warmup_min_lr: param("warmup_min_lr").unwrap_or(0.0),
+            warmup_max_lr: param("warmup_max_lr"),
+            warmup_num_steps: steps("warmup_num_steps", 1000),
+            warmup_type,
+        },
+    };
+    schedule.check()?;
+    Ok(schedule)
 }
 
 /// An optimizer whose learning rate an [`LrScheduler`] sets: the SDK's [`Optimizer`]

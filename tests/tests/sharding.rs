@@ -683,13 +683,24 @@ fn offloaded_shards_train_as_shards_on_the_device() {
     let env = [&mixed[..], &[optimizer, apart]].concat();
     run(&dir, 2, 3, "mixed-optimizer.safetensors", &env);
     exact("mixed.safetensors", "mixed-optimizer.safetensors");
-    // Nothing to offload on the CPU.
+    // Nothing to offload on the CPU, whichever is asked for.
     let stdout = run(&dir, 2, 3, "zero3-cpu.safetensors", &[units, all]);
     assert!(
         stdout.contains("offload = all: nothing to offload on the CPU"),
         "{stdout}"
     );
     exact("zero3.safetensors", "zero3-cpu.safetensors");
+    // So with `optimizer`; "none" says nothing.
+    let stdout = run(&dir, 2, 2, "zero2-cpu.safetensors", &[optimizer]);
+    assert!(
+        stdout.contains("offload = optimizer: nothing to offload on the CPU"),
+        "{stdout}"
+    );
+    exact("zero2.safetensors", "zero2-cpu.safetensors");
+    let none = ("TCH_DISTRIBUTED_OFFLOAD", "none");
+    let stdout = run(&dir, 2, 2, "zero2-none.safetensors", &[none, apart]);
+    assert!(!stdout.contains("offload"), "{stdout}");
+    exact("zero2.safetensors", "zero2-none.safetensors");
     // A checkpoint of offloaded shards resumes as it stopped.
     let ckpt = dir.join("ckpt");
     let c = ckpt.to_str().unwrap();

@@ -9,8 +9,7 @@ use std::path::Path;
 use super::kernels::Algorithm;
 use super::Optimizer;
 use crate::error::{Error, Result};
-use crate::settings::{OptimizerBlock, SchedulerBlock};
-use crate::{LrSchedule, WarmupType};
+use crate::settings::OptimizerBlock;
 
 impl Optimizer {
     /// Applies `block`, read from the DeepSpeed file at `path`, to every parameter
@@ -95,76 +94,29 @@ impl Optimizer {
 }
 
 impl Optimizer {
-    /// Moves the rate along `schedule` at each step, relative to the rate now, as
-    /// DeepSpeed's engine steps its configuration's scheduler: the rate of step `s`
-    /// (counted by [`steps_taken`](Self::steps_taken), so micro-batches and skipped
-    /// steps do not move it) is `schedule.lr(rate, s)`, as PyTorch's `LambdaLR` gives
-    /// it (DeepSpeed's own schedulers give step `s` the value at `s − 1`). A resumed
+    /// Sets the rate of each step to `rate(s)`, `s` the [`steps_taken`](Self::steps_taken)
+    /// before it (so micro-batches and skipped steps do not move it), from the next
+    /// step on, as DeepSpeed's engine steps its configuration's scheduler; a resumed
     /// optimizer continues where its count stands.
     ///
     /// # Errors
-    /// [`Error::Config`] from [`LrSchedule::check`].
-    pub(crate) fn schedule_lr(&mut self, schedule: LrSchedule) -> Result<()> {
-        schedule.check()?;
-        let base = self.defaults.lr;
-        self.set_lr(schedule.lr(base, self.steps_taken))?;
-        self.schedule = Some((schedule, base));
+    /// [`Error::Usage`] for a group number, from setting the rate (none here).
+    pub(crate) fn schedule_lr(&mut self, rate: Box<dyn Fn(u64) -> f64 + Send>) -> Result<()> {
+        self.set_lr(rate(self.steps_taken))?;
+        self.schedule = Some(rate);
         Ok(())
     }
-}
 
-/// DeepSpeed's `scheduler` block (from the file at `path`) as a schedule: its
-/// parameters given, DeepSpeed's defaults for those left out or `"auto"`
-/// (`warmup_min_lr` 0, `warmup_max_lr` the optimizer's rate, `warmup_num_steps` 1000,
-/// `warmup_type` log, `warmup_min_ratio` 0, `cos_min_ratio` 1e-4).
-///
-/// # Errors
-/// [`Error::Config`] naming the file when a decaying schedule has no
-/// `total_num_steps`, which nothing else gives.
-pub(crate) fn schedule_of(block: &SchedulerBlock, path: &Path) -> Result<LrSchedule> {
-    let param = |key: &str| block.params.get(key).copied();
-    let steps = |key: &str, default: u64| param(key).map_or(default, |v| v as u64);
-    let warmup_type = match block.warmup_type.as_deref() {
-        Some("linear") => WarmupType::Linear,
-        _ => WarmupType::Log,
-    };
-    let total = || {
-        param("total_num_steps").map(|v| v as u64).ok_or_else(|| {
-            Error::Config(format!(
-                "{}: scheduler {} needs params.total_num_steps (the run's optimizer steps): \
-                 give the number, \"auto\" has nothing to take it from here",
-                path.display(),
-                block.kind
-            ))
-        })
-    };
-    Ok(match block.kind.as_str() {
-        "WarmupDecayLR" => LrSchedule::WarmupDecayLr {
-            total_num_steps: total()?,
-            warmup_min_lr: param("warmup_min_lr").unwrap_or(0.0),
-            warmup_max_lr: param("warmup_max_lr"),
-            warmup_num_steps: steps("warmup_num_steps", 1000),
-            warmup_type,
-        },
-        "WarmupCosineLR" => LrSchedule::WarmupCosineLr {
-            total_num_steps: total()?,
-            warmup_min_ratio: param("warmup_min_ratio").unwrap_or(0.0),
-            warmup_num_steps: steps("warmup_num_steps", 1000),
-            cos_min_ratio: param("cos_min_ratio").unwrap_or(1e-4),
-            warmup_type,
-        },
-        _ => LrSchedule::WarmupLr {
-            warmup_min_lr: param("warmup_min_lr").unwrap_or(0.0),
-            warmup_max_lr: param("warmup_max_lr"),
-            warmup_num_steps: steps("warmup_num_steps", 1000),
-            warmup_type,
-        },
-    })
+    /// The rate new parameter groups start from: the program's, or the DeepSpeed
+    /// file's `lr`.
+    pub(crate) fn base_lr(&self) -> f64 {
+        self.defaults.lr
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use tch::nn::{self, Module, OptimizerConfig};
+    use tch::nn::{self, Module};
     use tch::{Device, Kind, Tensor};
 
     use super::*;

@@ -16,7 +16,6 @@ use crate::ffi;
 
 mod deepspeed;
 mod kernels;
-pub(crate) use deepspeed::schedule_of;
 mod scaler;
 mod state;
 mod zero;
@@ -158,9 +157,9 @@ pub struct Optimizer {
     clip_norm_at_step: Option<f64>,
     /// The updates made ([`steps_taken`](Optimizer::steps_taken)).
     steps_taken: u64,
-    /// A schedule that each step moves the rate along (the DeepSpeed file's
-    /// `scheduler`), and the rate it is relative to.
-    schedule: Option<(crate::LrSchedule, f64)>,
+    /// The rate of the step after `s` steps taken, which each step sets (the DeepSpeed
+    /// file's `scheduler`: see [`schedule_lr`](Self::schedule_lr)).
+    schedule: Option<Box<dyn Fn(u64) -> f64 + Send>>,
 }
 
 /// How an [`Optimizer`] averages the gradients and holds its state over the ranks: one
@@ -685,8 +684,8 @@ impl Optimizer {
         }
         if stepped {
             self.steps_taken += 1;
-            if let Some((schedule, base)) = self.schedule {
-                self.set_lr(schedule.lr(base, self.steps_taken))?;
+            if let Some(lr) = self.schedule.as_ref().map(|rate| rate(self.steps_taken)) {
+                self.set_lr(lr)?;
             }
         }
         Ok(stepped)

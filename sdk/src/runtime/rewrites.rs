@@ -72,8 +72,11 @@ pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Opti
                 .unwrap_or_else(|e| fail("the DeepSpeed file's optimizer", e));
         }
         if let Some(block) = &ds.scheduler {
-            crate::optim::schedule_of(block, &ds.path)
-                .and_then(|schedule| opt.schedule_lr(schedule))
+            // The rate of each step, relative to the optimizer's (the program's, or the
+            // file's `lr`), as PyTorch's LambdaLR gives it.
+            let base = opt.base_lr();
+            crate::schedule::from_deepspeed(block, &ds.path)
+                .and_then(|schedule| opt.schedule_lr(Box::new(move |s| schedule.lr(base, s))))
                 .unwrap_or_else(|e| fail("the DeepSpeed file's scheduler", e));
         }
     }
