@@ -16,7 +16,7 @@ use yaml_rust2::{Yaml, YamlLoader};
 
 use crate::error::{Error, Result};
 use crate::foreign::{self, object, unknown};
-use crate::{Settings, TABLE};
+use crate::Settings;
 
 /// An Accelerate configuration, read.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -60,9 +60,7 @@ impl Accelerate {
     }
 
     fn give(&mut self, key: &str, source: &str, text: &str) -> std::result::Result<(), String> {
-        let row = TABLE.iter().find(|r| r.key == key).expect("a row");
-        row.set(&mut self.settings, text)
-            .map_err(|why| format!("{source}: {text}: {why}"))
+        foreign::give(&mut self.settings, key, source, text)
     }
 
     fn note(&mut self, key: &str, why: &str) {

@@ -20,7 +20,7 @@ use serde_json::{Map, Value as Json};
 use crate::error::{Error, Result};
 use crate::foreign::{self, object, unknown};
 use crate::values::{MixedPrecision, MixedPrecisionMode};
-use crate::{Settings, TABLE};
+use crate::Settings;
 
 /// Bytes of an element of DeepSpeed's bucket sizes, which count elements: fp32
 /// gradients.
@@ -191,9 +191,7 @@ impl DeepSpeed {
         source: &'static str,
         text: &str,
     ) -> std::result::Result<(), String> {
-        let row = TABLE.iter().find(|r| r.key == key).expect("a row");
-        row.set(&mut self.settings, text)
-            .map_err(|why| format!("{source}: {text}: {why}"))?;
+        foreign::give(&mut self.settings, key, source, text)?;
         self.sources.push((key, source));
         Ok(())
     }

@@ -1,12 +1,13 @@
 //! What reading the other tools' configuration files shares ([`crate::deepspeed`],
-//! [`crate::accelerate`]): the file's text, a block of keys, and the error for a key
-//! that is not read.
+//! [`crate::accelerate`]): the file's text, a block of keys, a setting given by a key,
+//! and the error for a key that is not read.
 
 use std::path::Path;
 
 use serde_json::{Map, Value as Json};
 
 use crate::error::{Error, Result};
+use crate::{row, Settings};
 
 /// The text of `path`, `tool`'s configuration.
 ///
@@ -27,6 +28,23 @@ pub(crate) fn object<'a>(
     value
         .as_object()
         .ok_or_else(|| format!("{key}: a block of keys (a mapping, a JSON object) is needed"))
+}
+
+/// Sets the row `key` of `settings` to `text`, which the file's key `source` gave.
+///
+/// # Errors
+/// The row's own message for a bad value, after `source: text: `.
+///
+/// # Panics
+/// When `key` is not a row of [`crate::TABLE`] (a fault in the caller, which names rows).
+pub(crate) fn give(
+    settings: &mut Settings,
+    key: &str,
+    source: &str,
+    text: &str,
+) -> std::result::Result<(), String> {
+    let row = row(key).unwrap_or_else(|| panic!("`{key}` is not a row of the settings table"));
+    row.set(settings, text).map_err(|why| format!("{source}: {text}: {why}"))
 }
 
 /// The error for `key`, which tch-distributed does not read from `tool`'s file.
