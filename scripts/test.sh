@@ -69,11 +69,15 @@ if [ "$TCH" = 0.26 ] && [ $# -eq 0 ]; then
   # runs on tch 0.24. Any ARGS run the given tests instead.
   cargo test --workspace --no-run
   cargo test --workspace --lib
+  # Not the checkpoint and main-job tests that deliver signals or restart a killed rank
+  # (the launcher's work, the same on either version; resuming bit for bit still runs).
   cargo test -p tch-distributed-tests \
     --test collectives --test ddp --test parity --test optimizer_parity \
     --test optimizer_state --test amp --test grad_scaler --test checkpoint \
     --test error_hints --test security --test zero --test own_crate --test shakespeare \
-    --test collective_checks
+    --test collective_checks -- \
+    --skip ctrl_c_in_a_terminal --skip a_signal_to_every_process --skip sigterm_checkpoints \
+    --skip under_max_restarts
   cargo test -p tch-distributed-corpus --test char_rnn
 else
   cargo test --workspace "$@"

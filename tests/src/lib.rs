@@ -68,6 +68,37 @@ pub fn example(name: &str) -> PathBuf {
     path
 }
 
+/// Where cargo keeps this workspace's builds, as `cargo metadata` reports them.
+pub struct CargoDirs {
+    /// The final artifacts (binaries, `package/`): `CARGO_TARGET_DIR`, a config's
+    /// `build.target-dir`, or `target/`.
+    pub target: PathBuf,
+    /// The intermediate ones (dependencies' rlibs, build scripts' output,
+    /// fingerprints): cargo's `build.build-dir`, which is the target directory unless
+    /// set (and on cargo before 1.91, which has no such setting).
+    pub build: PathBuf,
+}
+
+/// This workspace's [`CargoDirs`]. Panics when `cargo metadata` fails.
+pub fn cargo_dirs() -> CargoDirs {
+    let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
+        .env_remove("CARGO_MANIFEST_DIR")
+        .args(["metadata", "--format-version", "1", "--no-deps"])
+        .output()
+        .expect("cargo metadata");
+    assert!(
+        out.status.success(),
+        "cargo metadata: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let metadata: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let dir = |key: &str| metadata[key].as_str().map(PathBuf::from);
+    let target = dir("target_directory").expect("target_directory");
+    let build = dir("build_directory").unwrap_or_else(|| target.clone());
+    CargoDirs { target, build }
+}
+
 /// A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0 and released),
 /// for a test that must name `MASTER_PORT` itself. Another process may take it in
 /// between; the tests that use it start their ranks at once.

@@ -1,12 +1,13 @@
 //! A user's own crate, outside this workspace: `tch = "0.24"` or `"0.26"` (whichever
-//! this build's libtorch pairs with) and the SDK by path, resolved by cargo from
-//! scratch, with the guide's `build.rs` (an rpath to libtorch). It must get one
-//! torch-sys, build, and run without `LD_LIBRARY_PATH`, training the guide's data-parallel
-//! listing on 2 self-launched ranks that end with equal parameters.
+//! this build's libtorch pairs with) and the SDK by path, with the guide's `build.rs`
+//! (an rpath to libtorch). Resolved by cargo from scratch, it must get one torch-sys;
+//! built (with the workspace's versions), it must run without `LD_LIBRARY_PATH`,
+//! training the guide's data-parallel listing on 2 self-launched ranks that end with
+//! equal parameters.
 //!
 //! `scripts/test.sh` runs this with tch 0.24 and `scripts/test.sh --tch 0.26` with tch
-//! 0.26. The first run builds torch-sys and the SDK for the crate (a few minutes); the
-//! crate and its target directory stay in `target/user-crate/` for the next run.
+//! 0.26. The crate and its target directory stay in `target/user-crate/` for the next
+//! run; what it compiles shares the workspace's build directory.
 
 use std::fs;
 use std::path::Path;
@@ -14,7 +15,9 @@ use std::process::Command;
 use std::time::Duration;
 
 use tch::Tensor;
-use tch_distributed_tests::{all_ranks_stdout, compare, run_with, scratch_dir, without_launcher};
+use tch_distributed_tests::{
+    all_ranks_stdout, cargo_dirs, compare, run_with, scratch_dir, without_launcher,
+};
 
 #[path = "support/messages.rs"]
 mod messages;
@@ -46,14 +49,18 @@ fn write_if_changed(path: &Path, text: &str) {
     }
 }
 
-/// `cargo build` of the crate in `krate`, as its user runs it, into its own target
-/// directory.
-fn cargo_build(krate: &Path) -> Command {
+/// `cargo SUBCOMMAND` (`build`, `generate-lockfile`) in the crate in `krate`, as its
+/// user runs it, with its own target directory. Its intermediate artifacts go to this
+/// workspace's build directory (cargo's `build.build-dir`), so that the dependencies
+/// of the versions and features this workspace built (tch and torch-sys above all) are
+/// not compiled again.
+fn cargo(krate: &Path, subcommand: &str) -> Command {
     let mut build = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     build
         .current_dir(krate)
-        .args(["build", "--quiet"])
+        .args([subcommand, "--quiet"])
         .env("CARGO_TARGET_DIR", krate.join("target"))
+        .env("CARGO_BUILD_BUILD_DIR", cargo_dirs().build)
         // Built to run, never debugged: no debug info keeps its target small.
         .env("CARGO_PROFILE_DEV_DEBUG", "false")
         .env_remove("CARGO_MANIFEST_DIR");
@@ -84,16 +91,17 @@ fn a_user_crate_on_this_tch_adds_the_sdk_and_trains_on_two_ranks() {
     let build_rs = fs::read_to_string(repo.join("examples/build.rs")).unwrap();
     write_if_changed(&krate.join("build.rs"), &build_rs);
 
-    // Built as a user builds it: cargo resolves the crate's own dependencies (no
-    // lockfile given), with the libtorch this test was built with.
+    // Resolved as a user's crate is: from scratch (no lockfile given), to one
+    // torch-sys, tch's.
     let dir = scratch_dir("user-crate");
-    let built = run_with(
-        cargo_build(&krate),
+    let _ = fs::remove_file(krate.join("Cargo.lock"));
+    let resolved = run_with(
+        cargo(&krate, "generate-lockfile"),
         &dir,
-        Duration::from_secs(1800),
+        Duration::from_secs(300),
         |_, _| {},
     );
-    built.assert_success();
+    resolved.assert_success();
     let lock = fs::read_to_string(krate.join("Cargo.lock")).unwrap();
     let torch_sys: Vec<&str> = lock
         .split("[[package]]")
@@ -105,6 +113,18 @@ fn a_user_crate_on_this_tch_adds_the_sdk_and_trains_on_two_ranks() {
         "torch-sys {tch}:\n{}",
         torch_sys[0]
     );
+
+    // Built with the versions of this workspace's Cargo.lock (cargo keeps those of the
+    // crate's graph), which its build directory holds built already (see `cargo`),
+    // against the libtorch this test was built with.
+    fs::copy(repo.join("Cargo.lock"), krate.join("Cargo.lock")).unwrap();
+    let built = run_with(
+        cargo(&krate, "build"),
+        &dir,
+        Duration::from_secs(1800),
+        |_, _| {},
+    );
+    built.assert_success();
 
     // At run time the binary finds libtorch through the rpath that its build script
     // added (the alternative, LD_LIBRARY_PATH, is removed to show it is not needed).
@@ -154,7 +174,7 @@ fn a_user_crate_on_this_tch_adds_the_sdk_and_trains_on_two_ranks() {
 
     // The chapter's section 7: tchrun, built inside the crate (reusing its build of the
     // SDK), launches the same program, whose model ends as the self-launched run's.
-    let mut tchrun = cargo_build(&krate);
+    let mut tchrun = cargo(&krate, "build");
     tchrun.args(["-p", "tch-distributed", "--bin", "tchrun"]);
     run_with(tchrun, &dir, Duration::from_secs(600), |_, _| {}).assert_success();
     let launched = dir.join("launched.safetensors");
@@ -191,7 +211,7 @@ fn a_user_crate_on_the_other_tch_stops_with_one_line_naming_both_versions() {
     write_if_changed(&krate.join("src/main.rs"), "fn main() {}\n");
 
     let dir = scratch_dir("user-crate-mismatch");
-    let mut build = cargo_build(&krate);
+    let mut build = cargo(&krate, "build");
     build.env_remove("LIBTORCH_BYPASS_VERSION_CHECK");
     let built = run_with(build, &dir, Duration::from_secs(900), |_, _| {});
     assert!(!built.status.success(), "it built:\n{}", built.stderr);

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use tch_distributed_tests::{run_with, scratch_dir};
+use tch_distributed_tests::{cargo_dirs, run_with, scratch_dir};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -26,36 +26,15 @@ fn cargo() -> Command {
     cmd
 }
 
-/// Where cargo puts what it builds for this workspace (and `cargo package` its
-/// `package/`): `CARGO_TARGET_DIR`, a config's `build.target-dir`, or `target/`, as
-/// `cargo metadata` reports it.
-fn target_dir() -> PathBuf {
-    let out = cargo()
-        .args(["metadata", "--format-version", "1", "--no-deps"])
-        .output()
-        .expect("cargo metadata");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let metadata: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    PathBuf::from(
-        metadata["target_directory"]
-            .as_str()
-            .expect("target_directory"),
-    )
-}
-
 /// Forgets what an earlier `cargo package` made of the workspace's own crates: the
 /// copies it extracted from its temporary registry
 /// (`$CARGO_HOME/registry/src/-HASH/NAME-0.1.0`; crates.io's are under
 /// `index.crates.io-…`) and the fingerprints of the settings and macros crates in the
-/// target directory. Cargo takes a registry crate of the same version as unchanged, so
+/// build directory. Cargo takes a registry crate of the same version as unchanged, so
 /// the SDK's package would otherwise build against the settings crate as it was packed
 /// before, not as it is now (the next build compiles those two crates again).
 fn forget_packed_copies() {
-    let fingerprints = target_dir().join("debug/.fingerprint");
+    let fingerprints = cargo_dirs().build.join("debug/.fingerprint");
     if let Ok(entries) = std::fs::read_dir(&fingerprints) {
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
@@ -112,7 +91,7 @@ fn cargo_package_packs_and_builds_the_settings_the_macros_then_the_sdk() {
         "tch-distributed-macros",
         "tch-distributed",
     ] {
-        let packed = target_dir().join(format!("package/{krate}-0.1.0.crate"));
+        let packed = cargo_dirs().target.join(format!("package/{krate}-0.1.0.crate"));
         assert!(packed.exists(), "{}", packed.display());
         assert!(
             run.stderr.contains(&format!("Verifying {krate} v0.1.0")),
