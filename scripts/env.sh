@@ -37,8 +37,10 @@ if [ -z "${LIBTORCH:-}" ]; then
     [ -x "$VENV/bin/pip" ] || python3 -m venv "$VENV"
     # No pip cache: it would keep another ~4 GB of wheels on disk.
     # shellcheck disable=SC2086
+    setup_start=$SECONDS
     "$VENV/bin/pip" install --quiet --disable-pip-version-check --no-cache-dir $REQUIREMENTS
     touch "$MARKER"
+    echo "setup: installed in $((SECONDS - setup_start)) s" >&2
   fi
   export VIRTUAL_ENV="$VENV"
   export PATH="$VENV/bin:$PATH"

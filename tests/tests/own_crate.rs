@@ -209,6 +209,9 @@ fn a_user_crate_on_the_other_tch_stops_with_one_line_naming_both_versions() {
         &manifest(other_tch, &repo.join("sdk")),
     );
     write_if_changed(&krate.join("src/main.rs"), "fn main() {}\n");
+    // The workspace's versions but for the other tch's (cargo resolves those again), so
+    // that what the workspace built is reused up to torch-sys's build script.
+    fs::copy(repo.join("Cargo.lock"), krate.join("Cargo.lock")).unwrap();
 
     let dir = scratch_dir("user-crate-mismatch");
     let mut build = cargo(&krate, "build");
