@@ -122,7 +122,7 @@ SKIP[loader]="ctrl_c_in_a_terminal a_signal_to_every_process_of_the_job"
 declare -A ONLY
 ONLY[shard_offload]="offloaded_shards"
 ONLY[mesh]="hybrid_sharding"
-ONLY[shard_param]="stages_2_and_3_train_as_ddp a_frozen_base_with_adapters variables_read_between"
+ONLY[shard_param]="stages_2_and_3_train_as_ddp a_frozen_base_with_adapters variables_read_between buckets_of_the_cap"
 
 list=""
 if [ "${1:-}" = --list ]; then
