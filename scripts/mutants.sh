@@ -78,6 +78,14 @@ FILE[collective_record]=sdk/src/process_group/collective_record.rs; TESTS[collec
 FILE[shard_engine]=sdk/src/shard/engine.rs; TESTS[shard_engine]="sharding frozen activation"
 FILE[shard_params]=sdk/src/shard/param_group.rs; TESTS[shard_params]="sharding frozen activation"
 FILE[shard_param]=sdk/src/shard/param.rs;   TESTS[shard_param]="sharding frozen"
+# The learning-rate schedules, against LambdaLR with the reference formulas, and the
+# DeepSpeed file's scheduler block read into one; the file's optimizer block over the
+# program's optimizer; the other tools' files read into the settings.
+FILE[schedule]=sdk/src/schedule.rs;           TESTS[schedule]="schedules guide_configs"
+FILE[optim_deepspeed]=sdk/src/optim/deepspeed.rs; TESTS[optim_deepspeed]="guide_configs"
+FILE[foreign]=settings/src/foreign.rs;        TESTS[foreign]="guide_configs"; PACKAGE[foreign]=tch-distributed-settings
+FILE[ds_config]=settings/src/deepspeed.rs;    TESTS[ds_config]="guide_configs"; PACKAGE[ds_config]=tch-distributed-settings
+FILE[accelerate]=settings/src/accelerate.rs;  TESTS[accelerate]="guide_configs"; PACKAGE[accelerate]=tch-distributed-settings
 # Hybrid sharding's groups (shard_group): one host's 2 × 2 and two hosts'.
 FILE[mesh]=sdk/src/mesh.rs;                  TESTS[mesh]="sharding multi_node"
 FILE[shard_offload]=sdk/src/shard/offload.rs; TESTS[shard_offload]="sharding"
@@ -105,7 +113,7 @@ FILE[rewrites]=sdk/src/runtime/rewrites.rs; TESTS[rewrites]="outside_optimizer a
 # The attribute's reading of the function: which calls it finds (a forward pass for
 # autocast, inside closures too; the optimizers `.build` makes), under the ui cases.
 FILE[macro_analysis]=sdk-macros/src/analysis.rs; TESTS[macro_analysis]="ui"; PACKAGE[macro_analysis]=tch-distributed-macros
-ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record shard_engine shard_collectives shard_params shard_param shard_unit shard_hooks shard_layout shard_offload mesh model_file rng activation split batch_retry macro_analysis)
+ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record shard_engine shard_collectives shard_params shard_param shard_unit shard_hooks shard_layout shard_offload mesh model_file schedule optim_deepspeed foreign ds_config accelerate rng activation split batch_retry macro_analysis)
 # A NAME that stands for several.
 declare -A GROUP
 GROUP[optim]="optim_mod optim_kernels optim_state optim_zero optim_scaler"
