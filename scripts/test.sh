@@ -57,6 +57,19 @@ report_skips() {
 trap report_skips EXIT
 # The integration tests run the workspace's binaries (tchrun, the workers).
 cargo build --workspace --bins --examples
+# `--test NAME` for every integration test of the workspace that builds with its
+# default features (not the CUDA suites'), from cargo's own list. With `--lib`, what
+# `cargo test` runs here: not the test harnesses of the ~90 binaries and examples
+# (workers, listings, the corpus's programs, the benchmarks), which have no test and
+# would each be compiled and linked again against libtorch only to run nothing. A test
+# belongs in a library or tests/.
+mapfile -t TESTS < <(cargo metadata --no-deps --format-version 1 | python3 -c '
+import json, sys
+for package in json.load(sys.stdin)["packages"]:
+    for target in package["targets"]:
+        if "test" in target["kind"] and not target.get("required-features"):
+            print("--test=" + target["name"])
+' | sort -u)
 if [ "$TCH" = 0.26 ] && [ $# -eq 0 ]; then
   # What differs between the two libtorch versions, as CI runs it (--all-tch): all of
   # it builds (every test, example and listing, against tch 0.26's API), and the tests
@@ -67,7 +80,7 @@ if [ "$TCH" = 0.26 ] && [ $# -eq 0 ]; then
   # PyTorch 2.13, a user's own crate on tch 0.26 and the main job. The rest (the macro's
   # rules, launching, settings, sharded loops) is the same code on either version, and
   # runs on tch 0.24. Any ARGS run the given tests instead.
-  cargo test --workspace --no-run
+  cargo test --workspace --lib "${TESTS[@]}" --no-run
   cargo test --workspace --lib
   # Not the checkpoint and main-job tests that deliver signals or restart a killed rank
   # (the launcher's work, the same on either version; resuming bit for bit still runs).
@@ -79,6 +92,9 @@ if [ "$TCH" = 0.26 ] && [ $# -eq 0 ]; then
     --skip ctrl_c_in_a_terminal --skip a_signal_to_every_process --skip sigterm_checkpoints \
     --skip under_max_restarts
   cargo test -p tch-distributed-corpus --test char_rnn
+elif [ $# -eq 0 ]; then
+  cargo test --workspace --lib "${TESTS[@]}"
+  cargo test --workspace --doc
 else
   cargo test --workspace "$@"
 fi

@@ -79,8 +79,14 @@ pub struct CargoDirs {
     pub build: PathBuf,
 }
 
-/// This workspace's [`CargoDirs`]. Panics when `cargo metadata` fails.
-pub fn cargo_dirs() -> CargoDirs {
+/// This workspace's [`CargoDirs`], asked of `cargo metadata` once per test process.
+/// Panics when `cargo metadata` fails.
+pub fn cargo_dirs() -> &'static CargoDirs {
+    static DIRS: std::sync::OnceLock<CargoDirs> = std::sync::OnceLock::new();
+    DIRS.get_or_init(ask_cargo_dirs)
+}
+
+fn ask_cargo_dirs() -> CargoDirs {
     let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
         .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
         .env_remove("CARGO_MANIFEST_DIR")

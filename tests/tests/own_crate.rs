@@ -60,7 +60,7 @@ fn cargo(krate: &Path, subcommand: &str) -> Command {
         .current_dir(krate)
         .args([subcommand, "--quiet"])
         .env("CARGO_TARGET_DIR", krate.join("target"))
-        .env("CARGO_BUILD_BUILD_DIR", cargo_dirs().build)
+        .env("CARGO_BUILD_BUILD_DIR", &cargo_dirs().build)
         // Built to run, never debugged: no debug info keeps its target small.
         .env("CARGO_PROFILE_DEV_DEBUG", "false")
         .env_remove("CARGO_MANIFEST_DIR");

@@ -1,9 +1,12 @@
-//! Compile tests of `#[distributed]` (trybuild): every option and every rewritten
-//! pattern compiles and runs as one process (`ui/pass`), and every diagnostic reads as
-//! recorded (`ui/fail/*.rs` with its `.stderr`). `TRYBUILD=overwrite` re-records them.
+//! Compile tests of `#[distributed]`: every option and every rewritten pattern compiles
+//! and runs as one process (`ui/pass`, built into the `ui_pass` binary), and every
+//! diagnostic reads as recorded (`ui/fail/*.rs` with its `.stderr`, by trybuild).
+//! `TRYBUILD=overwrite` re-records them.
 
 use std::io::Write;
 use std::time::Duration;
+
+use tch_distributed_tests::{output_within, pin_device, without_launcher};
 
 /// How long trybuild may take: it runs cargo with no timeout of its own, and a cold
 /// build of the cases on this 2-core machine takes a few minutes.
@@ -47,33 +50,45 @@ fn watchdog() {
 #[test]
 fn ui() {
     watchdog();
-    // The pass cases run, and trybuild builds them outside this crate, without its
-    // rpath: they find libtorch through the loader's path.
-    let lib = env!("TCHD_LIBTORCH_LIB");
-    let path = match std::env::var("LD_LIBRARY_PATH") {
-        Ok(old) if !old.is_empty() => format!("{lib}:{old}"),
-        _ => lib.to_string(),
+    // Only diagnostics: trybuild checks (`cargo check`) the cases rather than building
+    // them, and never runs one. The programs that must compile and run are the `ui_pass`
+    // binary's (below), built with the workspace.
+    trybuild::TestCases::new().compile_fail("ui/fail/*.rs");
+}
+
+/// Every `ui/pass/NAME.rs` compiled (into the `ui_pass` binary, one module each: see
+/// tests/build.rs) and run as one process, with no launcher, on the CPU unless the
+/// suite asks for CUDA: its `main` must succeed.
+#[test]
+fn pass_cases_compile_and_run_as_programs() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("ui/pass");
+    let mut files: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.extension().is_some_and(|e| e == "rs"))
+        .map(|path| path.file_stem().unwrap().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    let ui_pass = || {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_ui_pass"));
+        without_launcher(&mut cmd).env("OMP_NUM_THREADS", "1");
+        pin_device(&mut cmd);
+        cmd
     };
-    std::env::set_var("LD_LIBRARY_PATH", path);
-    // One process, no launcher: the cases must not join a job of the test runner's.
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "TCH_DISTRIBUTED_NPROC",
-        "SLURM_PROCID",
-    ] {
-        std::env::remove_var(var);
+    let list = output_within(ui_pass().arg("--list"), b"", Duration::from_secs(60));
+    let cases: Vec<String> = String::from_utf8(list.stdout).unwrap().lines().map(String::from).collect();
+    assert_eq!(cases, files, "the ui_pass binary's cases are the files in {}", dir.display());
+    let mut failed = Vec::new();
+    for case in &cases {
+        let run = output_within(ui_pass().arg(case), b"", Duration::from_secs(120));
+        if !run.status.success() {
+            failed.push(format!(
+                "ui/pass/{case}.rs: {}\nstdout:\n{}\nstderr:\n{}",
+                run.status,
+                String::from_utf8_lossy(&run.stdout),
+                String::from_utf8_lossy(&run.stderr)
+            ));
+        }
     }
-    // On the CPU wherever the suite runs (as `tch_distributed_tests::pin_device` does for
-    // the processes the other tests start): on a GPU machine the SDK's default would be
-    // NCCL on the GPU.
-    if !tch_distributed_tests::cuda_requested() {
-        std::env::set_var("CUDA_VISIBLE_DEVICES", "");
-    }
-    // trybuild's project does not inherit the workspace's `[profile.dev]`: without
-    // this its build of libtorch's bindings carries full debug info (gigabytes).
-    std::env::set_var("CARGO_PROFILE_DEV_DEBUG", "false");
-    let t = trybuild::TestCases::new();
-    t.pass("ui/pass/*.rs");
-    t.compile_fail("ui/fail/*.rs");
+    assert!(failed.is_empty(), "{}", failed.join("\n\n"));
 }

@@ -190,17 +190,96 @@ mod tests {
         assert_eq!(auto, program);
     }
 
+    /// `adam_w_mode` decides between Adam and AdamW for `type: Adam` only (DeepSpeed's
+    /// default is AdamW); `type: AdamW` is decoupled whatever it says. With a weight
+    /// decay, where the two differ.
+    #[test]
+    fn adam_w_mode_decides_for_adam_only() {
+        let path = Path::new("ds_config.json");
+        let from_file = |kind: &str, adam_w_mode: Option<bool>| {
+            trained(|vs| {
+                let mut opt = Optimizer::new(&nn::Adam::default(), vs, 0.001).unwrap();
+                let block = OptimizerBlock {
+                    adam_w_mode,
+                    ..block(kind)
+                };
+                opt.apply_deepspeed(&block, path).unwrap();
+                opt
+            })
+        };
+        let adam = trained(|vs| {
+            let config = nn::Adam {
+                beta1: 0.8,
+                beta2: 0.99,
+                wd: 0.1,
+                eps: 1e-6,
+                amsgrad: false,
+            };
+            Optimizer::new(&config, vs, 0.05).unwrap()
+        });
+        let adam_w = trained(|vs| {
+            let config = nn::AdamW {
+                beta1: 0.8,
+                beta2: 0.99,
+                wd: 0.1,
+                eps: 1e-6,
+                amsgrad: false,
+            };
+            Optimizer::new(&config, vs, 0.05).unwrap()
+        });
+        assert_ne!(adam, adam_w, "a weight decay where Adam and AdamW differ");
+        assert_eq!(from_file("adam", Some(false)), adam);
+        assert_eq!(from_file("adam", Some(true)), adam_w);
+        assert_eq!(from_file("adam", None), adam_w);
+        assert_eq!(from_file("adamw", Some(false)), adam_w);
+    }
+
+    /// An SGD block over the program's SGD replaces its momentum, weight decay and rate.
+    #[test]
+    fn an_sgd_block_applies_to_the_programs_sgd() {
+        let from_file = trained(|vs| {
+            let mut opt = Optimizer::new(&nn::Sgd::default(), vs, 0.001).unwrap();
+            let block = OptimizerBlock {
+                kind: "sgd".into(),
+                lr: Some(0.05),
+                momentum: Some(0.9),
+                weight_decay: Some(0.1),
+                ..OptimizerBlock::default()
+            };
+            opt.apply_deepspeed(&block, Path::new("ds_config.json")).unwrap();
+            opt
+        });
+        let direct = trained(|vs| {
+            let config = nn::Sgd {
+                momentum: 0.9,
+                wd: 0.1,
+                ..Default::default()
+            };
+            Optimizer::new(&config, vs, 0.05).unwrap()
+        });
+        let program = trained(|vs| Optimizer::new(&nn::Sgd::default(), vs, 0.001).unwrap());
+        assert_eq!(from_file, direct);
+        assert_ne!(from_file, program);
+    }
+
     #[test]
     fn another_kind_of_optimizer_is_an_error_naming_both() {
-        let vs = nn::VarStore::new(Device::Cpu);
-        let _ = nn::linear(vs.root(), 2, 2, Default::default());
-        let mut opt = Optimizer::new(&nn::Sgd::default(), &vs, 0.1).unwrap();
-        let e = opt
-            .apply_deepspeed(&block("adamw"), Path::new("ds.json"))
-            .unwrap_err()
-            .to_string();
+        let mismatch = |program: &dyn Fn(&nn::VarStore) -> Optimizer, kind: &str| {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let _ = nn::linear(vs.root(), 2, 2, Default::default());
+            let mut opt = program(&vs);
+            opt.apply_deepspeed(&block(kind), Path::new("ds.json"))
+                .unwrap_err()
+                .to_string()
+        };
+        let e = mismatch(&|vs| Optimizer::new(&nn::Sgd::default(), vs, 0.1).unwrap(), "adamw");
         assert!(
             e.contains("ds.json: optimizer.type = \"adamw\", and the program builds SGD"),
+            "{e}"
+        );
+        let e = mismatch(&|vs| Optimizer::new(&nn::Adam::default(), vs, 0.1).unwrap(), "sgd");
+        assert!(
+            e.contains("ds.json: optimizer.type = \"sgd\", and the program builds Adam"),
             "{e}"
         );
     }
