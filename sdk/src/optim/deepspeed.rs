@@ -155,47 +155,32 @@ mod tests {
         }
     }
 
-    /// The file's AdamW with its params over the program's Adam trains as AdamW built
-    /// with them, bit for bit; "auto" params keep the program's.
-    #[test]
-    fn the_files_optimizer_replaces_the_programs_options() {
-        let path = Path::new("ds_config.json");
-        let from_file = trained(|vs| {
-            let mut opt = Optimizer::new(&nn::Adam::default(), vs, 0.001).unwrap();
-            opt.apply_deepspeed(&block("adamw"), path).unwrap();
-            opt
-        });
-        let direct = trained(|vs| {
-            let config = nn::AdamW {
-                beta1: 0.8,
-                beta2: 0.99,
-                wd: 0.1,
-                eps: 1e-6,
-                amsgrad: false,
-            };
-            Optimizer::new(&config, vs, 0.05).unwrap()
-        });
-        assert_eq!(from_file, direct);
-        let auto = trained(|vs| {
-            let mut opt = Optimizer::new(&nn::Adam::default(), vs, 0.001).unwrap();
-            let block = OptimizerBlock {
-                kind: "adam".into(),
-                adam_w_mode: Some(false),
-                ..OptimizerBlock::default()
-            };
-            opt.apply_deepspeed(&block, path).unwrap();
-            opt
-        });
-        let program = trained(|vs| Optimizer::new(&nn::Adam::default(), vs, 0.001).unwrap());
-        assert_eq!(auto, program);
+    /// The weights after [`trained`] with Adam (or, `decoupled`, AdamW) built directly
+    /// with [`block`]'s params.
+    fn built_with_the_blocks_params(decoupled: bool) -> Vec<f32> {
+        trained(|vs| {
+            if decoupled {
+                let config = nn::AdamW {
+                    eps: 1e-6,
+                    ..nn::adamw(0.8, 0.99, 0.1)
+                };
+                Optimizer::new(&config, vs, 0.05).unwrap()
+            } else {
+                let config = nn::Adam {
+                    eps: 1e-6,
+                    ..nn::adam(0.8, 0.99, 0.1)
+                };
+                Optimizer::new(&config, vs, 0.05).unwrap()
+            }
+        })
     }
 
-    /// `adam_w_mode` decides between Adam and AdamW for `type: Adam` only (DeepSpeed's
-    /// default is AdamW); `type: AdamW` is decoupled whatever it says. With a weight
-    /// decay, where the two differ.
+    /// The file's params over the program's Adam train as the optimizer built with them,
+    /// bit for bit, and `adam_w_mode` decides between Adam and AdamW for `type: Adam`
+    /// only (DeepSpeed's default is AdamW); `type: AdamW` is decoupled whatever it says.
+    /// With a weight decay, where the two differ.
     #[test]
-    fn adam_w_mode_decides_for_adam_only() {
-        let path = Path::new("ds_config.json");
+    fn the_files_optimizer_replaces_the_programs_options() {
         let from_file = |kind: &str, adam_w_mode: Option<bool>| {
             trained(|vs| {
                 let mut opt = Optimizer::new(&nn::Adam::default(), vs, 0.001).unwrap();
@@ -203,35 +188,39 @@ mod tests {
                     adam_w_mode,
                     ..block(kind)
                 };
-                opt.apply_deepspeed(&block, path).unwrap();
+                opt.apply_deepspeed(&block, Path::new("ds_config.json"))
+                    .unwrap();
                 opt
             })
         };
-        let adam = trained(|vs| {
-            let config = nn::Adam {
-                beta1: 0.8,
-                beta2: 0.99,
-                wd: 0.1,
-                eps: 1e-6,
-                amsgrad: false,
-            };
-            Optimizer::new(&config, vs, 0.05).unwrap()
-        });
-        let adam_w = trained(|vs| {
-            let config = nn::AdamW {
-                beta1: 0.8,
-                beta2: 0.99,
-                wd: 0.1,
-                eps: 1e-6,
-                amsgrad: false,
-            };
-            Optimizer::new(&config, vs, 0.05).unwrap()
-        });
+        let (adam, adam_w) = (
+            built_with_the_blocks_params(false),
+            built_with_the_blocks_params(true),
+        );
         assert_ne!(adam, adam_w, "a weight decay where Adam and AdamW differ");
-        assert_eq!(from_file("adam", Some(false)), adam);
-        assert_eq!(from_file("adam", Some(true)), adam_w);
-        assert_eq!(from_file("adam", None), adam_w);
+        assert_eq!(from_file("adamw", None), adam_w);
         assert_eq!(from_file("adamw", Some(false)), adam_w);
+        assert_eq!(from_file("adam", None), adam_w);
+        assert_eq!(from_file("adam", Some(true)), adam_w);
+        assert_eq!(from_file("adam", Some(false)), adam);
+    }
+
+    /// "auto" params (none given) keep the program's options and rate.
+    #[test]
+    fn auto_params_keep_the_programs() {
+        let auto = trained(|vs| {
+            let mut opt = Optimizer::new(&nn::Adam::default(), vs, 0.001).unwrap();
+            let block = OptimizerBlock {
+                kind: "adam".into(),
+                adam_w_mode: Some(false),
+                ..OptimizerBlock::default()
+            };
+            opt.apply_deepspeed(&block, Path::new("ds_config.json"))
+                .unwrap();
+            opt
+        });
+        let program = trained(|vs| Optimizer::new(&nn::Adam::default(), vs, 0.001).unwrap());
+        assert_eq!(auto, program);
     }
 
     /// An SGD block over the program's SGD replaces its momentum, weight decay and rate.
@@ -246,7 +235,8 @@ mod tests {
                 weight_decay: Some(0.1),
                 ..OptimizerBlock::default()
             };
-            opt.apply_deepspeed(&block, Path::new("ds_config.json")).unwrap();
+            opt.apply_deepspeed(&block, Path::new("ds_config.json"))
+                .unwrap();
             opt
         });
         let direct = trained(|vs| {
@@ -264,23 +254,21 @@ mod tests {
 
     #[test]
     fn another_kind_of_optimizer_is_an_error_naming_both() {
-        let mismatch = |program: &dyn Fn(&nn::VarStore) -> Optimizer, kind: &str| {
+        let sgd = |vs: &nn::VarStore| Optimizer::new(&nn::Sgd::default(), vs, 0.1);
+        let adam = |vs: &nn::VarStore| Optimizer::new(&nn::Adam::default(), vs, 0.1);
+        let cases: [(&dyn Fn(&nn::VarStore) -> Result<Optimizer>, &str, &str); 2] =
+            [(&sgd, "adamw", "SGD"), (&adam, "sgd", "Adam")];
+        for (program, kind, builds) in cases {
             let vs = nn::VarStore::new(Device::Cpu);
             let _ = nn::linear(vs.root(), 2, 2, Default::default());
-            let mut opt = program(&vs);
-            opt.apply_deepspeed(&block(kind), Path::new("ds.json"))
+            let e = program(&vs)
+                .unwrap()
+                .apply_deepspeed(&block(kind), Path::new("ds.json"))
                 .unwrap_err()
-                .to_string()
-        };
-        let e = mismatch(&|vs| Optimizer::new(&nn::Sgd::default(), vs, 0.1).unwrap(), "adamw");
-        assert!(
-            e.contains("ds.json: optimizer.type = \"adamw\", and the program builds SGD"),
-            "{e}"
-        );
-        let e = mismatch(&|vs| Optimizer::new(&nn::Adam::default(), vs, 0.1).unwrap(), "sgd");
-        assert!(
-            e.contains("ds.json: optimizer.type = \"sgd\", and the program builds Adam"),
-            "{e}"
-        );
+                .to_string();
+            let expected =
+                format!("ds.json: optimizer.type = \"{kind}\", and the program builds {builds}");
+            assert!(e.contains(&expected), "{e}");
+        }
     }
 }
