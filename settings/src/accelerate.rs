@@ -234,6 +234,7 @@ impl Accelerate {
 
     /// `deepspeed_config`: Accelerate's own keys, or the `ds_config.json` it names.
     fn deepspeed(&mut self, block: &Map<String, Json>) -> std::result::Result<(), String> {
+        let (mut param, mut optimizer) = (false, false);
         for (k, v) in block {
             let key = format!("deepspeed_config.{k}");
             let text = text(v);
@@ -242,18 +243,18 @@ impl Accelerate {
                 "zero_stage" => self.give("zero", &key, &text)?,
                 "gradient_accumulation_steps" => self.give("grad_accum", &key, &text)?,
                 "gradient_clipping" => self.give("gradient_clipping", &key, &text)?,
-                "offload_optimizer_device" | "offload_param_device" => match text.as_str() {
-                    "none" => {}
-                    "cpu" => {
-                        let what = match k.as_str() {
-                            "offload_param_device" => "all",
-                            _ if self.settings.offload.is_some() => continue,
-                            _ => "optimizer",
-                        };
-                        self.give("offload", &key, what)?;
+                "offload_optimizer_device" | "offload_param_device" => {
+                    let cpu = match text.as_str() {
+                        "none" => false,
+                        "cpu" => true,
+                        other => return Err(format!("{key} = {other}: use none or cpu")),
+                    };
+                    if k == "offload_param_device" {
+                        param = cpu;
+                    } else {
+                        optimizer = cpu;
                     }
-                    other => return Err(format!("{key} = {other}: use none or cpu")),
-                },
+                }
                 "zero3_init_flag"
                 | "zero3_save_16bit_model"
                 | "deepspeed_multinode_launcher"
@@ -266,7 +267,17 @@ impl Accelerate {
                 _ => return Err(unknown("an Accelerate", &key)),
             }
         }
-        Ok(())
+        // Offloading the parameters moves the optimizer's state too, as DeepSpeed's
+        // offload_param does.
+        match (param, optimizer) {
+            (true, _) => self.give("offload", "deepspeed_config.offload_param_device", "all"),
+            (false, true) => self.give(
+                "offload",
+                "deepspeed_config.offload_optimizer_device",
+                "optimizer",
+            ),
+            (false, false) => Ok(()),
+        }
     }
 
     /// `parallelism_config`: data parallelism's shard size is hybrid sharding's group;

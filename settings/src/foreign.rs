@@ -44,7 +44,8 @@ pub(crate) fn give(
     text: &str,
 ) -> std::result::Result<(), String> {
     let row = row(key).unwrap_or_else(|| panic!("`{key}` is not a row of the settings table"));
-    row.set(settings, text).map_err(|why| format!("{source}: {text}: {why}"))
+    row.set(settings, text)
+        .map_err(|why| format!("{source}: {text}: {why}"))
 }
 
 /// The error for `key`, which tch-distributed does not read from `tool`'s file.

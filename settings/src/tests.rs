@@ -639,6 +639,86 @@ mod deepspeed {
         let advisory = ds.advisory.join(" ");
         assert!(advisory.contains("fp16.hysteresis") && advisory.contains("fp16.min_loss_scale"));
     }
+    /// Every key the SDK reads, from a file on disk: its value, or a note when the SDK
+    /// honours it its own way; the variants that read differently.
+    #[test]
+    fn every_key_reads_to_its_value_or_a_note() {
+        let dir = std::env::temp_dir().join(format!("tchd-ds-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("ds_config.json");
+        std::fs::write(
+            &path,
+            r#"{"gradient_clipping": 0, "fp16": {"enabled": true, "auto_cast": true},
+                "zero_optimization": {"stage": 3, "sub_group_size": 1e9,
+                  "stage3_gather_16bit_weights_on_model_save": true,
+                  "reduce_bucket_size": 5e8, "allgather_bucket_size": 2e8,
+                  "offload_optimizer": {"device": "none", "pin_memory": false,
+                    "buffer_count": 4}},
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "linear",
+                  "warmup_num_steps": 10, "last_batch_iteration": -1}}}"#,
+        )
+        .unwrap();
+        let ds = DeepSpeed::load(&path);
+        std::fs::remove_dir_all(&dir).unwrap();
+        let ds = ds.unwrap();
+        assert_eq!(ds.path, path);
+        let s = &ds.settings;
+        // DeepSpeed's 0: no clipping.
+        assert_eq!(s.gradient_clipping, None);
+        assert_eq!(
+            s.mixed_precision,
+            Some(MixedPrecisionMode::Exactly(MixedPrecision::Fp16))
+        );
+        assert_eq!((s.zero, s.offload), (Some(3), None));
+        // One cap serves both: reduce_bucket_size's, with a note.
+        assert_eq!(s.reduce_bucket_mb, Some(5e8 * 4.0 / 1048576.0));
+        let advisory = ds.advisory.join("; ");
+        for key in [
+            "fp16.auto_cast",
+            "zero_optimization.sub_group_size",
+            "stage3_gather_16bit_weights_on_model_save",
+            "zero_optimization.allgather_bucket_size",
+            "offload_optimizer.pin_memory",
+            "offload_optimizer.buffer_count",
+        ] {
+            assert!(advisory.contains(key), "{key}: {advisory}");
+        }
+        let optimizer = ds.optimizer.unwrap();
+        assert_eq!(
+            (optimizer.kind.as_str(), optimizer.lr, optimizer.momentum),
+            ("sgd", Some(0.1), Some(0.9))
+        );
+        let scheduler = ds.scheduler.unwrap();
+        assert_eq!(scheduler.warmup_type.as_deref(), Some("linear"));
+        assert_eq!(scheduler.params.get("warmup_num_steps"), Some(&10.0));
+        // The guide's file: equal caps and pinned memory need no note.
+        let guide = parse(GUIDE).unwrap().advisory.join("; ");
+        assert!(
+            !guide.contains("allgather_bucket_size") && !guide.contains("pin_memory"),
+            "{guide}"
+        );
+        let adam = parse(
+            r#"{"optimizer": {"type": "Adam", "params": {"betas": [0.8, 0.99],
+                "adam_w_mode": false, "torch_adam": true, "fused": true}}}"#,
+        )
+        .unwrap()
+        .optimizer
+        .unwrap();
+        assert_eq!(
+            (adam.betas, adam.adam_w_mode),
+            (Some((0.8, 0.99)), Some(false))
+        );
+        for count in ["6.5", "-1"] {
+            let e = parse(&format!(r#"{{"train_batch_size": {count}}}"#))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("a whole number or \"auto\" is needed"),
+                "{count}: {e}"
+            );
+        }
+    }
 }
 
 mod accelerate {
@@ -759,6 +839,86 @@ mod accelerate {
         ] {
             let e = parse(text).unwrap_err().to_string();
             assert!(e.starts_with("default_config.yaml: "), "{e}");
+            assert!(e.contains(needle), "{text}: {e}");
+        }
+    }
+    /// Each key of a launch: what it gives, what it leaves to the run (a null, an off
+    /// value), and what it refuses.
+    #[test]
+    fn each_key_gives_its_setting_or_leaves_it() {
+        let a = parse(
+            "compute_environment: LOCAL_MACHINE\ndebug: true\nnum_processes: 4\nnum_machines: 2\n\
+             main_process_ip: 10.0.0.1\nmain_process_port: 29555\ngpu_ids: 0,1\n\
+             rdzv_backend: static\nenable_cpu_affinity: true\ncommands: [echo hi]\n\
+             dynamo_config: {}\nmpirun_config: []\n",
+        )
+        .unwrap();
+        let s = &a.settings;
+        assert_eq!((s.nproc_per_node, s.nnodes), (Some(2), Some(2)));
+        assert_eq!(s.debug, Some(DebugLevel::Detail));
+        assert_eq!(
+            (s.master_addr.as_deref(), s.master_port),
+            (Some("10.0.0.1"), Some(29555))
+        );
+        assert!(s.gpus.is_some());
+        let advisory = a.advisory.join("; ");
+        assert!(
+            advisory.contains("enable_cpu_affinity") && advisory.contains("commands"),
+            "{advisory}"
+        );
+        assert!(
+            !advisory.contains("dynamo_config") && !advisory.contains("mpirun_config"),
+            "{advisory}"
+        );
+        let a = parse(
+            "debug: false\nnum_processes: 0\nmain_process_ip: null\nmain_process_port: null\n\
+             gpu_ids: null\n",
+        )
+        .unwrap();
+        let s = &a.settings;
+        assert_eq!(
+            (s.debug, s.nproc_per_node, s.gpus.is_some()),
+            (None, None, false)
+        );
+        assert_eq!((s.master_addr.as_deref(), s.master_port), (None, None));
+        // Another distributed_type's block is left, with a note.
+        let a = parse(
+            "distributed_type: MULTI_GPU\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n\
+             deepspeed_config:\n  zero_stage: 2\n",
+        )
+        .unwrap();
+        assert_eq!(a.settings.zero, None);
+        assert_eq!(a.advisory.len(), 2, "{:?}", a.advisory);
+        let a = parse(
+            "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n  \
+             offload_param_device: cpu\n  offload_optimizer_device: cpu\n  zero3_init_flag: true\n",
+        )
+        .unwrap();
+        assert_eq!(a.settings.deepspeed.as_deref(), Some("ds.json"));
+        assert_eq!(a.settings.offload, Some(Offload::All));
+        assert!(a.advisory.join(" ").contains("zero3_init_flag"));
+        for (block, group) in [
+            (
+                "dp_shard_size: 2\n  parallelism_config_dp_replicate_size: 2",
+                Some(ShardGroup::Size(2)),
+            ),
+            ("dp_shard_size: 1\n  parallelism_config_tp_size: 1", None),
+        ] {
+            let a = parse(&format!(
+                "parallelism_config:\n  parallelism_config_{block}\n"
+            ))
+            .unwrap();
+            assert_eq!(a.settings.shard_group, group, "{block}");
+        }
+        for (text, needle) in [
+            (
+                "compute_environment: AMAZON_SAGEMAKER\n",
+                "compute_environment = AMAZON_SAGEMAKER",
+            ),
+            ("rdzv_backend: c10d\n", "rdzv_backend = c10d"),
+            ("num_machines: 0\n", "num_machines = 0"),
+        ] {
+            let e = parse(text).unwrap_err().to_string();
             assert!(e.contains(needle), "{text}: {e}");
         }
     }
