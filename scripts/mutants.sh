@@ -84,8 +84,11 @@ FILE[shard_param]=sdk/src/shard/param.rs;   TESTS[shard_param]="sharding frozen"
 FILE[schedule]=sdk/src/schedule.rs;           TESTS[schedule]="schedules guide_configs"
 FILE[optim_deepspeed]=sdk/src/optim/deepspeed.rs; TESTS[optim_deepspeed]="guide_configs"
 FILE[foreign]=settings/src/foreign.rs;        TESTS[foreign]="guide_configs"; PACKAGE[foreign]=tch-distributed-settings
-FILE[ds_config]=settings/src/deepspeed.rs;    TESTS[ds_config]="guide_configs"; PACKAGE[ds_config]=tch-distributed-settings
-FILE[accelerate]=settings/src/accelerate.rs;  TESTS[accelerate]="guide_configs"; PACKAGE[accelerate]=tch-distributed-settings
+# The readers of DeepSpeed's and Accelerate's files, under the settings crate's own unit
+# tests only (no TESTS): each mutant rebuilds that crate alone (~3 s, not a rebuild of
+# the SDK and its workers), and those tests read every key (all mutants caught).
+FILE[ds_config]=settings/src/deepspeed.rs;    TESTS[ds_config]=""; PACKAGE[ds_config]=tch-distributed-settings
+FILE[accelerate]=settings/src/accelerate.rs;  TESTS[accelerate]=""; PACKAGE[accelerate]=tch-distributed-settings
 # Hybrid sharding's groups (shard_group): one host's 2 × 2 and two hosts'.
 FILE[mesh]=sdk/src/mesh.rs;                  TESTS[mesh]="sharding multi_node"
 FILE[shard_offload]=sdk/src/shard/offload.rs; TESTS[shard_offload]="sharding"
@@ -166,10 +169,14 @@ for name in "${names[@]}"; do
   # examples, the book's listings or the benchmarks: --cargo-arg reaches the build
   # (`cargo test --no-run`) as well as the test run, so each mutant's build links only
   # those.
-  args=(--dir "$TREE" --file "$file" --package "${PACKAGE[$name]:-tch-distributed}"
-    --test-package tch-distributed --test-package tch-distributed-tests
-    --test-package tch-distributed-settings
-    --cargo-arg=--lib)
+  args=(--dir "$TREE" --file "$file" --package "${PACKAGE[$name]:-tch-distributed}")
+  if [ -n "${TESTS[$name]}" ]; then
+    args+=(--test-package tch-distributed --test-package tch-distributed-tests
+      --test-package tch-distributed-settings --cargo-arg=--lib)
+  else
+    # No TESTS: the mutated crate's own tests.
+    args+=(--test-package "${PACKAGE[$name]:-tch-distributed}")
+  fi
   for t in ${TESTS[$name]}; do
     args+=("--cargo-arg=--test=$t")
   done

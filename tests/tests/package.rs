@@ -91,7 +91,9 @@ fn cargo_package_packs_and_builds_the_settings_the_macros_then_the_sdk() {
         "tch-distributed-macros",
         "tch-distributed",
     ] {
-        let packed = cargo_dirs().target.join(format!("package/{krate}-0.1.0.crate"));
+        let packed = cargo_dirs()
+            .target
+            .join(format!("package/{krate}-0.1.0.crate"));
         assert!(packed.exists(), "{}", packed.display());
         assert!(
             run.stderr.contains(&format!("Verifying {krate} v0.1.0")),

@@ -76,8 +76,17 @@ fn pass_cases_compile_and_run_as_programs() {
         cmd
     };
     let list = output_within(ui_pass().arg("--list"), b"", Duration::from_secs(60));
-    let cases: Vec<String> = String::from_utf8(list.stdout).unwrap().lines().map(String::from).collect();
-    assert_eq!(cases, files, "the ui_pass binary's cases are the files in {}", dir.display());
+    let cases: Vec<String> = String::from_utf8(list.stdout)
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
+    assert_eq!(
+        cases,
+        files,
+        "the ui_pass binary's cases are the files in {}",
+        dir.display()
+    );
     let mut failed = Vec::new();
     for case in &cases {
         let run = output_within(ui_pass().arg(case), b"", Duration::from_secs(120));
