@@ -267,16 +267,12 @@ impl Accelerate {
                 _ => return Err(unknown("an Accelerate", &key)),
             }
         }
-        // Offloading the parameters moves the optimizer's state too, as DeepSpeed's
-        // offload_param does.
-        match (param, optimizer) {
-            (true, _) => self.give("offload", "deepspeed_config.offload_param_device", "all"),
-            (false, true) => self.give(
-                "offload",
-                "deepspeed_config.offload_optimizer_device",
-                "optimizer",
-            ),
-            (false, false) => Ok(()),
+        match foreign::offload(
+            param.then_some("deepspeed_config.offload_param_device"),
+            optimizer.then_some("deepspeed_config.offload_optimizer_device"),
+        ) {
+            Some((source, value)) => self.give("offload", source, value),
+            None => Ok(()),
         }
     }
 

@@ -350,15 +350,11 @@ impl DeepSpeed {
                 _ => return Err(unknown("a DeepSpeed", &key)),
             }
         }
-        // offload_param moves the parameters too, which includes the optimizer.
-        match (param, optimizer) {
-            (true, _) => self.give("offload", "zero_optimization.offload_param", "all")?,
-            (false, true) => self.give(
-                "offload",
-                "zero_optimization.offload_optimizer",
-                "optimizer",
-            )?,
-            (false, false) => {}
+        if let Some((source, value)) = foreign::offload(
+            param.then_some("zero_optimization.offload_param"),
+            optimizer.then_some("zero_optimization.offload_optimizer"),
+        ) {
+            self.give("offload", source, value)?;
         }
         // DeepSpeed has two caps; here one caps both the reduce-scatters and the gathers.
         if let Some(elements) = reduce.or(gather) {

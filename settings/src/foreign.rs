@@ -48,6 +48,23 @@ pub(crate) fn give(
         .map_err(|why| format!("{source}: {text}: {why}"))
 }
 
+/// The `offload` row's value and the file's key that gave it, from the key that offloads
+/// the parameters (`param`) and the one that offloads the optimizer's state
+/// (`optimizer`), each `None` when the file does not offload it (absent, or `"none"`).
+/// Offloading the parameters moves the optimizer's state too, as DeepSpeed's
+/// `offload_param` and FSDP2's `CPUOffloadPolicy` do: `"all"` then, whatever
+/// `optimizer` says; `"optimizer"` when only the optimizer's state is offloaded.
+pub(crate) fn offload<'a>(
+    param: Option<&'a str>,
+    optimizer: Option<&'a str>,
+) -> Option<(&'a str, &'static str)> {
+    match (param, optimizer) {
+        (Some(source), _) => Some((source, "all")),
+        (None, Some(source)) => Some((source, "optimizer")),
+        (None, None) => None,
+    }
+}
+
 /// The error for `key`, which tch-distributed does not read from `tool`'s file.
 pub(crate) fn unknown(tool: &str, key: &str) -> String {
     format!(
