@@ -5,7 +5,7 @@ use tch::{Device, Kind, Tensor};
 use crate::error::{Error, Result};
 use crate::ffi;
 use crate::init;
-use crate::precision::onednn_lacks;
+use crate::precision::onednn_off_because;
 use crate::process_group::ReduceOp;
 pub use crate::settings::{MixedPrecision, MixedPrecisionMode};
 
@@ -48,7 +48,7 @@ impl Autocast {
             MixedPrecision::Bf16 => 15,
         };
         let device_type = i32::from(device.is_cuda());
-        if device_type == 0 && onednn_lacks(precision).is_some() {
+        if device_type == 0 && onednn_off_because(precision).is_some() {
             // Once per process: later entries find it done.
             static ONEDNN_OFF: std::sync::OnceLock<std::result::Result<(), String>> =
                 std::sync::OnceLock::new();

@@ -43,10 +43,8 @@ pub fn resolve_mixed_precision(
             ));
         }
     };
-    match onednn_lacks(p) {
-        Some(isa) if p != MixedPrecision::No && !device.is_cuda() => {
-            Ok((p, format!("asked for; oneDNN off: this CPU has no {isa}")))
-        }
+    match onednn_off_because(p) {
+        Some(why) if !device.is_cuda() => Ok((p, format!("asked for; oneDNN off: {why}"))),
         _ => Ok((p, "asked for".into())),
     }
 }
@@ -60,53 +58,38 @@ pub(crate) fn autocast_kind(precision: MixedPrecision) -> Option<Kind> {
     }
 }
 
-/// The instruction set that oneDNN's kernels in `precision` (bf16 or fp16) need and
-/// this CPU lacks, if it lacks one (read once a process). oneDNN's
-/// LSTM (which libtorch's CPU autocast casts to the lower precision,
-/// `mkldnn_rnn_layer`) needs AVX-512 for bf16, and AVX512-FP16 (Intel Sapphire Rapids
-/// and later) for fp16: elsewhere it fails with "could not create a primitive
-/// descriptor for the LSTM forward propagation primitive", in PyTorch too (measured:
-/// fp16 on an AMD EPYC with AVX-512 and bf16 but no AVX512-FP16). Where it cannot,
-/// [`Autocast::enter`] turns oneDNN off for the process on its first CPU entry (as
-/// `torch.backends.mkldnn.enabled = False`): the LSTM then runs libtorch's own kernels
-/// in float32, and the matmuls and convolutions autocast as usual.
-pub(crate) fn onednn_lacks(precision: MixedPrecision) -> Option<&'static str> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        // Not `is_x86_feature_detected!("avx512fp16")`: stable from Rust 1.89 only.
-        static AVX512_FP16: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let (isa, present) = match precision {
-            MixedPrecision::Fp16 => (
-                "AVX512-FP16",
-                *AVX512_FP16.get_or_init(|| cpu_flag("avx512_fp16")),
-            ),
-            _ => ("AVX-512", std::arch::is_x86_feature_detected!("avx512bw")),
-        };
-        (!present).then_some(isa)
+/// Why oneDNN is turned off for `precision` on this CPU, if it is. oneDNN's LSTM (which
+/// libtorch's CPU autocast casts to the lower precision, `mkldnn_rnn_layer`) needs
+/// AVX-512 for bf16, and cannot train in fp16 on any CPU this was measured on: it fails
+/// with "could not create a primitive descriptor for the LSTM forward propagation
+/// primitive", in PyTorch too (measured: bf16 without AVX-512; fp16 on an AMD EPYC with
+/// AVX-512, and on an Intel Xeon with AVX512-FP16 and AMX-BF16, where oneDNN's own log
+/// says "f16 training not supported"). Then [`Autocast::enter`] turns oneDNN off for
+/// the process on its first CPU entry (as `torch.backends.mkldnn.enabled = False`): the
+/// LSTM runs libtorch's own kernels in float32, and the matmuls and convolutions
+/// autocast as usual.
+///
+/// [`Autocast::enter`]: crate::Autocast::enter
+pub(crate) fn onednn_off_because(precision: MixedPrecision) -> Option<&'static str> {
+    match precision {
+        MixedPrecision::No => None,
+        MixedPrecision::Fp16 => Some("its LSTM does not train in fp16 on a CPU"),
+        MixedPrecision::Bf16 => {
+            #[cfg(target_arch = "x86_64")]
+            let avx512 = std::arch::is_x86_feature_detected!("avx512bw");
+            #[cfg(not(target_arch = "x86_64"))]
+            let avx512 = true;
+            (!avx512).then_some("this CPU has no AVX-512")
+        }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = precision;
-        None
-    }
-}
-
-/// Whether `/proc/cpuinfo`'s flags name `flag` (false where it cannot be read).
-#[cfg(target_arch = "x86_64")]
-fn cpu_flag(flag: &str) -> bool {
-    std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|info| {
-        info.lines()
-            .filter(|l| l.starts_with("flags"))
-            .any(|l| l.split_whitespace().any(|f| f == flag))
-    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// The banner's reason names the instruction set that turns oneDNN off, on the CPU
-    /// only and for a lower precision only.
+    /// The banner's reason says why oneDNN is off, on the CPU only and for a lower
+    /// precision only: always for fp16, for bf16 without AVX-512.
     #[test]
     fn the_reason_says_when_onednn_is_off() {
         let why = |p, device| {
@@ -115,8 +98,8 @@ mod tests {
                 .1
         };
         for p in [MixedPrecision::Bf16, MixedPrecision::Fp16] {
-            let expected = match onednn_lacks(p) {
-                Some(isa) => format!("asked for; oneDNN off: this CPU has no {isa}"),
+            let expected = match onednn_off_because(p) {
+                Some(why) => format!("asked for; oneDNN off: {why}"),
                 None => "asked for".into(),
             };
             assert_eq!(why(p, Device::Cpu), expected, "{p:?}");
