@@ -649,6 +649,78 @@ mod tests {
 
     const BASE: f64 = 0.1;
 
+    /// DeepSpeed's `scheduler` block read into a schedule: each `type`, with
+    /// `warmup_type` left out (log, DeepSpeed's default), `log` and `linear`, the
+    /// parameters given kept and DeepSpeed's defaults for the rest; a decaying type
+    /// without `total_num_steps` is an error naming the file.
+    #[test]
+    fn a_deepspeed_scheduler_block_gives_its_type_with_its_parameters() {
+        let path = std::path::Path::new("ds_config.json");
+        let block =
+            |kind: &str, warmup_type: Option<&str>, params: &[(&str, f64)]| SchedulerBlock {
+                kind: kind.into(),
+                params: params.iter().map(|&(k, v)| (k.to_string(), v)).collect(),
+                warmup_type: warmup_type.map(Into::into),
+            };
+        for (text, warmup_type) in [
+            (None, WarmupType::Log),
+            (Some("log"), WarmupType::Log),
+            (Some("linear"), WarmupType::Linear),
+        ] {
+            let read = |kind, params: &[(&str, f64)]| {
+                from_deepspeed(&block(kind, text, params), path).unwrap()
+            };
+            assert_eq!(
+                read("WarmupLR", &[("warmup_num_steps", 10.0)]),
+                LrSchedule::WarmupLr {
+                    warmup_min_lr: 0.0,
+                    warmup_max_lr: None,
+                    warmup_num_steps: 10,
+                    warmup_type,
+                }
+            );
+            assert_eq!(
+                read(
+                    "WarmupDecayLR",
+                    &[
+                        ("total_num_steps", 2000.0),
+                        ("warmup_min_lr", 0.01),
+                        ("warmup_max_lr", 0.5)
+                    ]
+                ),
+                LrSchedule::WarmupDecayLr {
+                    total_num_steps: 2000,
+                    warmup_min_lr: 0.01,
+                    warmup_max_lr: Some(0.5),
+                    warmup_num_steps: 1000,
+                    warmup_type,
+                }
+            );
+            assert_eq!(
+                read(
+                    "WarmupCosineLR",
+                    &[("total_num_steps", 100.0), ("warmup_num_steps", 5.0)]
+                ),
+                LrSchedule::WarmupCosineLr {
+                    total_num_steps: 100,
+                    warmup_min_ratio: 0.0,
+                    warmup_num_steps: 5,
+                    cos_min_ratio: 1e-4,
+                    warmup_type,
+                }
+            );
+        }
+        for kind in ["WarmupDecayLR", "WarmupCosineLR"] {
+            let e = from_deepspeed(&block(kind, None, &[]), path).unwrap_err();
+            assert!(
+                matches!(&e, Error::Config(m) if m.starts_with(&format!(
+                    "ds_config.json: scheduler {kind} needs params.total_num_steps"
+                ))),
+                "{e:?}"
+            );
+        }
+    }
+
     /// The first steps, the end of the warmup and past the end.
     #[test]
     fn deepspeed_warmup_starts_at_the_minimum_and_reaches_the_maximum() {
