@@ -48,6 +48,9 @@ FILE[files]=sdk/src/files.rs;              TESTS[files]="checkpoint run_config t
 # Autocast and the loss scaler; the main job's LSTM under fp16 and bf16 (shakespeare)
 # is what fails where oneDNN's lower precision is not turned off on a CPU that lacks it.
 FILE[amp]=sdk/src/amp.rs;                  TESTS[amp]="amp accumulation grad_scaler shakespeare ui"
+# When CPU autocast turns oneDNN off (fp16 always, bf16 without AVX-512), and the
+# banner's reason: the main job's LSTM under fp16 fails where oneDNN stays on.
+FILE[precision]=sdk/src/precision.rs;      TESTS[precision]="amp shakespeare"
 FILE[sampler]=sdk/src/data/sampler.rs;     TESTS[sampler]="sampler data_loading shuffles"
 FILE[loader]=sdk/src/data/loader.rs;       TESTS[loader]="data_loading accumulation checkpoint loader_epochs progress"
 FILE[state]=sdk/src/checkpoint/state.rs;   TESTS[state]="checkpoint grad_scaler preemption zero shakespeare loader_epochs"
@@ -116,7 +119,7 @@ FILE[rewrites]=sdk/src/runtime/rewrites.rs; TESTS[rewrites]="outside_optimizer a
 # The attribute's reading of the function: which calls it finds (a forward pass for
 # autocast, inside closures too; the optimizers `.build` makes), under the ui cases.
 FILE[macro_analysis]=sdk-macros/src/analysis.rs; TESTS[macro_analysis]="ui"; PACKAGE[macro_analysis]=tch-distributed-macros
-ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp settings files sampler loader data state agreement collective_record shard_engine shard_collectives shard_params shard_param shard_unit shard_hooks shard_layout shard_offload mesh model_file schedule optim_deepspeed foreign ds_config accelerate rng activation split batch_retry macro_analysis)
+ALL=(ddp rewrites optim_mod optim_kernels optim_state optim_zero optim_scaler amp precision settings files sampler loader data state agreement collective_record shard_engine shard_collectives shard_params shard_param shard_unit shard_hooks shard_layout shard_offload mesh model_file schedule optim_deepspeed foreign ds_config accelerate rng activation split batch_retry macro_analysis)
 # A NAME that stands for several.
 declare -A GROUP
 GROUP[optim]="optim_mod optim_kernels optim_state optim_zero optim_scaler"
