@@ -348,15 +348,18 @@ fn variables_without_gradients_train_as_ddp_with_find_unused_parameters() {
 
 /// A stage-3 checkpoint holds each rank's chunks of the optimizer's state and the
 /// whole model: it resumes bit for bit on the same ranks, and on other world sizes
-/// and stages, or without sharding, where the whole run would have ended.
+/// and stages, or without sharding, where the whole run would have ended. The model
+/// has a scalar parameter (`GAIN`), whose chunk is the whole scalar on rank 0 and
+/// nothing on the others.
 #[test]
 fn a_sharded_checkpoint_resumes_bit_for_bit_and_on_other_world_sizes() {
     let dir = scratch_dir("sharding-checkpoint");
     let units = ("UNITS", "1");
-    run(&dir, 2, 3, "straight.safetensors", &[units]);
+    let gain = ("GAIN", "1");
+    run(&dir, 2, 3, "straight.safetensors", &[units, gain]);
     let ckpt = dir.join("ckpt");
     let c = ckpt.to_str().unwrap();
-    let stop = [units, ("CKPT", c), ("SAVE_AT", "5"), ("STOP_AT", "5")];
+    let stop = [units, gain, ("CKPT", c), ("SAVE_AT", "5"), ("STOP_AT", "5")];
     run(&dir, 2, 3, "stopped.safetensors", &stop);
     let step = ckpt.join("step-0000000005");
     for r in 0..2 {
@@ -371,7 +374,7 @@ fn a_sharded_checkpoint_resumes_bit_for_bit_and_on_other_world_sizes() {
         copy_dir(&ckpt, &resumed);
         let r = resumed.to_str().unwrap();
         let out = format!("resumed-{ranks}-{zero}-{units_on}.safetensors");
-        let mut env = vec![("CKPT", r)];
+        let mut env = vec![gain, ("CKPT", r)];
         if units_on {
             env.push(units);
         }

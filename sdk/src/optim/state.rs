@@ -326,10 +326,29 @@ pub(super) fn from_safetensors(opt: &mut Optimizer, shards: &[&[u8]]) -> Result<
                 continue;
             }
             slot.sort_by_key(|(rank, _)| *rank);
-            let parts: Vec<Tensor> = slot.into_iter().map(|(_, t)| t).collect();
+            // A scalar's chunk is in the scalar's shape (0-dim) in the file of the rank
+            // that holds it, and empty (`[0]`) in the others': one row and none.
+            let parts: Vec<Tensor> = slot
+                .into_iter()
+                .map(|(_, t)| match t.dim() {
+                    0 => t.reshape([1]),
+                    _ => t,
+                })
+                .collect();
             let whole = match parts.len() {
                 1 => parts.into_iter().next().expect("one part"),
-                _ => Tensor::cat(&parts, 0),
+                _ => Tensor::f_cat(&parts, 0).map_err(|e| {
+                    let shapes: Vec<Vec<i64>> = parts.iter().map(Tensor::size).collect();
+                    checkpoint_from(
+                        None,
+                        format!(
+                            "optimizer state: the chunks of parameter {i}'s state, of shapes \
+                             {shapes:?} in rank order, do not fit together: give the files \
+                             of one checkpoint"
+                        ),
+                        e,
+                    )
+                })?,
             };
             let full = match whole.numel() == p.numel() && whole.size() != p.size() {
                 // Chunks of a scalar, or of any shape, put together.
@@ -536,36 +555,7 @@ mod tests {
             all.sort();
             all
         };
-        // Rank `rank`'s file as stage 2 writes it: its rows of every state tensor.
-        let chunk = |rank: usize| -> Vec<u8> {
-            let file = SafeTensors::deserialize(&whole).unwrap();
-            let (_, metadata) = SafeTensors::read_metadata(&whole).unwrap();
-            let mut metadata = metadata.metadata().clone().unwrap();
-            let shard = json!({ "rank": rank, "world_size": 2 });
-            metadata.insert(DIM0_SHARD.to_string(), shard.to_string());
-            let (first, rows) = [(0, 2), (2, 1)][rank];
-            let parts: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = file
-                .tensors()
-                .into_iter()
-                .map(|(name, view)| {
-                    let (mut shape, data) = (view.shape().to_vec(), view.data());
-                    if name.ends_with(".step") {
-                        return (name, view.dtype(), shape, data.to_vec());
-                    }
-                    let row = data.len() / shape[0];
-                    shape[0] = rows;
-                    let data = data[first * row..(first + rows) * row].to_vec();
-                    (name, view.dtype(), shape, data)
-                })
-                .collect();
-            let views = parts.iter().map(|(name, dtype, shape, data)| {
-                (
-                    name.as_str(),
-                    TensorView::new(*dtype, shape.clone(), data).unwrap(),
-                )
-            });
-            safetensors::tensor::serialize(views, &Some(metadata)).unwrap()
-        };
+        let chunk = |rank: usize| chunk_file(&whole, rank, [(0, 2), (2, 1)][rank]);
         let (rank0, rank1) = (chunk(0), chunk(1));
         for files in [[&rank0[..], &rank1[..]], [&rank1[..], &rank0[..]]] {
             let (_vs, _net, mut loaded) = model();
@@ -579,6 +569,64 @@ mod tests {
             .to_string();
         assert!(err.contains("ranks [1] of a run of 2"), "{err}");
         assert!(short.load_state_shards(&[&rank0[..], &rank0[..]]).is_err());
+    }
+
+    /// Rank `rank`'s file of a 2-rank run as stage 2 writes it, cut from the unsharded
+    /// state `whole`: `rows` rows of every state tensor from row `first`.
+    fn chunk_file(whole: &[u8], rank: usize, (first, rows): (usize, usize)) -> Vec<u8> {
+        let file = SafeTensors::deserialize(whole).unwrap();
+        let (_, metadata) = SafeTensors::read_metadata(whole).unwrap();
+        let mut metadata = metadata.metadata().clone().unwrap();
+        let shard = json!({ "rank": rank, "world_size": 2 });
+        metadata.insert(DIM0_SHARD.to_string(), shard.to_string());
+        let parts: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = file
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| {
+                let (mut shape, data) = (view.shape().to_vec(), view.data());
+                if name.ends_with(".step") {
+                    return (name, view.dtype(), shape, data.to_vec());
+                }
+                let row = data.len() / shape[0];
+                shape[0] = rows;
+                let data = data[first * row..(first + rows) * row].to_vec();
+                (name, view.dtype(), shape, data)
+            })
+            .collect();
+        let views = parts.iter().map(|(name, dtype, shape, data)| {
+            (
+                name.as_str(),
+                TensorView::new(*dtype, shape.clone(), data).unwrap(),
+            )
+        });
+        safetensors::tensor::serialize(views, &Some(metadata)).unwrap()
+    }
+
+    /// Chunks that do not fit together (the files of two checkpoints of other models)
+    /// are an error that says so, not libtorch's panic.
+    #[test]
+    fn chunks_that_do_not_fit_together_are_an_error() {
+        let stepped = |inputs: i64| {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let net = nn::linear(vs.root(), inputs, 3, Default::default());
+            let mut opt = Optimizer::new(&nn::Adam::default(), &vs, 0.1).unwrap();
+            let x = Tensor::ones([4, inputs], (Kind::Float, Device::Cpu));
+            opt.backward_step(&net.forward(&x).sum(Kind::Float))
+                .unwrap();
+            (vs, opt)
+        };
+        let (_vs, mut opt) = stepped(2);
+        let (_other_vs, mut other) = stepped(5);
+        let rank0 = chunk_file(&opt.state().unwrap(), 0, (0, 2));
+        let rank1 = chunk_file(&other.state().unwrap(), 1, (2, 1));
+        let err = opt
+            .load_state_shards(&[&rank0[..], &rank1[..]])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("shapes [[2, 2], [1, 5]] in rank order, do not fit together"),
+            "{err}"
+        );
     }
 
     /// The tensors' names of a state after one step, as `torch.optim`'s `state_dict`

@@ -18,7 +18,8 @@
 //! l3's unit) on rank 0 only, and `never` (5) is never used (run DDP with
 //! `TCH_DISTRIBUTED_FIND_UNUSED_PARAMETERS=true` for the reference); with
 //! `CHECKPOINT=1`, l3 is an activation-checkpointed block (`checkpointed`), recomputed
-//! in the backward pass.
+//! in the backward pass; with `GAIN=1`, l3's output is multiplied by a scalar
+//! (`l3.gain`, shape `[]`, in l3's unit), as CLIP's `logit_scale`.
 //!
 //! With `TCHD_TEST_DEVICE=cuda` it trains on the rank's CUDA device, and writes it to
 //! DIR/OUT.device-RANK.
@@ -62,6 +63,7 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
         skip: unused
             .then(|| (&root / "l3").randn("skip", &[3], 0.0, 1.0))
             .filter(|_| rank == 0),
+        gain: env("GAIN").map(|_| (&root / "l3").ones("gain", &[])),
     };
     let units = env("UNITS").is_some();
     let (l2, l3) = (unit(l2, &root, "l2", units), unit(l3, &root, "l3", units));
@@ -213,13 +215,18 @@ fn train(dir: &str, out: &str) -> anyhow::Result<()> {
 struct Head {
     linear: nn::Linear,
     skip: Option<Tensor>,
+    gain: Option<Tensor>,
 }
 
 impl Module for Head {
     fn forward(&self, xs: &Tensor) -> Tensor {
         let out = self.linear.forward(xs);
-        match &self.skip {
+        let out = match &self.skip {
             Some(skip) => out + skip,
+            None => out,
+        };
+        match &self.gain {
+            Some(gain) => out * gain,
             None => out,
         }
     }
