@@ -92,6 +92,9 @@ fn resharded_message(name: &str) -> String {
          its unit's forward and backward passes this rank holds only its rows of it, not the \
          whole tensor. To read or write it whole, do so inside \
          `tch_distributed::summon_full_params(…)`, which gathers every sharded variable on \
-         every rank, or after the #[distributed] function returns, when the model is whole again"
+         every rank, or after the #[distributed] function returns, when the model is whole \
+         again. To change its dtype or device (`vs.double()`, `vs.set_device(…)`), give them to \
+         the VarStore before the model is built (`VarStore::new(device)`, then \
+         `vs.set_kind(kind)`, then the layers)"
     )
 }

@@ -115,6 +115,35 @@ impl ShardedState {
 }
 
 impl UnitParams {
+    /// Puts back in the unit's dtype and device the members that the program converted
+    /// while they were whole (`vs.double()`, `vs.set_device(…)` inside
+    /// [`summon_full_params`](super::summon_full_params)), and says which: the shard,
+    /// the optimizer's state and the gathers stay in the dtype and device the unit was
+    /// sharded in, so a conversion would otherwise be undone at the next gather
+    /// without a word (the model training in its old dtype).
+    fn undo_conversions(&self, unit: &mut Unit) -> Option<Error> {
+        let kind = unit.shard.kind();
+        let mut first = None;
+        for m in &mut unit.members {
+            let now = (m.unsharded.kind(), m.unsharded.device());
+            if now == (kind, self.device) {
+                continue;
+            }
+            let back = tch::no_grad(|| m.unsharded.to_device(self.device).to_kind(kind));
+            m.unsharded.set_data(&back);
+            first.get_or_insert((m.name.clone(), now));
+        }
+        let (name, (to_kind, to_device)) = first?;
+        Some(Error::Usage(format!(
+            "variable `{name}` was converted to {to_kind:?} on {to_device:?} while gathered \
+             whole: it is sharded by ZeRO stage 3 (fully_shard) as {kind:?} on {:?}, and its \
+             shard and optimizer state stay so. Give the VarStore its dtype and device before \
+             the model is built (`VarStore::new(device)`, then `vs.set_kind(kind)`, then the \
+             layers); the conversion was undone",
+            self.device
+        )))
+    }
+
     /// Shards `params` (named `names`, whole and holding every rank's agreed values)
     /// over `group`: this rank keeps its rows of each, where `policy` offloads them.
     /// With `reshard_after_forward`, the members' memory is freed now, and after each
@@ -575,7 +604,8 @@ impl ShardedParameters for UnitParams {
         };
         let r = f();
         let mut unit = self.lock();
-        if writeback && r.is_ok() {
+        let converted = self.undo_conversions(&mut unit);
+        if writeback && r.is_ok() && converted.is_none() {
             unit.cut(self.group.rank());
         }
         match before {
@@ -586,7 +616,10 @@ impl ShardedParameters for UnitParams {
             }
             Some(false) => {}
         }
-        r
+        match converted {
+            Some(e) => Err(e),
+            None => r,
+        }
     }
 
     /// The members whole and exact for good: gathered in their own dtype and no

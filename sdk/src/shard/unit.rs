@@ -173,7 +173,11 @@ impl<M: ModuleT> FullyShard<M> {
 ///
 /// # Errors
 /// [`Error::Collective`](crate::Error::Collective) when a gather fails (a rank is
-/// gone, or the timeout passed); `f`'s own result is returned inside `Ok`.
+/// gone, or the timeout passed); [`Error::Usage`](crate::Error::Usage) when `f`
+/// converted a sharded variable to another dtype or device (`vs.double()`,
+/// `vs.set_device(…)`): a unit's shard stays in the dtype and device it was sharded in,
+/// so the conversion is undone (give the `VarStore` its dtype and device before the
+/// model is built). `f`'s own result is returned inside `Ok`.
 pub fn summon_full_params<R>(writeback: bool, f: impl FnOnce() -> R) -> crate::Result<R> {
     match crate::init::current() {
         Some(ctx) => ctx.units().with_full_parameters(writeback, || Ok(f())),

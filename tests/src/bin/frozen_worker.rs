@@ -11,7 +11,9 @@
 //! With `READ=1`, after every step it reads every variable directly, which gives the
 //! value or (a stage-3 unit's variable, resharded) an error that names it, and inside
 //! `summon_full_params`, which gives every value; rank `r` writes the sum of each
-//! variable read there, step by step, to DIR/OUT.sums-r (a line a step).
+//! variable read there, step by step, to DIR/OUT.sums-r (a line a step). At stage 3
+//! it also converts the model to f64 inside `summon_full_params` before the optimizer
+//! is built, which must be an error that leaves every variable f32.
 //!
 //! With `CHECKPOINT=1` every layer is also an activation-checkpointed block
 //! (`checkpointed`), its unit gathered again for the recompute in the backward pass.
@@ -74,7 +76,7 @@ fn train(dir: &str, out: &str) -> anyhow::Result<nn::VarStore> {
         ys.narrow(0, rank as i64 * share, share).to_device(device),
     );
 
-    let vs = nn::VarStore::new(device);
+    let mut vs = nn::VarStore::new(device);
     let root = vs.root();
     let units = env("UNITS").is_some();
     let checkpointed = env("CHECKPOINT").is_some();
@@ -118,8 +120,24 @@ fn train(dir: &str, out: &str) -> anyhow::Result<nn::VarStore> {
             Ok(())
         })??;
     }
-    let mut opt = nn::Adam::default().build(&vs, 0.01)?;
     let read = env("READ").is_some();
+    // A conversion of the sharded model (as a program converts its model once built)
+    // is an error that leaves every variable as it was.
+    if read && env("TCH_DISTRIBUTED_ZERO").as_deref() == Some("3") {
+        let converted = tch_distributed::summon_full_params(true, || vs.double());
+        let e = converted
+            .expect_err("a conversion of sharded variables")
+            .to_string();
+        anyhow::ensure!(e.contains("was converted to Double"), "{e}");
+        let kinds = tch_distributed::summon_full_params(false, || {
+            vs.variables()
+                .values()
+                .map(Tensor::kind)
+                .collect::<Vec<_>>()
+        })?;
+        anyhow::ensure!(kinds.iter().all(|&k| k == Kind::Float), "{kinds:?}");
+    }
+    let mut opt = nn::Adam::default().build(&vs, 0.01)?;
     let mut sums = String::new();
     for _ in 0..8 {
         // One `let` for the forward pass and the loss: under mixed precision it runs
