@@ -37,7 +37,7 @@ FILE[ddp]=sdk/src/ddp.rs;                  TESTS[ddp]="ddp accumulation parity a
 # checkpoint tests; ZeRO under the ZeRO tests.
 FILE[optim_mod]=sdk/src/optim/mod.rs;          TESTS[optim_mod]="ddp parity accumulation amp adapting optimizer_settings optimizer_parity optimizer_state zero sharding grad_scaler loader_epochs error_hints outside_optimizer"
 FILE[optim_kernels]=sdk/src/optim/kernels.rs;  TESTS[optim_kernels]="optimizer_parity optimizer_settings optimizer_state parity grad_scaler"
-FILE[optim_state]=sdk/src/optim/state.rs;      TESTS[optim_state]="optimizer_state optimizer_parity zero"
+FILE[optim_state]=sdk/src/optim/state.rs;      TESTS[optim_state]="optimizer_state optimizer_parity zero sharding"
 FILE[optim_zero]=sdk/src/optim/zero.rs;        TESTS[optim_zero]="zero parity"
 FILE[optim_scaler]=sdk/src/optim/scaler.rs;    TESTS[optim_scaler]="grad_scaler amp accumulation"
 # The run's settings: the table's parsers, precedence, the file, the ranks' variables,

@@ -64,3 +64,30 @@ fn resnet_alone_is_the_plain_program() {
         &dir,
     );
 }
+
+/// At ZeRO stage 2 (the program unchanged: no `fully_shard` unit, so the parameters stay
+/// whole and the gradients and SGD's momentum are sharded), batch norm's statistics are
+/// each rank's own, as under FSDP: rank 0's, which its save writes, are DDP's rank 0's,
+/// and so are the parameters.
+#[test]
+fn resnet_under_zero_2_saves_ddps_model_and_statistics() {
+    let train = |zero: &str| {
+        let dir = scratch_dir(&format!("corpus-resnet-zero{zero}"));
+        let (data, _) = data(&dir);
+        let out = dir.join("model.safetensors");
+        let run = run_ranks_with(
+            PROGRAM,
+            &[&data, out.to_str().unwrap(), "1"],
+            2,
+            &dir,
+            &[("TCH_DISTRIBUTED_ZERO", zero)],
+        );
+        if zero != "0" {
+            assert!(run.stdout.contains("ZeRO stage 2 ("), "{}", run.stdout);
+        }
+        read_tensors(&out)
+    };
+    let ddp = train("0");
+    assert!(ddp.contains_key("layer2.b2.running_mean"), "{:?}", ddp.keys());
+    assert_close(&ddp, &train("2"), 1e-5, "ZeRO-2 against DDP");
+}
