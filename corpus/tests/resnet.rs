@@ -88,6 +88,10 @@ fn resnet_under_zero_2_saves_ddps_model_and_statistics() {
         read_tensors(&out)
     };
     let ddp = train("0");
-    assert!(ddp.contains_key("layer2.b2.running_mean"), "{:?}", ddp.keys());
+    assert!(
+        ddp.contains_key("layer2.b2.running_mean"),
+        "{:?}",
+        ddp.keys()
+    );
     assert_close(&ddp, &train("2"), 1e-5, "ZeRO-2 against DDP");
 }
