@@ -208,6 +208,42 @@ fn an_autograd_error_inside_a_synchronized_backward_is_not_a_timeout() {
     assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
 }
 
+/// A model converted after its optimizer was built (`vs.double()`) would train apart on
+/// each rank (its variables' new gradient accumulators have none of DDP's hooks): an
+/// error that names the variable and the fix, on several ranks; one process trains.
+#[test]
+fn variables_converted_after_the_optimizer_are_refused_on_several_ranks() {
+    let dir = scratch_dir("hint-converted");
+    let run = run_tchrun_all_ranks(
+        &dir,
+        &["--nproc-per-node", "2", WORKER, "converted"],
+        TIMEOUT,
+        |_, _| {},
+    );
+    assert!(!run.status.success(), "{run:?}");
+    assert!(!run.stdout.contains("step 1"), "{}", run.stdout);
+    assert!(
+        run.stderr.contains(
+            "was converted from Float on Cpu to Double on Cpu after its optimizer was built"
+        ) && run
+            .stderr
+            .contains("Convert or load the model before building the optimizer"),
+        "{}",
+        run.stderr
+    );
+    assert!(
+        run.stderr.contains("variable `net.bias` was"),
+        "{}",
+        run.stderr
+    );
+    assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
+    let mut alone = std::process::Command::new(WORKER);
+    without_launcher(&mut alone).arg("converted");
+    let alone = run_with(alone, &dir, TIMEOUT, |_, _| {});
+    alone.assert_success();
+    assert!(alone.stdout.contains("step 1"), "{}", alone.stdout);
+}
+
 #[test]
 fn variables_created_after_the_optimizer_are_refused_on_several_ranks() {
     let dir = scratch_dir("hint-late");

@@ -138,6 +138,9 @@ pub struct Optimizer {
     /// The variables the optimizer holds (the store's first `params.len()` trainable
     /// variables), with their group numbers and state, in the store's order.
     params: Vec<Tensor>,
+    /// Each parameter's dtype and device when it joined the optimizer (see
+    /// [`refuse_converted`](Self::refuse_converted)).
+    joined_as: Vec<(tch::Kind, tch::Device)>,
     groups_of: Vec<usize>,
     state: Vec<Option<ParamState>>,
     implementation: Implementation,
@@ -234,6 +237,7 @@ impl Optimizer {
             // tch's optimizer starts with one (empty) group.
             groups: vec![defaults],
             params: Vec::new(),
+            joined_as: Vec::new(),
             groups_of: Vec::new(),
             state: Vec::new(),
             implementation: algorithm.preferred_implementation(),
@@ -550,13 +554,7 @@ impl Optimizer {
             let v = self.variables.lock().expect("variable store lock");
             let before = self.params.len();
             let new = v.trainable_variables.len().saturating_sub(before);
-            let distributed = match &self.mode {
-                Mode::Sharded(_) => true,
-                mode => mode
-                    .ddp()
-                    .is_some_and(|d| d.process_group().world_size() > 1),
-            };
-            if new > 0 && distributed {
+            if new > 0 && self.averages_over_ranks() {
                 let late: std::collections::HashSet<usize> = v.trainable_variables[before..]
                     .iter()
                     .map(|var| crate::ffi::tensor_key(&var.tensor))
@@ -581,6 +579,8 @@ impl Optimizer {
                     self.groups.push(self.defaults);
                 }
                 self.params.push(var.tensor.shallow_clone());
+                self.joined_as
+                    .push((var.tensor.kind(), var.tensor.device()));
                 self.groups_of.push(var.group);
                 self.state.push(None);
             }
@@ -590,6 +590,58 @@ impl Optimizer {
             self.repartition();
         }
         Ok(())
+    }
+
+    /// Whether the gradients are averaged over several ranks (by DDP's Reducer or the
+    /// sharding's hooks on the variables' gradient accumulators).
+    fn averages_over_ranks(&self) -> bool {
+        match &self.mode {
+            Mode::Sharded(_) => true,
+            mode => mode
+                .ddp()
+                .is_some_and(|d| d.process_group().world_size() > 1),
+        }
+    }
+
+    /// Refuses a variable converted to another dtype or device since it joined the
+    /// optimizer (`vs.double()`, `vs.set_device(…)`, a `vs.load` of a file in another
+    /// dtype, after the build), when the
+    /// gradients are averaged over ranks: libtorch gives a variable converted with
+    /// `set_data` a new gradient accumulator, and the hooks that average its gradient
+    /// stay on the old one, so it would train apart on each rank, as under PyTorch's
+    /// DDP after `model.half()`.
+    ///
+    /// # Errors
+    /// [`Error::Usage`] naming the variable, its dtypes and devices, and the fix.
+    fn refuse_converted(&self) -> Result<()> {
+        if !self.averages_over_ranks() {
+            return Ok(());
+        }
+        let converted = self
+            .params
+            .iter()
+            .zip(&self.joined_as)
+            .find(|(p, &joined)| (p.kind(), p.device()) != joined);
+        let Some((p, &(kind, device))) = converted else {
+            return Ok(());
+        };
+        let key = ffi::tensor_key(p);
+        let v = self.variables.lock().expect("variable store lock");
+        let name = v
+            .named_variables
+            .iter()
+            .find(|(_, t)| ffi::tensor_key(t) == key)
+            .map_or("?", |(name, _)| name.as_str());
+        Err(Error::Usage(format!(
+            "variable `{name}` was converted from {kind:?} on {device:?} to {:?} on {:?} \
+             after its optimizer was built (`vs.double()`, `vs.set_device(…)`, or `vs.load` \
+             of a file in another dtype, which takes the file's): libtorch gave it a new \
+             gradient accumulator, without the hooks that average its gradient over the \
+             ranks, so it would train apart on each rank. Convert or load the model before \
+             building the optimizer",
+            p.kind(),
+            p.device()
+        )))
     }
 
     /// Zeroes (sets to none) the gradients of the tracked variables; in the middle of
@@ -781,9 +833,12 @@ impl Optimizer {
     /// [`zero_grad`](Self::zero_grad). Returns whether this micro-batch ends the cycle.
     ///
     /// # Errors
-    /// Those of [`DistributedDataParallel::backward`], or [`Error::Torch`].
+    /// Those of [`DistributedDataParallel::backward`], or [`Error::Torch`];
+    /// [`Error::Usage`] over several ranks for a variable created after the optimizer
+    /// was built, or converted to another dtype or device since.
     pub fn backward(&mut self, loss: &Tensor) -> Result<bool> {
         self.add_missing_variables()?;
+        self.refuse_converted()?;
         let last = self.is_sync_step();
         let divided;
         let mut loss = if self.accumulation_steps > 1 {

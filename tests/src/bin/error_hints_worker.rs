@@ -11,6 +11,9 @@
 //! - `error_hints_worker late`: a layer created after the optimizer (tch lets it join the
 //!   optimizer at its first step; DDP, which wrapped the model at the optimizer's
 //!   build, would not average its gradients): on several ranks, an error that says so.
+//! - `error_hints_worker converted`: the model converted to f64 (`vs.double()`) after
+//!   the optimizer was built, which gives its variables new gradient accumulators
+//!   without DDP's hooks: on several ranks, an error that says so; alone, it trains.
 //! - `error_hints_worker hello`: prints `hello from rank R of W` (for launch-environment
 //!   errors, which stop it before that).
 //!
@@ -72,6 +75,19 @@ fn late() -> anyhow::Result<()> {
 }
 
 #[tch_distributed::distributed]
+fn converted() -> anyhow::Result<()> {
+    let mut vs = nn::VarStore::new(Device::cuda_if_available());
+    let net = nn::linear(vs.root() / "net", 2, 1, Default::default());
+    let mut opt = nn::Sgd::default().build(&vs, 0.1)?;
+    vs.double();
+    let x = Tensor::ones([4, 2], (Kind::Double, vs.device()));
+    let loss = net.forward(&x).mean(Kind::Double);
+    opt.backward_step(&loss);
+    println!("step 1");
+    Ok(())
+}
+
+#[tch_distributed::distributed]
 fn hello() -> anyhow::Result<()> {
     let ctx = tch_distributed::current().expect("joined");
     println!("hello from rank {} of {}", ctx.rank(), ctx.world_size());
@@ -85,6 +101,7 @@ fn main() -> anyhow::Result<()> {
         Some("unused-found") => unused_found(),
         Some("nograd") => nograd(),
         Some("late") => late(),
+        Some("converted") => converted(),
         Some("hello") => hello(),
         other => anyhow::bail!("unknown mode {other:?}"),
     }
