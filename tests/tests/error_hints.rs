@@ -208,69 +208,59 @@ fn an_autograd_error_inside_a_synchronized_backward_is_not_a_timeout() {
     assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
 }
 
-/// A model converted after its optimizer was built (`vs.double()`) would train apart on
-/// each rank (its variables' new gradient accumulators have none of DDP's hooks): an
-/// error that names the variable and the fix, on several ranks; one process trains.
-#[test]
-fn variables_converted_after_the_optimizer_are_refused_on_several_ranks() {
-    let dir = scratch_dir("hint-converted");
+/// Runs the worker's `mode` on 2 ranks, which must fail before its first step with
+/// every one of `expected` in its errors and no panic; then alone, where it trains (tch's
+/// behaviour: one process has no DDP to bypass).
+fn refused_on_several_ranks_alone_trains(name: &str, mode: &str, expected: &[&str]) {
+    let dir = scratch_dir(name);
     let run = run_tchrun_all_ranks(
         &dir,
-        &["--nproc-per-node", "2", WORKER, "converted"],
+        &["--nproc-per-node", "2", WORKER, mode],
         TIMEOUT,
         |_, _| {},
     );
     assert!(!run.status.success(), "{run:?}");
     assert!(!run.stdout.contains("step 1"), "{}", run.stdout);
-    assert!(
-        run.stderr.contains(
-            "was converted from Float on Cpu to Double on Cpu after its optimizer was built"
-        ) && run
-            .stderr
-            .contains("Convert or load the model before building the optimizer"),
-        "{}",
-        run.stderr
-    );
-    assert!(
-        run.stderr.contains("variable `net.bias` was"),
-        "{}",
-        run.stderr
-    );
+    for text in expected {
+        assert!(run.stderr.contains(text), "{text}: {}", run.stderr);
+    }
     assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
     let mut alone = std::process::Command::new(WORKER);
-    without_launcher(&mut alone).arg("converted");
+    without_launcher(&mut alone).arg(mode);
     let alone = run_with(alone, &dir, TIMEOUT, |_, _| {});
     alone.assert_success();
     assert!(alone.stdout.contains("step 1"), "{}", alone.stdout);
 }
 
+/// A model converted after its optimizer was built (`vs.double()`) would train apart on
+/// each rank (its variables' new gradient accumulators have none of DDP's hooks): an
+/// error that names the variable and the fix, on several ranks; one process trains.
+#[test]
+fn variables_converted_after_the_optimizer_are_refused_on_several_ranks() {
+    refused_on_several_ranks_alone_trains(
+        "hint-converted",
+        "converted",
+        &[
+            "variable `net.bias` was converted from Float on Cpu to Double on Cpu after its \
+             optimizer was built",
+            "Convert or load the model before building the optimizer",
+        ],
+    );
+}
+
+/// A layer created after the optimizer (DDP wrapped the model at the build): an error
+/// on several ranks (rank 0 names the same variables as rank 1: the names are sorted);
+/// one process lets the layer join and train, as tch does.
 #[test]
 fn variables_created_after_the_optimizer_are_refused_on_several_ranks() {
-    let dir = scratch_dir("hint-late");
-    let run = run_tchrun_all_ranks(
-        &dir,
-        &["--nproc-per-node", "2", WORKER, "late"],
-        TIMEOUT,
-        |_, _| {},
-    );
-    assert!(!run.status.success(), "{run:?}");
-    assert!(!run.stdout.contains("step 1"), "{}", run.stdout);
-    assert!(
-        run.stderr.contains(
+    refused_on_several_ranks_alone_trains(
+        "hint-late",
+        "late",
+        &[
             "2 trainable variable(s) were created on the VarStore after its optimizer was \
-             built (head.bias, head.weight): DistributedDataParallel averages the gradients of the variables that \
-             existed when it wrapped the model, so these would train apart on each rank. \
-             Build the whole model before the optimizer"
-        ),
-        "{}",
-        run.stderr
+             built (head.bias, head.weight): DistributedDataParallel averages the gradients \
+             of the variables that existed when it wrapped the model, so these would train \
+             apart on each rank. Build the whole model before the optimizer",
+        ],
     );
-    assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
-    // One process has no DDP to bypass: tch's behaviour, the layer joins and trains.
-    // (Rank 0 names the same variables as rank 1: the names are sorted.)
-    let mut alone = std::process::Command::new(WORKER);
-    without_launcher(&mut alone).arg("late");
-    let alone = run_with(alone, &dir, TIMEOUT, |_, _| {});
-    alone.assert_success();
-    assert!(alone.stdout.contains("step 1"), "{}", alone.stdout);
 }
