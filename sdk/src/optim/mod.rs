@@ -621,17 +621,12 @@ impl Optimizer {
             .params
             .iter()
             .zip(&self.joined_as)
-            .find(|(p, &joined)| (p.kind(), p.device()) != joined);
-        let Some((p, &(kind, device))) = converted else {
+            .position(|(p, &joined)| (p.kind(), p.device()) != joined);
+        let Some(i) = converted else {
             return Ok(());
         };
-        let key = ffi::tensor_key(p);
-        let v = self.variables.lock().expect("variable store lock");
-        let name = v
-            .named_variables
-            .iter()
-            .find(|(_, t)| ffi::tensor_key(t) == key)
-            .map_or("?", |(name, _)| name.as_str());
+        let (p, (kind, device)) = (&self.params[i], self.joined_as[i]);
+        let name = &state::param_names(self)[i];
         Err(Error::Usage(format!(
             "variable `{name}` was converted from {kind:?} on {device:?} to {:?} on {:?} \
              after its optimizer was built (`vs.double()`, `vs.set_device(…)`, or `vs.load` \

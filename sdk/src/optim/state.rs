@@ -32,7 +32,7 @@ fn torch_order(opt: &Optimizer) -> Vec<Vec<usize>> {
 }
 
 /// The optimizer's parameters' names in the `VarStore` (`l1.weight`), in its order.
-fn param_names(opt: &Optimizer) -> Vec<String> {
+pub(super) fn param_names(opt: &Optimizer) -> Vec<String> {
     let v = opt.variables.lock().expect("variable store lock");
     let by_data: HashMap<usize, &String> = v
         .named_variables
