@@ -57,8 +57,8 @@ mod unit_registry;
 
 pub use amp::{autocast, Autocast, GradScaler};
 pub use checkpoint::{
-    load_var_store, preempted_exit_code, save_trainable, save_var_store, Checkpointer, Preemption,
-    TrainState,
+    load_var_store, preempted_exit_code, save_trainable, save_var_store, AccumulationCycle,
+    Checkpointer, Preemption, TrainState,
 };
 pub use compat::{nccl_available, LIBTORCH_VERSION, TCH_VERSION};
 pub use data::{

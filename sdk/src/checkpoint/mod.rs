@@ -14,7 +14,7 @@ mod preemption;
 mod state;
 
 pub use preemption::{preempted_exit_code, Preemption};
-pub use state::{Checkpointer, TrainState};
+pub use state::{AccumulationCycle, Checkpointer, TrainState};
 
 /// Saves `vs` to `path` the way a data-parallel job must: after a barrier (every
 /// rank has finished the step), rank 0 writes `path` atomically — to a temporary

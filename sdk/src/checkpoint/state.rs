@@ -81,6 +81,23 @@ pub struct TrainState {
     /// [`step`](Self::step).
     #[serde(default)]
     pub optimizer_steps: Option<u64>,
+    /// Where the gradient-accumulation cycle stood, when the checkpoint was saved in
+    /// its middle: filled in by `save_state` (whatever is given), which then writes
+    /// each rank's gradients of the cycle too, and `load_state` resumes the cycle
+    /// with them. `None` at a cycle's end.
+    #[serde(default)]
+    pub accumulation: Option<AccumulationCycle>,
+}
+
+/// Where an accumulation cycle ([`Optimizer::accumulate`]) stood when a checkpoint was
+/// saved in its middle ([`TrainState::accumulation`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AccumulationCycle {
+    /// Micro-batches of the cycle whose gradients the checkpoint holds (at least 1,
+    /// fewer than `micro_batches_per_step`).
+    pub micro_batches_done: u64,
+    /// The optimizer's micro-batches per step.
+    pub micro_batches_per_step: u64,
 }
 
 impl TrainState {
@@ -111,6 +128,7 @@ impl TrainState {
 /// | `optimizer-rank-R.safetensors` | rank R, with ZeRO ([`Optimizer::zero`]) instead of the above (under hybrid sharding, the ranks of the first shard group, R being the place in it) | rank R's rows (dim 0, as `torch.chunk` cuts) of every parameter's state, in the same layout and numbering, with `dim0_shard` in the metadata: together the whole state; they load at any world size, with or without ZeRO |
 /// | `state.json` | rank 0 | [`TrainState`]: step, epoch, samples consumed, world size, configuration, the optimizer's count of steps (where a learning-rate schedule stands) |
 /// | `rank-R.safetensors` | rank R | that rank's random-generator states: `cpu`, and `cuda` when the model is on a GPU |
+/// | `grads-rank-R.safetensors` | rank R, only when saved in the middle of an accumulation cycle ([`TrainState::accumulation`]) | that rank's gradients of the cycle's micro-batches so far (its own sum, not yet averaged), by variable name, whole at every ZeRO stage |
 /// | `COMPLETE` | rank 0, last | every file's size and hash |
 ///
 /// A save goes to `root/.tmp-step-N/`; every rank fsyncs its files; after all ranks
@@ -172,6 +190,73 @@ fn rank_file(rank: usize) -> String {
     format!("rank-{rank}.safetensors")
 }
 
+/// Rank `rank`'s gradients of an accumulation cycle in progress.
+fn grads_file(rank: usize) -> String {
+    format!("grads-rank-{rank}.safetensors")
+}
+
+/// A checkpoint's gradients of an accumulation cycle in progress, for this rank of a
+/// job of `world_size` ranks: its own file when the world size is the one that saved
+/// them; otherwise their mean over the saving ranks (a variable a rank had no
+/// gradient for counts as zero there), which every rank takes, so that the average
+/// over the ranks at the cycle's end counts the saved micro-batches as the
+/// uninterrupted run's would (the gradients are averaged once, at the end).
+fn cycle_gradients(
+    dir: &Path,
+    saved_by: usize,
+    rank: usize,
+    world_size: usize,
+    read: impl Fn(&str) -> Result<Vec<u8>>,
+) -> Result<Vec<(String, Tensor)>> {
+    if saved_by == world_size {
+        let name = grads_file(rank);
+        return tensors(dir, &name, &read(&name)?);
+    }
+    let mut sum: BTreeMap<String, Tensor> = BTreeMap::new();
+    for r in 0..saved_by {
+        let name = grads_file(r);
+        for (var, grad) in tensors(dir, &name, &read(&name)?)? {
+            match sum.get_mut(&var) {
+                Some(total) if total.size() == grad.size() => *total += grad,
+                Some(total) => {
+                    return Err(checkpoint(
+                        Some(dir),
+                        format!(
+                            "{name}: the gradient of `{var}` has shape {:?}, another rank's {:?}",
+                            grad.size(),
+                            total.size()
+                        ),
+                    ))
+                }
+                None => {
+                    sum.insert(var, grad);
+                }
+            }
+        }
+    }
+    Ok(sum
+        .into_iter()
+        .map(|(var, total)| (var, total / saved_by as f64))
+        .collect())
+}
+
+/// The optimizer's errors about what it is given name no checkpoint: `dir`, where it
+/// came from.
+fn in_checkpoint(e: Error, dir: &Path) -> Error {
+    match e {
+        Error::Checkpoint {
+            path: None,
+            message,
+            source,
+        } => Error::Checkpoint {
+            path: Some(dir.to_path_buf()),
+            message,
+            source,
+        },
+        other => other,
+    }
+}
+
 /// Whether every rank's `ok` is true (one all-reduce; a job of one needs none).
 fn all_ok(ok: bool) -> Result<bool> {
     Ok(init::all_reduce_scalar(ok as i64, ReduceOp::Min)? == 1)
@@ -195,6 +280,9 @@ struct Loaded {
     /// The rank's generator states by name (`cpu`, `cuda`); empty when the world size
     /// changed.
     rng: Vec<(String, Tensor)>,
+    /// The gradients of the accumulation cycle in progress, for this rank (see
+    /// [`cycle_gradients`]); empty at a cycle's end.
+    grads: Vec<(String, Tensor)>,
 }
 
 impl Checkpointer {
@@ -304,6 +392,12 @@ impl Checkpointer {
 
         // Every rank writes its own files; rank 0 the replicated ones too.
         let ctx = init::current();
+        // Mid-cycle, the cycle's gradients are part of the state (the same place on
+        // every rank: the ranks step together).
+        let cycle = (opt.micro_batches_accumulated() > 0).then(|| AccumulationCycle {
+            micro_batches_done: opt.micro_batches_accumulated() as u64,
+            micro_batches_per_step: opt.accumulation_steps() as u64,
+        });
         let mut write = || {
             // The model first, on every rank: its sharded variables (ZeRO stage 3) are
             // all-gathered one at a time, collectives that every rank runs whatever
@@ -323,6 +417,18 @@ impl Checkpointer {
             Tensor::write_safetensors(&rng, &path)
                 .map_err(|e| Error::Torch(format!("writing {}: {e}", path.display())))?;
             sync_file(&path)?;
+            if cycle.is_some() {
+                // This rank's own sum of the cycle's micro-batches (not yet averaged).
+                let grads: Vec<(String, Tensor)> = opt
+                    .accumulated_gradients()
+                    .into_iter()
+                    .map(|(name, g)| (name, g.to_device(tch::Device::Cpu)))
+                    .collect();
+                let path = tmp.join(grads_file(rank));
+                Tensor::write_safetensors(&grads, &path)
+                    .map_err(|e| Error::Torch(format!("writing {}: {e}", path.display())))?;
+                sync_file(&path)?;
+            }
             if let Some(shard) = opt.state_shard() {
                 // Once per shard: under hybrid sharding, the first shard group's.
                 let bytes = opt.state()?;
@@ -358,6 +464,7 @@ impl Checkpointer {
                         .grad_scaler
                         .or_else(|| opt.scaler().map(|s| s.state())),
                     optimizer_steps: state.optimizer_steps.or(Some(opt.steps_taken())),
+                    accumulation: cycle,
                     loops,
                     loaders,
                     ..state.clone()
@@ -535,11 +642,16 @@ impl Checkpointer {
         } else {
             Vec::new()
         };
+        let grads = match state.accumulation {
+            Some(_) => cycle_gradients(dir, state.world_size, rank, world_size, &read)?,
+            None => Vec::new(),
+        };
         Ok(Loaded {
             state,
             model,
             optimizer,
             rng,
+            grads,
         })
     }
 
@@ -551,10 +663,19 @@ impl Checkpointer {
     /// a warning (on stderr, by rank 0) that names them and says why. A collective:
     /// the ranks agree on one checkpoint that every one of them can read.
     ///
+    /// A checkpoint saved in the middle of a gradient-accumulation cycle resumes the
+    /// cycle: each rank's gradients of its micro-batches so far are restored, and the
+    /// optimizer's next step comes after the cycle's remaining micro-batches, as in
+    /// the uninterrupted run (bit for bit, on the same world size). A run that
+    /// accumulates another number of micro-batches starts a new cycle instead, with a
+    /// warning on rank 0.
+    ///
     /// Resuming with another world size is allowed: the model and optimizer are
     /// replicated state, the loader's position is in samples
-    /// ([`TrainState::loader_position`]), and each rank's random generator keeps its
-    /// current state instead of the saved one.
+    /// ([`TrainState::loader_position`]), each rank's random generator keeps its
+    /// current state instead of the saved one, and a cycle in progress resumes with the
+    /// saving ranks' mean gradient on every rank (the average taken at the cycle's end
+    /// then counts the saved micro-batches as the uninterrupted run would).
     ///
     /// # Errors
     /// [`Error::Checkpoint`] when checkpoints exist but none is usable (the
@@ -629,19 +750,7 @@ impl Checkpointer {
                 }
                 OptimizerFile::LibtorchArchive(bytes) => opt.load_libtorch_archive(bytes),
             };
-            // The optimizer's errors about its state name no checkpoint: this one.
-            restored.map_err(|e| match e {
-                Error::Checkpoint {
-                    path: None,
-                    message,
-                    source,
-                } => Error::Checkpoint {
-                    path: Some(dir.clone()),
-                    message,
-                    source,
-                },
-                other => other,
-            })?;
+            restored.map_err(|e| in_checkpoint(e, &dir))?;
             for (name, index) in generators(vs.device()) {
                 if let Some((_, state)) = loaded.rng.iter().find(|(n, _)| n == name) {
                     set_rng_state(index, state)?;
@@ -651,6 +760,22 @@ impl Checkpointer {
                 scaler.load_state(saved);
             }
             opt.set_steps_taken(loaded.state.optimizer_steps.unwrap_or(loaded.state.step));
+            if let Some(cycle) = loaded.state.accumulation {
+                if cycle.micro_batches_per_step == opt.accumulation_steps() as u64 {
+                    opt.resume_cycle(cycle.micro_batches_done as usize, &loaded.grads)
+                        .map_err(|e| in_checkpoint(e, &dir))?;
+                } else if rank == 0 {
+                    log::warn(format_args!(
+                        "checkpoint {} was saved after {} of the {} micro-batches of an \
+                         accumulation cycle, and this run accumulates {}: their gradients \
+                         are not used, and a new cycle starts",
+                        dir.display(),
+                        cycle.micro_batches_done,
+                        cycle.micro_batches_per_step,
+                        opt.accumulation_steps()
+                    ));
+                }
+            }
             if let Some(ctx) = &ctx {
                 ctx.loops().resume_from(&loaded.state.loops);
                 ctx.loops().resume_loaders_from(&loaded.state.loaders);
@@ -698,6 +823,10 @@ mod tests {
                 samples_in_epoch: 24,
             }],
             optimizer_steps: Some(7),
+            accumulation: Some(AccumulationCycle {
+                micro_batches_done: 2,
+                micro_batches_per_step: 3,
+            }),
         };
         let json = serde_json::to_vec(&state).unwrap();
         assert_eq!(serde_json::from_slice::<TrainState>(&json).unwrap(), state);
@@ -714,6 +843,7 @@ mod tests {
             without.optimizer_steps, None,
             "restored from `step` on load"
         );
+        assert_eq!(without.accumulation, None, "saved at a cycle's end");
         let mut scaler = crate::GradScaler::new();
         scaler.load_state((512.0, 3));
         assert_eq!(scaler.state(), (512.0, 3));

@@ -510,6 +510,81 @@ impl Optimizer {
         self.scaler.as_mut()
     }
 
+    /// Micro-batches per optimizer step ([`accumulate`](Self::accumulate); 1 without
+    /// accumulation).
+    pub fn accumulation_steps(&self) -> usize {
+        self.accumulation_steps
+    }
+
+    /// The micro-batches of the accumulation cycle in progress whose gradients no
+    /// step used yet (0 at a cycle's end, and always without accumulation): what a
+    /// checkpoint saved now must keep with those gradients.
+    pub fn micro_batches_accumulated(&self) -> usize {
+        self.micro_step
+    }
+
+    /// This rank's gradients of the cycle in progress, by name: every trainable
+    /// variable's that has one, whole at every ZeRO stage (its own micro-batches'
+    /// sum, not yet averaged over the ranks: under DDP's `no_sync`, and FSDP2's
+    /// `set_requires_gradient_sync(False)` at stages 2 and 3).
+    pub(crate) fn accumulated_gradients(&self) -> Vec<(String, Tensor)> {
+        state::param_names(self)
+            .into_iter()
+            .zip(&self.params)
+            .map(|(name, p)| (name, p.grad()))
+            .filter(|(_, g)| g.defined())
+            .collect()
+    }
+
+    /// Resumes an accumulation cycle of which `done` micro-batches were accumulated
+    /// into `grads` (by name, as [`accumulated_gradients`](Self::accumulated_gradients)
+    /// gives them): each trainable variable's gradient becomes its entry (none when
+    /// it has none), and the next backward passes go on with the cycle.
+    ///
+    /// # Errors
+    /// [`Error::Checkpoint`] (its path filled in by the caller) naming a gradient of
+    /// no trainable variable or of another shape than its variable, before any
+    /// gradient is set; [`Error::Torch`] when one cannot be set.
+    pub(crate) fn resume_cycle(&mut self, done: usize, grads: &[(String, Tensor)]) -> Result<()> {
+        self.add_missing_variables()?;
+        let names = state::param_names(self);
+        let place: std::collections::HashMap<&str, usize> = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.as_str(), i))
+            .collect();
+        let mut given: Vec<Option<&Tensor>> = vec![None; self.params.len()];
+        for (name, grad) in grads {
+            let unfit = match place.get(name.as_str()) {
+                None => Some("the optimizer has no such trainable variable".to_string()),
+                Some(&i) if grad.size() != self.params[i].size() => Some(format!(
+                    "its shape is {:?}, the variable's {:?}",
+                    grad.size(),
+                    self.params[i].size()
+                )),
+                Some(&i) => {
+                    given[i] = Some(grad);
+                    None
+                }
+            };
+            if let Some(why) = unfit {
+                return Err(crate::error::checkpoint(
+                    None,
+                    format!("the accumulated gradient of `{name}` does not fit: {why}"),
+                ));
+            }
+        }
+        for (p, grad) in self.params.iter().zip(given) {
+            match grad {
+                Some(g) => crate::shard::set_grad(p, &g.to_device(p.device()).to_kind(p.kind()))?,
+                None => set_grads_to_none(std::slice::from_ref(p))?,
+            }
+        }
+        self.micro_step = done;
+        self.cycle_complete = false;
+        Ok(())
+    }
+
     /// Makes the next backward step end its accumulation cycle: it all-reduces and
     /// steps even if the cycle is not full.
     pub fn sync_next(&mut self) {

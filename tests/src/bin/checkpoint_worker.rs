@@ -12,7 +12,11 @@
 //! with `EPOCH=e` the saved states name epoch e themselves (the program's own count);
 //! with `SCHEDULE=1` an `LrScheduler` (transformers' linear schedule, 3 warmup steps
 //! of `STEPS`) sets the rate of each step, and rank 0 appends `step S: lr R` to
-//! `OUT/lr` for each step it trains. On SIGTERM/SIGINT the ranks
+//! `OUT/lr` for each step it trains; with `RESUMED_GRADS=1` each rank writes the
+//! gradients the resume left on its variables (an accumulation cycle's, when the
+//! checkpoint was saved in its middle) to `OUT/resumed-grads{rank}.safetensors`. A
+//! "step" is one `backward_step`: with `TCH_DISTRIBUTED_GRAD_ACCUM=k`, a micro-batch
+//! of a cycle of k. On SIGTERM/SIGINT the ranks
 //! checkpoint at the end of the step and exit with 128 + the signal. Rank 0 writes
 //! the last finished step to `OUT/progress`. At the end every rank writes
 //! its parameters to `OUT/final{rank}.safetensors`, then takes two more steps on a
@@ -89,6 +93,15 @@ fn train(out: &str, ckpt: &str, steps: u64, kind: &str) -> anyhow::Result<()> {
     if let Some(state) = checkpoints.load_state(&mut vs, &mut opt)? {
         step = state.step;
         println!("resumed at step {step}, epoch {}", state.epoch);
+    }
+    if env("RESUMED_GRADS") == Some(1) {
+        let grads: Vec<(String, Tensor)> = vs
+            .variables()
+            .into_iter()
+            .map(|(name, var)| (name, var.grad()))
+            .filter(|(_, grad)| grad.defined())
+            .collect();
+        Tensor::write_safetensors(&grads, format!("{out}/resumed-grads{rank}.safetensors"))?;
     }
     // Built after the load: it starts where the optimizer's restored count says.
     let mut schedule = match env("SCHEDULE") {
