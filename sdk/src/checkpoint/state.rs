@@ -195,20 +195,20 @@ fn grads_file(rank: usize) -> String {
     format!("grads-rank-{rank}.safetensors")
 }
 
-/// A checkpoint's gradients of an accumulation cycle in progress, for this rank of a
-/// job of `world_size` ranks: its own file when the world size is the one that saved
-/// them; otherwise their mean over the saving ranks (a variable a rank had no
-/// gradient for counts as zero there), which every rank takes, so that the average
-/// over the ranks at the cycle's end counts the saved micro-batches as the
-/// uninterrupted run's would (the gradients are averaged once, at the end).
+/// A checkpoint's gradients of an accumulation cycle in progress, saved by `saved_by`
+/// ranks, for rank `rank`: its `own` file (the same world size), or else their mean
+/// over the saving ranks (a variable a rank had no gradient for counts as zero
+/// there), which every rank takes, so that the average over the ranks at the cycle's
+/// end counts the saved micro-batches as the uninterrupted run's would (the gradients
+/// are averaged once, at the end).
 fn cycle_gradients(
     dir: &Path,
     saved_by: usize,
     rank: usize,
-    world_size: usize,
+    own: bool,
     read: impl Fn(&str) -> Result<Vec<u8>>,
 ) -> Result<Vec<(String, Tensor)>> {
-    if saved_by == world_size {
+    if own {
         let name = grads_file(rank);
         return tensors(dir, &name, &read(&name)?);
     }
@@ -552,7 +552,14 @@ impl Checkpointer {
     }
 
     /// Reads and checks one checkpoint for this rank.
-    fn read(&self, dir: &Path, rank: usize, world_size: usize, vs: &VarStore) -> Result<Loaded> {
+    fn read(
+        &self,
+        dir: &Path,
+        rank: usize,
+        world_size: usize,
+        vs: &VarStore,
+        opt: &Optimizer,
+    ) -> Result<Loaded> {
         let marker = dir.join(COMPLETE);
         let manifest: BTreeMap<String, (usize, String)> = serde_json::from_slice(
             &fs::read(&marker)
@@ -643,7 +650,10 @@ impl Checkpointer {
             Vec::new()
         };
         let grads = match state.accumulation {
-            Some(_) => cycle_gradients(dir, state.world_size, rank, world_size, &read)?,
+            Some(_) => {
+                let own = state.world_size == world_size && opt.resumes_cycle_with_own_gradients();
+                cycle_gradients(dir, state.world_size, rank, own, &read)?
+            }
             None => Vec::new(),
         };
         Ok(Loaded {
@@ -666,7 +676,9 @@ impl Checkpointer {
     /// A checkpoint saved in the middle of a gradient-accumulation cycle resumes the
     /// cycle: each rank's gradients of its micro-batches so far are restored, and the
     /// optimizer's next step comes after the cycle's remaining micro-batches, as in
-    /// the uninterrupted run (bit for bit, on the same world size). A run that
+    /// the uninterrupted run (bit for bit, on the same world size; to rounding under a
+    /// DDP with `find_unused_parameters`, where every rank takes the ranks' mean
+    /// gradient, as on another world size below). A run that
     /// accumulates another number of micro-batches starts a new cycle instead, with a
     /// warning on rank 0.
     ///
@@ -722,7 +734,7 @@ impl Checkpointer {
         let mut skipped = Vec::new();
         for step in steps {
             let dir = self.path_of(step as u64);
-            let loaded = self.read(&dir, rank, world_size, vs);
+            let loaded = self.read(&dir, rank, world_size, vs, opt);
             if !all_ok(loaded.is_ok())? {
                 let why = match &loaded {
                     Err(e) => e.to_string(),

@@ -536,6 +536,20 @@ impl Optimizer {
             .collect()
     }
 
+    /// Whether each rank resumes an accumulation cycle with its own gradients (bit for
+    /// bit) rather than the ranks' mean: not under a DDP that finds unused parameters,
+    /// whose Reducer leaves as it is, unaveraged, a gradient that no rank's last
+    /// micro-batch of the cycle produced (it counts the micro-batches before, under
+    /// `no_sync`, as uses, which a resumed run's Reducer never saw). With the mean on
+    /// every rank, such a gradient is the same on every rank, and the others average
+    /// to the same value up to rounding.
+    pub(crate) fn resumes_cycle_with_own_gradients(&self) -> bool {
+        !self
+            .mode
+            .ddp()
+            .is_some_and(|ddp| ddp.options().find_unused_parameters)
+    }
+
     /// Resumes an accumulation cycle of which `done` micro-batches were accumulated
     /// into `grads` (by name, as [`accumulated_gradients`](Self::accumulated_gradients)
     /// gives them): each trainable variable's gradient becomes its entry (none when

@@ -14,9 +14,11 @@
 //! of `STEPS`) sets the rate of each step, and rank 0 appends `step S: lr R` to
 //! `OUT/lr` for each step it trains; with `RESUMED_GRADS=1` each rank writes the
 //! gradients the resume left on its variables (an accumulation cycle's, when the
-//! checkpoint was saved in its middle) to `OUT/resumed-grads{rank}.safetensors`. A
-//! "step" is one `backward_step`: with `TCH_DISTRIBUTED_GRAD_ACCUM=k`, a micro-batch
-//! of a cycle of k. On SIGTERM/SIGINT the ranks
+//! checkpoint was saved in its middle) to `OUT/resumed-grads{rank}.safetensors`; with
+//! `BRANCH=1` a second head (`extra`) adds to the loss of the first micro-batch of
+//! each accumulation cycle only (a variable the cycle's last micro-batch does not
+//! use: DDP needs `find_unused_parameters`). A "step" is one `backward_step`: with
+//! `TCH_DISTRIBUTED_GRAD_ACCUM=k`, a micro-batch of a cycle of k. On SIGTERM/SIGINT the ranks
 //! checkpoint at the end of the step and exit with 128 + the signal. Rank 0 writes
 //! the last finished step to `OUT/progress`. At the end every rank writes
 //! its parameters to `OUT/final{rank}.safetensors`, then takes two more steps on a
@@ -65,6 +67,8 @@ fn train(out: &str, ckpt: &str, steps: u64, kind: &str) -> anyhow::Result<()> {
         .add_fn(|x| x.relu())
         .add_fn_t(|x, train| x.dropout(0.2, train))
         .add(nn::linear(vs.root() / "l2", hidden, 1, Default::default()));
+    let extra = (env("BRANCH") == Some(1))
+        .then(|| nn::linear(vs.root() / "extra", 6, 1, Default::default()));
     let lr = if kind == "sgd" { 0.05 } else { 0.01 };
     let mut opt = match kind {
         "sgd" => nn::Sgd {
@@ -119,7 +123,10 @@ fn train(out: &str, ckpt: &str, steps: u64, kind: &str) -> anyhow::Result<()> {
     'training: while step < steps {
         for batch in &loader {
             let (x, y) = batch?;
-            let loss = net.forward_t(&x, true).mse_loss(&y, tch::Reduction::Mean);
+            let mut loss = net.forward_t(&x, true).mse_loss(&y, tch::Reduction::Mean);
+            if let (Some(extra), 0) = (&extra, opt.micro_batches_accumulated()) {
+                loss = loss + extra.forward_t(&x, true).square().mean(Kind::Float);
+            }
             let rate = schedule.as_ref().map(LrScheduler::lr);
             opt.backward_step(&loss);
             step += 1;
