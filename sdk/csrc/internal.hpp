@@ -4,6 +4,7 @@
 #include <torch/headeronly/version.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/autograd/variable.h>
 
 #include <chrono>
 #include <memory>
@@ -39,6 +40,11 @@ bool nccl_compiled();
 // Appends the NCCL version and one line per GPU (name, compute capability, memory) to
 // `lines` as `key\tvalue\n`; nothing in a build without CUDA.
 void cuda_report(std::string& lines);
+
+// A gradient accumulator as autograd hands it out: a std::shared_ptr<Node> in libtorch
+// 2.11, a c10::intrusive_ptr<Node> in 2.13.
+using Accumulator =
+    decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 // The tensor behind a handle from Rust (`tch::Tensor`'s `at::Tensor*`).
 inline at::Tensor& tensor(tdc_tensor t) {

@@ -220,6 +220,55 @@ int tdc_zero_grad(tdc_tensor* params_, int n) {
   })
 }
 
+// The gradient accumulators of an optimizer's parameters as they joined it, held (as
+// c10d's Reducer and the sharding's hooks hold the ones they hook), so that autograd
+// hands out the same ones for as long as nothing replaces them. `set_data` with
+// another dtype or device replaces a variable's (`vs.double()`, `vs.half()` and back,
+// `vs.set_device(…)`, a load in another dtype): the new one has none of the hooks
+// that average its gradient over the ranks.
+struct tdc_accumulators {
+  std::vector<tdc::Accumulator> held;  // null for a parameter without a gradient
+};
+
+tdc_accumulators* tdc_accumulators_new() {
+  TDC_PROTECT(nullptr, { return new tdc_accumulators(); })
+}
+
+int tdc_accumulators_add(tdc_accumulators* a, tdc_tensor* params, int n) {
+  TDC_PROTECT(TDC_ERROR, {
+    for (int i = 0; i < n; i++) {
+      const auto& p = tdc::tensor(params[i]);
+      a->held.push_back(
+          p.requires_grad() && p.is_leaf() ? torch::autograd::impl::grad_accumulator(p)
+                                           : tdc::Accumulator());
+    }
+    return TDC_OK;
+  })
+}
+
+int tdc_accumulators_changed(tdc_accumulators* a, tdc_tensor* params, int n, int* first) {
+  TDC_PROTECT(TDC_ERROR, {
+    TORCH_CHECK(
+        static_cast<size_t>(n) == a->held.size(), "accumulators: ", a->held.size(),
+        " held, ", n, " parameters given");
+    *first = -1;
+    for (int i = 0; i < n; i++) {
+      const auto& held = a->held[i];
+      if (held &&
+          torch::autograd::impl::try_get_grad_accumulator(tdc::tensor(params[i])).get() !=
+              held.get()) {
+        *first = i;
+        break;
+      }
+    }
+    return TDC_OK;
+  })
+}
+
+void tdc_accumulators_free(tdc_accumulators* a) {
+  delete a;
+}
+
 // Reads an optimizer state that an earlier tch-distributed wrote in libtorch's
 // optimizer archive (`optimizer.pt`): loads it into a libtorch optimizer of `kind` (0
 // SGD, 1 Adam, 2 AdamW, 3 RMSprop) over `params`, each in parameter group

@@ -20,13 +20,8 @@
 
 #include "internal.hpp"
 
-// A gradient accumulator as autograd hands it out: a std::shared_ptr<Node> in libtorch
-// 2.11, a c10::intrusive_ptr<Node> in 2.13.
-using Accumulator =
-    decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
-
 struct tdc_grad_hooks {
-  std::vector<Accumulator> accumulators;
+  std::vector<tdc::Accumulator> accumulators;
   std::vector<uintptr_t> keys;
   ~tdc_grad_hooks() {
     for (size_t i = 0; i < accumulators.size(); i++) {

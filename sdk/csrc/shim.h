@@ -178,6 +178,16 @@ int tdc_rmsprop_step(
     double weight_decay, double momentum, int centered, int mode);
 // Sets the parameters' gradients to none, as `zero_grad(set_to_none=True)`.
 int tdc_zero_grad(tdc_tensor* params, int n);
+// The gradient accumulators of an optimizer's parameters, held from when they joined
+// it (see optim.cpp): `add` appends `n` parameters (a parameter without a gradient
+// holds none); `changed` writes to `first` the first of the `n` parameters (all those
+// added, in order) whose accumulator autograd would use now is not the one held
+// (`set_data` replaced it), or -1.
+typedef struct tdc_accumulators tdc_accumulators;
+tdc_accumulators* tdc_accumulators_new(void);
+int tdc_accumulators_add(tdc_accumulators* a, tdc_tensor* params, int n);
+int tdc_accumulators_changed(tdc_accumulators* a, tdc_tensor* params, int n, int* first);
+void tdc_accumulators_free(tdc_accumulators* a);
 // The per-parameter state of a libtorch optimizer archive (what tch-distributed 0.1
 // wrote as optimizer.pt); see optim.cpp.
 int tdc_optimizer_archive_state(

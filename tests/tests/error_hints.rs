@@ -208,17 +208,18 @@ fn an_autograd_error_inside_a_synchronized_backward_is_not_a_timeout() {
     assert!(!run.stderr.contains("panicked"), "{}", run.stderr);
 }
 
-/// Runs the worker's `mode` on 2 ranks, which must fail before its first step with
-/// every one of `expected` in its errors and no panic; then alone, where it trains (tch's
-/// behaviour: one process has no DDP to bypass).
-fn refused_on_several_ranks_alone_trains(name: &str, mode: &str, expected: &[&str]) {
+/// Runs the worker's `mode` on 2 ranks (with tchrun's `flags`), which must fail before
+/// its first step with every one of `expected` in its errors and no panic; then alone,
+/// where it trains (tch's behaviour: one process has no DDP to bypass).
+fn refused_on_several_ranks_alone_trains(
+    name: &str,
+    mode: &str,
+    flags: &[&str],
+    expected: &[&str],
+) {
     let dir = scratch_dir(name);
-    let run = run_tchrun_all_ranks(
-        &dir,
-        &["--nproc-per-node", "2", WORKER, mode],
-        TIMEOUT,
-        |_, _| {},
-    );
+    let args = [flags, &["--nproc-per-node", "2", WORKER, mode]].concat();
+    let run = run_tchrun_all_ranks(&dir, &args, TIMEOUT, |_, _| {});
     assert!(!run.status.success(), "{run:?}");
     assert!(!run.stdout.contains("step 1"), "{}", run.stdout);
     for text in expected {
@@ -232,20 +233,33 @@ fn refused_on_several_ranks_alone_trains(name: &str, mode: &str, expected: &[&st
     assert!(alone.stdout.contains("step 1"), "{}", alone.stdout);
 }
 
-/// A model converted after its optimizer was built (`vs.double()`) would train apart on
-/// each rank (its variables' new gradient accumulators have none of DDP's hooks): an
-/// error that names the variable and the fix, on several ranks; one process trains.
+/// A model converted after its optimizer was built (`vs.double()`, or `vs.half()` and
+/// back to the f32 it was) would train apart on each rank (its variables' new gradient
+/// accumulators have none of DDP's hooks, nor ZeRO's): an error that names the variable
+/// and the fix, on several ranks, under DDP and at ZeRO stage 3; one process trains.
+/// (Converted and back, the ranks trained apart silently before: the check compared
+/// dtypes.)
 #[test]
 fn variables_converted_after_the_optimizer_are_refused_on_several_ranks() {
-    refused_on_several_ranks_alone_trains(
-        "hint-converted",
-        "converted",
-        &[
-            "variable `net.bias` was converted from Float on Cpu to Double on Cpu after its \
-             optimizer was built",
-            "Convert or load the model before building the optimizer",
-        ],
-    );
+    let cases = [
+        ("converted", "Double", &[][..]),
+        ("converted-back", "Float", &[][..]),
+        ("converted-back", "Float", &["--zero", "3"][..]),
+    ];
+    for (mode, kind, flags) in cases {
+        refused_on_several_ranks_alone_trains(
+            &format!("hint-{mode}-{}", flags.len()),
+            mode,
+            flags,
+            &[
+                &format!(
+                    "variable `net.bias` was converted after its optimizer was built (it is \
+                     {kind} on Cpu now"
+                ),
+                "Convert or load the model before building the optimizer",
+            ],
+        );
+    }
 }
 
 /// A layer created after the optimizer (DDP wrapped the model at the build): an error
@@ -256,6 +270,7 @@ fn variables_created_after_the_optimizer_are_refused_on_several_ranks() {
     refused_on_several_ranks_alone_trains(
         "hint-late",
         "late",
+        &[],
         &[
             "2 trainable variable(s) were created on the VarStore after its optimizer was \
              built (head.bias, head.weight): DistributedDataParallel averages the gradients \

@@ -1,15 +1,17 @@
-//! The optimizer updates and libtorch's optimizer archive (`optim.cpp`). Each update
+//! The optimizer updates, libtorch's optimizer archive, and the parameters' gradient
+//! accumulators held from when they joined the optimizer (`optim.cpp`). Each update
 //! borrows one group's parameters and state tensors for the call ([`TensorArray`]) and
 //! checks that every array the shim reads whole is complete; the tensors the shim
 //! makes come back owned.
 
 use std::ffi::c_int;
+use std::ptr::NonNull;
 
 use tch::Tensor;
 
-use super::check_text;
 use super::sys;
 use super::tensor::{take_all, TensorArray};
+use super::{check_ptr, check_text};
 use crate::error::TorchText;
 
 /// Which arithmetic an update runs (`optim.cpp`'s `mode`).
@@ -252,4 +254,85 @@ pub(crate) fn archive_state(
     let out = unsafe { take_all(out) };
     check_text(status)?;
     Ok((out, steps))
+}
+
+/// The gradient accumulators of an optimizer's parameters, held from when they joined
+/// it (`tdc_accumulators*`), so that a replaced one shows: libtorch's `set_data` with
+/// another dtype or device gives a variable a new accumulator, which has none of the
+/// hooks (DDP's Reducer's, the sharding's) on the one it had. Owned; freed when
+/// dropped.
+pub(crate) struct GradAccumulators {
+    raw: NonNull<sys::Accumulators>,
+    /// How many parameters were added: the count `first_changed` must be given.
+    count: usize,
+}
+
+// SAFETY: a `tdc_accumulators` is a vector of autograd's shared pointers (atomic
+// counts), which no other object points into; it is read and written only through
+// this owner, so moving the owner to another thread moves all access with it.
+unsafe impl Send for GradAccumulators {}
+
+impl GradAccumulators {
+    /// None held yet (`tdc_accumulators_new`).
+    ///
+    /// # Errors
+    /// libtorch's text (out of memory).
+    pub(crate) fn new() -> Result<Self, TorchText> {
+        // SAFETY: no arguments; the handle returned is owned here (freed in `drop`).
+        let raw = check_ptr(unsafe { sys::tdc_accumulators_new() })?;
+        Ok(GradAccumulators { raw, count: 0 })
+    }
+
+    /// Holds the accumulators of `params`, the parameters that join now, after those
+    /// added before (`tdc_accumulators_add`): autograd's own, made if it had none yet;
+    /// none for a parameter that does not require a gradient.
+    ///
+    /// # Errors
+    /// libtorch's text.
+    pub(crate) fn add(&mut self, params: &TensorArray<'_>) -> Result<(), TorchText> {
+        params.assert_complete(params.len(), "the parameters");
+        // SAFETY: `self.raw` is live and owned; `params` holds `count()` tensors
+        // borrowed for the call.
+        check_text(unsafe {
+            sys::tdc_accumulators_add(self.raw.as_ptr(), params.as_ptr(), params.count())
+        })?;
+        self.count += params.len();
+        Ok(())
+    }
+
+    /// The first of `params` (every parameter added, in the order added) whose
+    /// gradient accumulator is no longer the one held, if any
+    /// (`tdc_accumulators_changed`).
+    ///
+    /// # Panics
+    /// When `params` is not as long as the parameters added (a bug of the caller's).
+    ///
+    /// # Errors
+    /// libtorch's text.
+    pub(crate) fn first_changed(
+        &self,
+        params: &TensorArray<'_>,
+    ) -> Result<Option<usize>, TorchText> {
+        assert_eq!(params.len(), self.count, "every parameter added, in order");
+        params.assert_complete(params.len(), "the parameters");
+        let mut first: c_int = -1;
+        // SAFETY: `self.raw` is live; `params` holds `count()` tensors borrowed for the
+        // call, as many as were added (checked above); `first` is a live `int`.
+        check_text(unsafe {
+            sys::tdc_accumulators_changed(
+                self.raw.as_ptr(),
+                params.as_ptr(),
+                params.count(),
+                &mut first,
+            )
+        })?;
+        Ok(usize::try_from(first).ok())
+    }
+}
+
+impl Drop for GradAccumulators {
+    fn drop(&mut self) {
+        // SAFETY: the handle owns the accumulators, which no one uses after this.
+        unsafe { sys::tdc_accumulators_free(self.raw.as_ptr()) }
+    }
 }

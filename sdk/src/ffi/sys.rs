@@ -45,6 +45,11 @@ pub(super) struct GradHooks {
     _private: [u8; 0],
 }
 
+#[repr(C)]
+pub(super) struct Accumulators {
+    _private: [u8; 0],
+}
+
 /// A checkpointed block's call into Rust (`tdc_block_fn`).
 pub(super) type BlockFn = unsafe extern "C" fn(
     ctx: *mut c_void,
@@ -249,6 +254,19 @@ extern "C" {
         mode: c_int,
     ) -> c_int;
     pub(super) fn tdc_zero_grad(params: *const Tensor, n: c_int) -> c_int;
+    pub(super) fn tdc_accumulators_new() -> *mut Accumulators;
+    pub(super) fn tdc_accumulators_add(
+        a: *mut Accumulators,
+        params: *const Tensor,
+        n: c_int,
+    ) -> c_int;
+    pub(super) fn tdc_accumulators_changed(
+        a: *mut Accumulators,
+        params: *const Tensor,
+        n: c_int,
+        first: *mut c_int,
+    ) -> c_int;
+    pub(super) fn tdc_accumulators_free(a: *mut Accumulators);
     pub(super) fn tdc_optimizer_archive_state(
         kind: c_int,
         params: *const Tensor,

@@ -138,9 +138,9 @@ pub struct Optimizer {
     /// The variables the optimizer holds (the store's first `params.len()` trainable
     /// variables), with their group numbers and state, in the store's order.
     params: Vec<Tensor>,
-    /// Each parameter's dtype and device when it joined the optimizer (see
+    /// Each parameter's gradient accumulator as it joined the optimizer, held (see
     /// [`refuse_converted`](Self::refuse_converted)).
-    joined_as: Vec<(tch::Kind, tch::Device)>,
+    accumulators: ffi::optim::GradAccumulators,
     groups_of: Vec<usize>,
     state: Vec<Option<ParamState>>,
     implementation: Implementation,
@@ -237,7 +237,8 @@ impl Optimizer {
             // tch's optimizer starts with one (empty) group.
             groups: vec![defaults],
             params: Vec::new(),
-            joined_as: Vec::new(),
+            accumulators: ffi::optim::GradAccumulators::new()
+                .map_err(|t| Error::Torch(t.message()))?,
             groups_of: Vec::new(),
             state: Vec::new(),
             implementation: algorithm.preferred_implementation(),
@@ -668,11 +669,12 @@ impl Optimizer {
                     self.groups.push(self.defaults);
                 }
                 self.params.push(var.tensor.shallow_clone());
-                self.joined_as
-                    .push((var.tensor.kind(), var.tensor.device()));
                 self.groups_of.push(var.group);
                 self.state.push(None);
             }
+            self.accumulators
+                .add(&ffi::TensorArray::new(&self.params[before..]))
+                .map_err(|t| Error::Torch(t.message()))?;
             self.params.len() > before
         };
         if added {
@@ -692,37 +694,37 @@ impl Optimizer {
         }
     }
 
-    /// Refuses a variable converted to another dtype or device since it joined the
-    /// optimizer (`vs.double()`, `vs.set_device(…)`, a `vs.load` of a file in another
-    /// dtype, after the build), when the
-    /// gradients are averaged over ranks: libtorch gives a variable converted with
-    /// `set_data` a new gradient accumulator, and the hooks that average its gradient
-    /// stay on the old one, so it would train apart on each rank, as under PyTorch's
-    /// DDP after `model.half()`.
+    /// Refuses a variable converted since it joined the optimizer (`vs.double()`,
+    /// `vs.half()` and back with `vs.float()`, `vs.set_device(…)`, a `vs.load` of a file
+    /// in another dtype, after the build), when the gradients are averaged over ranks:
+    /// libtorch gives a variable converted with `set_data` a new gradient accumulator,
+    /// and the hooks that average its gradient stay on the old one, so it would train
+    /// apart on each rank, as under PyTorch's DDP after `model.half()`. It compares
+    /// each variable's accumulator with the one it had when it joined (held since), so
+    /// a conversion there and back shows as well as one that stays.
     ///
     /// # Errors
-    /// [`Error::Usage`] naming the variable, its dtypes and devices, and the fix.
+    /// [`Error::Usage`] naming the variable, its dtype and device now, and the fix.
     fn refuse_converted(&self) -> Result<()> {
         if !self.averages_over_ranks() {
             return Ok(());
         }
         let converted = self
-            .params
-            .iter()
-            .zip(&self.joined_as)
-            .position(|(p, &joined)| (p.kind(), p.device()) != joined);
+            .accumulators
+            .first_changed(&ffi::TensorArray::new(&self.params))
+            .map_err(|t| Error::Torch(t.message()))?;
         let Some(i) = converted else {
             return Ok(());
         };
-        let (p, (kind, device)) = (&self.params[i], self.joined_as[i]);
+        let p = &self.params[i];
         let name = &state::param_names(self)[i];
         Err(Error::Usage(format!(
-            "variable `{name}` was converted from {kind:?} on {device:?} to {:?} on {:?} \
-             after its optimizer was built (`vs.double()`, `vs.set_device(…)`, or `vs.load` \
-             of a file in another dtype, which takes the file's): libtorch gave it a new \
-             gradient accumulator, without the hooks that average its gradient over the \
-             ranks, so it would train apart on each rank. Convert or load the model before \
-             building the optimizer",
+            "variable `{name}` was converted after its optimizer was built (it is {:?} on \
+             {:?} now; `vs.double()`, `vs.half()` then `vs.float()`, `vs.set_device(…)`, or \
+             `vs.load` of a file in another dtype, which takes the file's): libtorch gave it \
+             a new gradient accumulator, without the hooks that average its gradient over \
+             the ranks, so it would train apart on each rank. Convert or load the model \
+             before building the optimizer",
             p.kind(),
             p.device()
         )))

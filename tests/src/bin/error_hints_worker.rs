@@ -14,6 +14,8 @@
 //! - `error_hints_worker converted`: the model converted to f64 (`vs.double()`) after
 //!   the optimizer was built, which gives its variables new gradient accumulators
 //!   without DDP's hooks: on several ranks, an error that says so; alone, it trains.
+//!   `converted-back`: to f16 and back to f32 (`vs.half()`, `vs.float()`), the dtype it
+//!   had, with new accumulators all the same.
 //! - `error_hints_worker hello`: prints `hello from rank R of W` (for launch-environment
 //!   errors, which stop it before that).
 //!
@@ -75,13 +77,23 @@ fn late() -> anyhow::Result<()> {
 }
 
 #[tch_distributed::distributed]
-fn converted() -> anyhow::Result<()> {
+fn converted(back: bool) -> anyhow::Result<()> {
     let mut vs = nn::VarStore::new(Device::cuda_if_available());
     let net = nn::linear(vs.root() / "net", 2, 1, Default::default());
     let mut opt = nn::Sgd::default().build(&vs, 0.1)?;
-    vs.double();
-    let x = Tensor::ones([4, 2], (Kind::Double, vs.device()));
-    let loss = net.forward(&x).mean(Kind::Double);
+    let kind = match back {
+        true => {
+            vs.half();
+            vs.float();
+            Kind::Float
+        }
+        false => {
+            vs.double();
+            Kind::Double
+        }
+    };
+    let x = Tensor::ones([4, 2], (kind, vs.device()));
+    let loss = net.forward(&x).mean(kind);
     opt.backward_step(&loss);
     println!("step 1");
     Ok(())
@@ -101,7 +113,8 @@ fn main() -> anyhow::Result<()> {
         Some("unused-found") => unused_found(),
         Some("nograd") => nograd(),
         Some("late") => late(),
-        Some("converted") => converted(),
+        Some("converted") => converted(false),
+        Some("converted-back") => converted(true),
         Some("hello") => hello(),
         other => anyhow::bail!("unknown mode {other:?}"),
     }
