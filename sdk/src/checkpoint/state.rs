@@ -652,7 +652,7 @@ impl Checkpointer {
         let grads = match state.accumulation {
             Some(_) => {
                 let own = state.world_size == world_size && opt.resumes_cycle_with_own_gradients();
-                cycle_gradients(dir, state.world_size, rank, own, &read)?
+                cycle_gradients(dir, state.world_size, rank, own, read)?
             }
             None => Vec::new(),
         };
