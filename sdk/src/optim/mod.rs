@@ -1195,6 +1195,59 @@ mod tests {
         (net.forward(xs) - 1.0).square().mean(Kind::Float)
     }
 
+    /// A cycle's gradients as a checkpoint gives them back: set on their variables by
+    /// name (in the variable's dtype), the next backward pass adds to them and steps at
+    /// the cycle's end; a gradient of another shape, or of no variable, is an error
+    /// before anything is set.
+    #[test]
+    fn a_resumed_cycle_goes_on_from_its_gradients_and_refuses_ones_that_do_not_fit() {
+        let (vs, net, xs) = fixture();
+        let mut opt = Optimizer::new(&nn::Sgd::default(), &vs, 0.1)
+            .unwrap()
+            .accumulate(3);
+        for _ in 0..2 {
+            assert!(!opt.backward_step(&loss(&net, &xs)).unwrap());
+        }
+        let saved = opt.accumulated_gradients();
+        assert_eq!((saved.len(), opt.micro_batches_accumulated()), (2, 2));
+
+        let (other, net2, _) = fixture();
+        let mut resumed = Optimizer::new(&nn::Sgd::default(), &other, 0.1)
+            .unwrap()
+            .accumulate(3);
+        let wrong = [(
+            saved[0].0.clone(),
+            Tensor::zeros([5], (Kind::Double, Device::Cpu)),
+        )];
+        let e = resumed.resume_cycle(2, &wrong).unwrap_err().to_string();
+        assert!(e.contains("does not fit: its shape is [5]"), "{e}");
+        let stray = [(
+            "nowhere".to_string(),
+            Tensor::zeros([1], (Kind::Float, Device::Cpu)),
+        )];
+        let e = resumed.resume_cycle(2, &stray).unwrap_err().to_string();
+        assert!(
+            e.contains("`nowhere` does not fit: the optimizer has no such"),
+            "{e}"
+        );
+        assert_eq!(resumed.micro_batches_accumulated(), 0, "nothing resumed");
+
+        let doubled: Vec<(String, Tensor)> = saved
+            .iter()
+            .map(|(n, g)| (n.clone(), g.to_kind(Kind::Double)))
+            .collect();
+        resumed.resume_cycle(2, &doubled).unwrap();
+        assert_eq!(resumed.micro_batches_accumulated(), 2);
+        for ((_, want), got) in saved.iter().zip(resumed.params.iter().map(Tensor::grad)) {
+            assert_eq!(got.kind(), Kind::Float);
+            assert!(got.equal(want));
+        }
+        // The third micro-batch ends both cycles on the same gradients.
+        assert!(opt.backward_step(&loss(&net, &xs)).unwrap());
+        assert!(resumed.backward_step(&loss(&net2, &xs)).unwrap());
+        assert_eq!(params(&vs), params(&other));
+    }
+
     fn params(vs: &VarStore) -> Vec<Vec<f32>> {
         vs.trainable_variables()
             .iter()
