@@ -889,6 +889,49 @@ mod tests {
         fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// On another world size a cycle's gradients are the saving ranks' mean, a rank
+    /// without a variable's gradient counting as zero; on the same, each rank's own.
+    /// Files whose shapes differ are a checkpoint error naming the variable.
+    #[test]
+    fn a_cycle_s_gradients_are_the_ranks_mean_on_another_world_size() {
+        let dir = std::env::temp_dir().join(format!("tdc-cycle-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let write = |rank: usize, grads: &[(&str, &[f32])]| {
+            let named: Vec<(String, Tensor)> = grads
+                .iter()
+                .map(|(n, v)| (n.to_string(), Tensor::from_slice(v)))
+                .collect();
+            Tensor::write_safetensors(&named, dir.join(grads_file(rank))).unwrap();
+        };
+        write(0, &[("a", &[1.0, 2.0]), ("b", &[4.0])]);
+        write(1, &[("a", &[3.0, 6.0])]);
+        let read = |name: &str| -> Result<Vec<u8>> { Ok(fs::read(dir.join(name)).unwrap()) };
+        let values = |grads: Vec<(String, Tensor)>| -> Vec<(String, Vec<f32>)> {
+            grads
+                .into_iter()
+                .map(|(n, t)| (n, Vec::<f32>::try_from(&t).unwrap()))
+                .collect()
+        };
+        let mean = values(cycle_gradients(&dir, 2, 0, false, read).unwrap());
+        assert_eq!(
+            mean,
+            [("a".into(), vec![2.0, 4.0]), ("b".into(), vec![2.0])]
+        );
+        let own = values(cycle_gradients(&dir, 2, 1, true, read).unwrap());
+        assert_eq!(own, [("a".into(), vec![3.0, 6.0])]);
+        write(1, &[("a", &[3.0])]);
+        let err = cycle_gradients(&dir, 2, 0, false, read)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(
+                "grads-rank-1.safetensors: the gradient of `a` has shape [1], another rank's [2]"
+            ),
+            "{err}"
+        );
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn fnv1a_detects_a_flipped_bit() {
         assert_ne!(fnv1a(b"checkpoint"), fnv1a(b"checkpoinu"));
