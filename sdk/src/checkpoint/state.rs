@@ -126,7 +126,7 @@ impl TrainState {
 /// | `model.safetensors` | rank 0 | parameters and buffers, named as `VarStore::save` names them (loads in 1 rank, N ranks, or PyTorch's `safetensors.torch.load_file`) |
 /// | `optimizer.safetensors` | rank 0 | the optimizer's state in `torch.optim`'s `state_dict` layout (moments, step counts, the groups' options: see [`Optimizer::state`]); loads into PyTorch. Checkpoints of tch-distributed 0.1, with libtorch's `optimizer.pt` instead, still load |
 /// | `optimizer-rank-R.safetensors` | rank R, with ZeRO ([`Optimizer::zero`]) instead of the above (under hybrid sharding, the ranks of the first shard group, R being the place in it) | rank R's rows (dim 0, as `torch.chunk` cuts) of every parameter's state, in the same layout and numbering, with `dim0_shard` in the metadata: together the whole state; they load at any world size, with or without ZeRO |
-/// | `state.json` | rank 0 | [`TrainState`]: step, epoch, samples consumed, world size, configuration, the optimizer's count of steps (where a learning-rate schedule stands) |
+/// | `state.json` | rank 0 | [`TrainState`]: step, epoch, samples consumed, world size, configuration, the optimizer's count of steps (where a learning-rate schedule stands), where an accumulation cycle stood (in its middle) |
 /// | `rank-R.safetensors` | rank R | that rank's random-generator states: `cpu`, and `cuda` when the model is on a GPU |
 /// | `grads-rank-R.safetensors` | rank R, only when saved in the middle of an accumulation cycle ([`TrainState::accumulation`]) | that rank's gradients of the cycle's micro-batches so far (its own sum, not yet averaged), by variable name, whole at every ZeRO stage |
 /// | `COMPLETE` | rank 0, last | every file's size and hash |
