@@ -94,17 +94,16 @@ impl Optimizer {
 }
 
 impl Optimizer {
-    /// Moves the rate along `schedule` from `base_lr` at each of its steps, by an
-    /// [`LrScheduler`](crate::LrScheduler) that it steps itself, as DeepSpeed's engine
-    /// steps its configuration's scheduler: the rate of a step follows the
-    /// [`steps_taken`](Self::steps_taken) before it (so micro-batches and skipped steps
-    /// do not move it), from the next step on; a resumed optimizer continues where its
-    /// count stands.
+    /// Sets the rate of each step to `rate(s)`, `s` the [`steps_taken`](Self::steps_taken)
+    /// before it (so micro-batches and skipped steps do not move it), from the next
+    /// step on, as DeepSpeed's engine steps its configuration's scheduler; a resumed
+    /// optimizer continues where its count stands.
     ///
     /// # Errors
-    /// As [`LrScheduler::new`](crate::LrScheduler::new): a schedule that cannot work.
-    pub(crate) fn schedule_lr(&mut self, schedule: crate::LrSchedule, base_lr: f64) -> Result<()> {
-        self.schedule = Some(crate::LrScheduler::new(self, schedule, base_lr)?);
+    /// [`Error::Usage`] for a group number, from setting the rate (none here).
+    pub(crate) fn schedule_lr(&mut self, rate: Box<dyn Fn(u64) -> f64 + Send>) -> Result<()> {
+        self.set_lr(rate(self.steps_taken))?;
+        self.schedule = Some(rate);
         Ok(())
     }
 

@@ -160,9 +160,9 @@ pub struct Optimizer {
     clip_norm_at_step: Option<f64>,
     /// The updates made ([`steps_taken`](Optimizer::steps_taken)).
     steps_taken: u64,
-    /// The scheduler that each step moves on (the DeepSpeed file's `scheduler`: see
-    /// [`schedule_lr`](Self::schedule_lr)).
-    schedule: Option<crate::LrScheduler>,
+    /// The rate of the step after `s` steps taken, which each step sets (the DeepSpeed
+    /// file's `scheduler`: see [`schedule_lr`](Self::schedule_lr)).
+    schedule: Option<Box<dyn Fn(u64) -> f64 + Send>>,
 }
 
 /// How an [`Optimizer`] averages the gradients and holds its state over the ranks: one
@@ -822,10 +822,8 @@ impl Optimizer {
         }
         if stepped {
             self.steps_taken += 1;
-            if let Some(mut scheduler) = self.schedule.take() {
-                let moved = scheduler.step(self);
-                self.schedule = Some(scheduler);
-                moved?;
+            if let Some(lr) = self.schedule.as_ref().map(|rate| rate(self.steps_taken)) {
+                self.set_lr(lr)?;
             }
         }
         Ok(stepped)

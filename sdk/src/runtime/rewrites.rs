@@ -76,7 +76,7 @@ pub fn build(config: &impl OptimizerKind, vs: &VarStore, lr: f64) -> Result<Opti
             // file's `lr`), as PyTorch's LambdaLR gives it.
             let base = opt.base_lr();
             crate::schedule::from_deepspeed(block, &ds.path)
-                .and_then(|schedule| opt.schedule_lr(schedule, base))
+                .and_then(|schedule| opt.schedule_lr(Box::new(move |s| schedule.lr(base, s))))
                 .unwrap_or_else(|e| fail("the DeepSpeed file's scheduler", e));
         }
     }
