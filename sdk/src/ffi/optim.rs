@@ -263,8 +263,6 @@ pub(crate) fn archive_state(
 /// dropped.
 pub(crate) struct GradAccumulators {
     raw: NonNull<sys::Accumulators>,
-    /// How many parameters were added: the count `first_changed` must be given.
-    count: usize,
 }
 
 // SAFETY: a `tdc_accumulators` is a vector of autograd's shared pointers (atomic
@@ -280,7 +278,7 @@ impl GradAccumulators {
     pub(crate) fn new() -> Result<Self, TorchText> {
         // SAFETY: no arguments; the handle returned is owned here (freed in `drop`).
         let raw = check_ptr(unsafe { sys::tdc_accumulators_new() })?;
-        Ok(GradAccumulators { raw, count: 0 })
+        Ok(GradAccumulators { raw })
     }
 
     /// Holds the accumulators of `params`, the parameters that join now, after those
@@ -295,29 +293,25 @@ impl GradAccumulators {
         // borrowed for the call.
         check_text(unsafe {
             sys::tdc_accumulators_add(self.raw.as_ptr(), params.as_ptr(), params.count())
-        })?;
-        self.count += params.len();
-        Ok(())
+        })
     }
 
     /// The first of `params` (every parameter added, in the order added) whose
     /// gradient accumulator is no longer the one held, if any
     /// (`tdc_accumulators_changed`).
     ///
-    /// # Panics
-    /// When `params` is not as long as the parameters added (a bug of the caller's).
-    ///
     /// # Errors
-    /// libtorch's text.
+    /// libtorch's text; one that names both counts when `params` is not as long as the
+    /// parameters added.
     pub(crate) fn first_changed(
         &self,
         params: &TensorArray<'_>,
     ) -> Result<Option<usize>, TorchText> {
-        assert_eq!(params.len(), self.count, "every parameter added, in order");
         params.assert_complete(params.len(), "the parameters");
         let mut first: c_int = -1;
         // SAFETY: `self.raw` is live; `params` holds `count()` tensors borrowed for the
-        // call, as many as were added (checked above); `first` is a live `int`.
+        // call (the shim reads no more than it holds, and fails on another count);
+        // `first` is a live `int`.
         check_text(unsafe {
             sys::tdc_accumulators_changed(
                 self.raw.as_ptr(),

@@ -640,7 +640,7 @@ impl Optimizer {
         if let Some(refused) = self.refused.take() {
             return Err(refused);
         }
-        let added = {
+        let first_new = {
             let v = self.variables.lock().expect("variable store lock");
             let before = self.params.len();
             let new = v.trainable_variables.len().saturating_sub(before);
@@ -672,12 +672,12 @@ impl Optimizer {
                 self.groups_of.push(var.group);
                 self.state.push(None);
             }
+            (self.params.len() > before).then_some(before)
+        };
+        if let Some(before) = first_new {
             self.accumulators
                 .add(&ffi::TensorArray::new(&self.params[before..]))
                 .map_err(|t| Error::Torch(t.message()))?;
-            self.params.len() > before
-        };
-        if added {
             self.repartition();
         }
         Ok(())
